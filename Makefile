@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-gpu bench-smoke clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the local CPU wheel; then everything else constrained to it.
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m polyrl.demo --run-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -x -q --durations=15
+
+# GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed.
+test-gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -q -m "gpu or multigpu" -p no:cacheprovider -rs
+
+clean:
+	rm -rf $(VENV) runs
