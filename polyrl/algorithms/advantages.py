@@ -1,0 +1,101 @@
+"""Advantage estimators: pure functions over flat token tensors.
+
+Layout used throughout polyrl's algorithms: the response tokens of all sequences are
+concatenated into one flat tensor of length T; ``seq_ids: [T]`` (long) says which of the
+N sequences each token belongs to. ``rewards: [N]``; samples of one prompt are adjacent,
+``group_size`` of them per prompt (N % group_size == 0). Every estimator returns per-token
+advantages ``[T]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+EPS = 1e-6
+
+
+def _group_view(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    return rewards.view(-1, group_size)
+
+
+def group_baseline(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
+    """GRPO's per-sequence advantage: (r - mean_group) / (std_group + eps). rewards: [N] -> [N]."""
+    g = _group_view(rewards.float(), group_size)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        adv = adv / (g.std(dim=1, keepdim=True) + EPS)  # unbiased std, as in the GRPO paper
+    return adv.view(-1)
+
+
+def grpo(rewards, seq_ids, *, group_size, normalize_std=True, **_) -> torch.Tensor:
+    """GRPO: group-normalised sequence reward broadcast to every token. -> [T]"""
+    return group_baseline(rewards, group_size, normalize_std)[seq_ids]
+
+
+def dr_grpo(rewards, seq_ids, *, group_size, **_) -> torch.Tensor:
+    """Dr.GRPO: mean-centred reward without std normalisation (pair it with a constant
+    length normaliser, loss-agg-mode seq-mean-token-sum). -> [T]"""
+    return group_baseline(rewards, group_size, normalize_std=False)[seq_ids]
+
+
+def gspo(rewards, seq_ids, *, group_size, normalize_std=True, **_) -> torch.Tensor:
+    """GSPO uses GRPO's advantages; its difference is the sequence-level ratio in the loss."""
+    return grpo(rewards, seq_ids, group_size=group_size, normalize_std=normalize_std)
+
+
+def _discounted_returns(token_rewards: torch.Tensor, seq_ids: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-sequence reward-to-go over flat tokens (sequences are contiguous in seq_ids)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros((), dtype=token_rewards.dtype)
+    for t in range(token_rewards.numel() - 1, -1, -1):
+        if t == token_rewards.numel() - 1 or seq_ids[t + 1] != seq_ids[t]:
+            running = torch.zeros((), dtype=token_rewards.dtype)
+        running = token_rewards[t] + gamma * running
+        returns[t] = running
+    return returns
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    sel = x if mask is None else x[mask.bool()]
+    if sel.numel() < 2:
+        return x - sel.mean() if sel.numel() else x
+    return (x - sel.mean()) / (sel.std() + EPS)
+
+
+def reinforce_plus_plus(rewards, seq_ids, *, kl=None, kl_coef=0.0, gamma=1.0, loss_mask=None, **_) -> torch.Tensor:
+    """REINFORCE++: token rewards = -kl_coef * kl_t, plus the sequence reward on the last
+    token; discounted returns; whitened over the whole batch. kl: [T] or None. -> [T]"""
+    token_rewards = torch.zeros(seq_ids.numel(), dtype=torch.float32)
+    if kl is not None and kl_coef:
+        token_rewards -= kl_coef * kl.float()
+    last = torch.ones_like(seq_ids, dtype=torch.bool)
+    last[:-1] = seq_ids[1:] != seq_ids[:-1]
+    token_rewards[last] += rewards.float()[seq_ids[last]]
+    return _whiten(_discounted_returns(token_rewards, seq_ids, gamma), loss_mask)
+
+
+def reinforce_plus_plus_baseline(rewards, seq_ids, *, group_size, loss_mask=None, **_) -> torch.Tensor:
+    """REINFORCE++-baseline: group-mean baseline, then whitened over the batch. -> [T]"""
+    adv = group_baseline(rewards, group_size, normalize_std=False)[seq_ids]
+    return _whiten(adv, loss_mask)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": grpo,
+    "gspo": gspo,
+    "dr_grpo": dr_grpo,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, seq_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    try:
+        fn = ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"--advantage-estimator {name!r} is unknown; choose one of {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    return fn(rewards, seq_ids, **kwargs)

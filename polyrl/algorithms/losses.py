@@ -1,0 +1,191 @@
+"""Policy losses, KL estimators, truncated importance sampling and loss aggregation.
+
+Same flat layout as advantages.py: per-token tensors are ``[T]`` (response tokens of the
+micro-batch concatenated), ``seq_ids: [T]`` maps tokens to sequences ``0..S-1`` and
+``mask: [T]`` is the loss mask (1 = trained token).
+
+Aggregation takes *global* denominators (tokens / sequences of the whole optimizer step,
+over all micro-batches and ranks), so the summed gradient does not depend on how the step
+was split into micro-batches or ranks: the bug class where token-mean is taken per
+micro-batch and then averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+def seq_sum(x: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Sum of per-token x for each sequence. x: [T] -> [S]"""
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_ids, x)
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    norm_len: float = 1.0,
+) -> torch.Tensor:
+    """Reduce per-token loss [T] to a scalar with global denominators.
+
+    token-mean:              sum_t l_t / num_tokens
+    seq-mean-token-mean:     sum_s (mean_{t in s} l_t) / num_seqs
+    seq-mean-token-sum:      sum_s (sum_{t in s} l_t) / num_seqs
+    seq-mean-token-sum-norm: sum_s (sum_{t in s} l_t) / (num_seqs * norm_len)   (Dr.GRPO)
+    """
+    lm = loss * mask
+    if mode == "token-mean":
+        return lm.sum() / max(num_tokens, 1.0)
+    n_local = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+    per_seq = seq_sum(lm, seq_ids, n_local)
+    if mode == "seq-mean-token-mean":
+        count = seq_sum(mask.to(lm.dtype), seq_ids, n_local).clamp(min=1.0)
+        return (per_seq / count).sum() / max(num_seqs, 1.0)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / max(num_seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.sum() / (max(num_seqs, 1.0) * norm_len)
+    raise ValueError(f"--loss-agg-mode {mode!r} is unknown; choose one of {AGG_MODES}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimators (Schulman's k1/k2/k3). [T] -> [T]"""
+    log_ratio = logprobs.float() - ref_logprobs.float()
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        # k3 = r - log r - 1 with r = ref/pi: unbiased and always >= 0
+        kl = torch.exp(-log_ratio) + log_ratio - 1.0
+        return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+    raise ValueError(f"--kl-loss-type {kind!r} is unknown; choose one of {KL_TYPES}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+    seq_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    sequence_ratio: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-clip surrogate with clip-higher and dual clip. All inputs [T].
+
+    sequence_ratio=True is GSPO: the ratio is exp(mean log-ratio of the sequence), applied
+    per token as sg[s_i] * pi_t / sg[pi_t] so the gradient is the sequence ratio's.
+    Returns (per-token loss [T], clipped [T] bool, ratio [T]).
+    """
+    log_ratio = logprobs - old_logprobs
+    if sequence_ratio:
+        assert seq_ids is not None and mask is not None, "GSPO needs seq_ids and mask"
+        n = int(seq_ids.max().item()) + 1
+        m = mask.to(log_ratio.dtype)
+        seq_lr = seq_sum(log_ratio.detach() * m, seq_ids, n) / seq_sum(m, seq_ids, n).clamp(min=1.0)
+        log_ratio = seq_lr[seq_ids] + logprobs - logprobs.detach()
+    ratio = torch.exp(log_ratio.clamp(max=20.0))  # clamp: a diverged token must not give inf
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if eps_clip_c is not None:
+        # dual clip (Ye et al. 2020): bound the loss of negative-advantage tokens by -c * A
+        pg3 = -advantages * eps_clip_c
+        dual = (advantages < 0) & (loss > pg3)
+        loss = torch.where(advantages < 0, torch.minimum(loss, pg3), loss)
+        clipped = clipped | dual
+    return loss, clipped, ratio
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clip: float) -> torch.Tensor:
+    """Truncated importance sampling: min(pi_train_old / pi_rollout, clip), detached. [T] -> [T]"""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=clip).detach()
+
+
+@dataclass
+class LossSettings:
+    """The slice of the algorithm config the loss needs (kept small so backends can share it)."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    loss_agg_mode: str = "token-mean"
+    sequence_ratio: bool = False  # GSPO
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    norm_len: float = 1.0
+
+
+def rl_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mb: dict[str, torch.Tensor],
+    s: LossSettings,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Full RL objective for one micro-batch.
+
+    mb holds flat [T] tensors: seq_ids, loss_mask, advantages, old_logprobs, and when used
+    ref_logprobs and rollout_logprobs. Metrics come back pre-divided by the global token
+    count, so summing them over micro-batches and ranks gives the step's token mean.
+    """
+    mask = mb["loss_mask"].to(logprobs.dtype)
+    seq_ids = mb["seq_ids"]
+    agg = lambda x: aggregate(x, mask, seq_ids, s.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=s.norm_len)  # noqa: E731
+    tok_mean = lambda x: (x.detach().float() * mask).sum() / max(num_tokens, 1.0)  # noqa: E731
+
+    # one optimizer step per rollout is on-policy: the pre-update logprobs are these, detached
+    old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
+    pg, clipped, ratio = policy_loss(
+        logprobs, old, mb["advantages"], eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high,
+        eps_clip_c=s.eps_clip_c, seq_ids=seq_ids, mask=mask, sequence_ratio=s.sequence_ratio,
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    if "rollout_logprobs" in mb:  # train/rollout mismatch, visible every step
+        metrics["train_rollout_logprob_abs_diff"] = tok_mean((logprobs.detach() - mb["rollout_logprobs"]).abs())
+    if s.use_tis:
+        w = tis_weights(old, mb["rollout_logprobs"], s.tis_clip)
+        pg = pg * w
+        metrics["tis_weight"] = tok_mean(w)
+    loss = agg(pg)
+    metrics["pg_loss"] = tok_mean(pg)
+    metrics["clip_frac"] = tok_mean(clipped.float())
+    metrics["ratio"] = tok_mean(ratio)
+    if s.use_kl_loss:
+        kl = kl_penalty(logprobs, mb["ref_logprobs"], s.kl_loss_type)
+        loss = loss + s.kl_loss_coef * agg(kl)
+        metrics["kl"] = tok_mean(kl)
+    if entropy is not None:
+        metrics["entropy"] = tok_mean(entropy)
+        if s.entropy_coef:
+            loss = loss - s.entropy_coef * agg(entropy)
+    return loss, metrics
+
+
+def sft_loss(
+    logprobs: torch.Tensor, entropy, mb: dict[str, torch.Tensor], s: LossSettings | None = None, *, num_tokens: float, num_seqs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood on loss-masked (response) tokens, token-mean over the step."""
+    mask = mb["loss_mask"].to(logprobs.dtype)
+    nll = -(logprobs * mask).sum() / max(num_tokens, 1.0)
+    return nll, {"sft_loss": nll.detach()}

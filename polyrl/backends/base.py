@@ -1,0 +1,86 @@
+"""TrainBackend protocol, lazy backend table and the micro-batch planner they share."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from polyrl.types import TrainBatch
+
+# name -> "module:Class"; imported only when chosen, so megatron-core stays optional.
+BACKENDS = {
+    "fsdp": "polyrl.backends.fsdp.backend:FSDPBackend",
+    "megatron": "polyrl.backends.megatron.backend:MegatronBackend",
+}
+
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+class TrainBackend(Protocol):
+    def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-response-token log-probs, one [R_i] tensor per sample."""
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over `batch` (this rank's share); returns reduced metrics."""
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one at a time."""
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
+
+
+def load_backend_class(name: str):
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"--train-backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}") from None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def plan_micro_batches(lengths: list[int], *, micro_batch_size: int | None = None, max_tokens: int | None = None,
+                       num_micro_batches: int | None = None) -> list[list[int]]:
+    """Split sample indices into micro-batches.
+
+    Fixed size: consecutive chunks of micro_batch_size. Dynamic (max_tokens): token-balanced
+    bins, longest sample first into the lightest bin, with the fewest bins that respect the
+    budget (or exactly num_micro_batches, so every rank runs the same number of forwards).
+    """
+    n = len(lengths)
+    if max_tokens is None:
+        size = micro_batch_size or n
+        k = num_micro_batches or max(math.ceil(n / size), 1)
+        base, extra = divmod(n, k)
+        out, start = [], 0
+        for i in range(k):
+            end = start + base + (i < extra)
+            out.append(list(range(start, end)))
+            start = end
+        return out
+    if any(l > max_tokens for l in lengths):
+        raise ValueError(f"a sample of {max(lengths)} tokens exceeds --max-tokens-per-gpu {max_tokens}")
+    k = num_micro_batches or max(math.ceil(sum(lengths) / max_tokens), 1)
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    while True:
+        bins: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in order:
+            j = min(range(k), key=lambda b: load[b])
+            bins[j].append(i)
+            load[j] += lengths[i]
+        if max(load) <= max_tokens or num_micro_batches:
+            return [sorted(b) for b in bins]
+        k += 1
+
+
+def count_micro_batches(lengths: list[int], *, micro_batch_size: int | None, max_tokens: int | None) -> int:
+    return len(plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens))

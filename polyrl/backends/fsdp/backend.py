@@ -1,0 +1,312 @@
+"""FSDP2 train backend on native HuggingFace causal LMs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.fsdp.parallelize import apply_ac, apply_fsdp
+from polyrl.backends.logprobs import chunked_logprobs
+from polyrl.backends.parallel_dims import ParallelDims
+from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+from polyrl.types import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+class PolicyModel(nn.Module):
+    """Wraps an HF causal LM so one FSDP forward returns per-token log-probs (and entropy)
+    of the targets, computed from hidden states in chunks: no [T, V] logits tensor."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
+                with_entropy: bool = False):
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      use_cache=False).last_hidden_state[0]
+        hidden = hidden.index_select(0, gather_idx)
+        weight = self.lm.get_output_embeddings().weight
+        return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
+                                with_entropy=with_entropy)
+
+
+def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, device, dtype):
+    """Concatenate samples into one row with per-sequence position ids and a block-diagonal
+    causal mask, so no token attends across a sequence boundary.
+
+    Returns input_ids [1, L], position_ids [1, L], mask (or None for varlen kernels that read
+    boundaries from position_ids), gather_idx [R] (positions whose next token is a response
+    token), targets [R], seq_ids [R].
+    """
+    ids = torch.cat(input_ids).to(device)
+    lens = [int(x.numel()) for x in input_ids]
+    pos = torch.cat([torch.arange(l) for l in lens]).to(device)
+    gather, seq = [], []
+    off = 0
+    for i, (l, p) in enumerate(zip(lens, prompt_lens)):
+        gather.append(torch.arange(off + p - 1, off + l - 1))
+        seq.append(torch.full((l - p,), i, dtype=torch.long))
+        off += l
+    gather_idx = torch.cat(gather).to(device)
+    targets = ids[gather_idx + 1]
+    mask = None
+    if attn_impl in ("sdpa", "eager"):
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+        allowed = (seg[:, None] == seg[None, :]) & torch.ones(off, off, dtype=torch.bool, device=device).tril()
+        if attn_impl == "sdpa":
+            mask = allowed[None, None]
+        else:  # eager adds the mask to the scores
+            mask = torch.zeros(off, off, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return ids[None], pos[None], mask, gather_idx, targets, torch.cat(seq).to(device)
+
+
+def _lr_lambda(o: OptimizerConfig, total_steps: int):
+    decay = o.lr_decay_steps or max(total_steps - o.lr_warmup_steps, 1)
+    floor = o.min_lr / o.lr if o.lr > 0 else 0.0
+
+    def fn(step: int) -> float:
+        if step < o.lr_warmup_steps:
+            return (step + 1) / (o.lr_warmup_steps + 1)
+        frac = min((step - o.lr_warmup_steps) / decay, 1.0)
+        if o.lr_decay_style == "linear":
+            return floor + (1 - floor) * (1 - frac)
+        if o.lr_decay_style == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+        return 1.0
+
+    return fn
+
+
+class FSDPBackend:
+    """TrainBackend on FSDP2. Every rank holds 1/dp of params, grads and optimizer state."""
+
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *,
+                 device: str, total_steps: int = 1, need_ref: bool = False, seed: int = 0):
+        self.mcfg, self.ocfg, self.bcfg = model_cfg, optim_cfg, batch_cfg
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.dims = ParallelDims.from_world()
+        self.dp_rank = dist.get_rank()
+        self.mesh = self.dims.build_dp_mesh(self.device.type)
+        if model_cfg.fp16:
+            self.dtype = torch.float16
+        elif model_cfg.bf16 or self.device.type == "cuda":
+            self.dtype = torch.bfloat16
+        else:
+            self.dtype = torch.float32
+        torch.manual_seed(seed)
+        self.model = self._build(model_cfg.hf_checkpoint, train=True)
+        self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
+                                           eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
+        self.skipped_steps = 0
+        self.scaler_fp16 = model_cfg.fp16  # fp16 relies on the NaN/inf skip below instead of a loss scaler
+
+    # ---- construction -------------------------------------------------------------------
+    def _build(self, path: str, *, train: bool) -> PolicyModel:
+        """Rank 0 reads the checkpoint on CPU; every rank builds the model on the meta device,
+        shards it, and receives rank 0's weights by broadcast (tied embeddings stay tied:
+        they are one Parameter in the root FSDP group)."""
+        config = AutoConfig.from_pretrained(path)
+        attn = self.mcfg.attn_implementation
+        full_sd, buffers = {}, {}
+        if self.dp_rank == 0:
+            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+            full_sd = {f"lm.{k}": v for k, v in src.state_dict().items()}
+            buffers = {n: b for n, b in src.named_buffers()}
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        if self.mcfg.gradient_checkpointing and train:
+            apply_ac(lm)
+        root = PolicyModel(lm, self.mcfg.logprob_chunk_size)
+        offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
+        apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
+        root.to_empty(device="cpu" if offload else self.device)
+        set_model_state_dict(root, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buf in lm.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in the state dict
+            if self.dp_rank == 0:
+                buf.copy_(buffers[name])
+            if dist.get_world_size() > 1:
+                dist.broadcast(buf, src=0)
+        del full_sd, buffers
+        if not train:
+            root.eval().requires_grad_(False)
+        return root
+
+    # ---- forward ------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        lens = [int(x.numel()) for x in batch.input_ids]
+        dyn = self.bcfg.use_dynamic_batch_size
+        kw = dict(max_tokens=self.bcfg.max_tokens_per_gpu) if dyn else dict(micro_batch_size=self.bcfg.micro_batch_size)
+        k = torch.tensor(len(plan_micro_batches(lens, **kw)) if lens else 1)
+        if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+        return plan_micro_batches(lens, num_micro_batches=int(k), **kw)
+
+    def _forward(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float, with_entropy: bool):
+        if not idx:  # this rank has no samples for this micro-batch: run a 2-token dummy for the collectives
+            mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1])
+        else:
+            mb = batch.select(idx)
+        ids, pos, mask, gidx, tgt, seq = pack(mb.input_ids, mb.prompt_lens, self.mcfg.attn_implementation, self.device, self.dtype)
+        logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy)
+        return mb, logp, ent, seq
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
+        m = self.model if model == "actor" else self.ref_model
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for idx in self._micro_batches(batch):
+            _, logp, _, _ = self._forward(m, batch, idx, temperature, False)
+            for i, part in zip(idx, logp.float().cpu().split(batch.select(idx).response_lens)):
+                out[i] = part
+        return out  # type: ignore[return-value]
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        self.model.train()
+        mask_key = "loss_mask"
+        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields[mask_key])), float(len(batch))], dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        num_tokens, num_seqs = float(local[0]), float(local[1])
+        scale = float(dist.get_world_size())  # FSDP averages gradients over ranks; the loss already has the global denominator
+        sums: dict[str, torch.Tensor] = {}
+        loss_total = torch.zeros((), dtype=torch.float64)
+        for idx in self._micro_batches(batch):
+            mb, logp, ent, seq = self._forward(self.model, batch, idx, temperature, with_entropy)
+            fields = {k: torch.cat(v).to(self.device) for k, v in mb.token_fields.items()} if idx else \
+                {k: torch.zeros(1, device=self.device) for k in batch.token_fields}
+            fields["seq_ids"] = seq
+            loss, metrics = loss_fn(logp, ent, fields, num_tokens=num_tokens, num_seqs=num_seqs)
+            if not idx:
+                loss = loss * 0.0
+            (loss * scale).backward()
+            loss_total += loss.detach().double().cpu()
+            for k, v in metrics.items():
+                if idx:
+                    sums[k] = sums.get(k, 0) + v.detach().double().cpu()
+        max_norm = self.ocfg.clip_grad if self.ocfg.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(float(loss_total))
+        if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
+            self.skipped_steps += 1
+            log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        keys = sorted(sums)
+        vec = torch.tensor([float(loss_total)] + [float(sums[k]) for k in keys], dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+        out = {"loss": float(vec[0]), **{k: float(v) for k, v in zip(keys, vec[1:].tolist())}}
+        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_step=float(skipped))
+        return out
+
+    # ---- weights ------------------------------------------------------------------------
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, gathered one parameter at a time (never a second full model
+        on one rank). Shared (tied) parameters are yielded once, under their first name."""
+        for name, p in self.model.lm.named_parameters():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, t.detach().to(self.dtype if self.device.type == "cuda" else t.dtype)
+
+    def sync_ref_from_actor(self) -> None:
+        if self.ref_model is None:
+            return
+        with torch.no_grad():
+            for pr, pa in zip(self.ref_model.parameters(), self.model.parameters()):
+                pr.to_local().copy_(pa.to_local())
+
+    def save_hf(self, path: str, tokenizer=None) -> None:
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            sd = {k[len("lm."):]: v for k, v in sd.items()}
+            tmp = path.rstrip("/") + ".tmp"
+            self.model.lm.save_pretrained(tmp, state_dict=sd)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _replace_dir(tmp, path)
+        dist.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        extra = {"scheduler": self.scheduler.state_dict(), "cpu_rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                 "skipped_steps": self.skipped_steps}
+        torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
+        if self.ref_model is not None:
+            dcp.save({"model": get_model_state_dict(self.ref_model)}, checkpoint_id=os.path.join(path, "dcp_ref"))
+
+    def load(self, path: str) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # A resume onto more ranks than saved reuses rank 0's scheduler and RNG-derived state
+        rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
+        extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["cpu_rng"])
+        if extra["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+        self.skipped_steps = extra["skipped_steps"]
+        if self.ref_model is not None and os.path.isdir(os.path.join(path, "dcp_ref")):
+            ref_sd = {"model": get_model_state_dict(self.ref_model)}
+            dcp.load(ref_sd, checkpoint_id=os.path.join(path, "dcp_ref"))
+            set_model_state_dict(self.ref_model, ref_sd["model"])
+
+    # ---- colocation ---------------------------------------------------------------------
+    def offload(self) -> None:
+        """Free the accelerator for a colocated engine: params, grads and Adam moments to CPU."""
+        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload:
+            return
+        self.model.to("cpu")
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.device.type == "cuda":
+                    st[k] = v.to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload:
+            return
+        self.model.to(self.device)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.device.type == "cpu" and k != "step":
+                    st[k] = v.to(self.device, non_blocking=True)
+        torch.cuda.synchronize()
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """Swap a finished directory into place; the previous one survives until the swap."""
+    import shutil
+    old = final.rstrip("/") + ".old"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)

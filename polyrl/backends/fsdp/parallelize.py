@@ -1,0 +1,40 @@
+"""Parallelisms applied to a plain HF module, in torchtitan's order: activation
+checkpointing, then FSDP2 (per decoder layer, then the root)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The modules named in the model's `_no_split_modules` (its transformer blocks)."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(lm).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
+    return layers
+
+
+def apply_ac(lm: nn.Module) -> None:
+    """Full activation checkpointing of each decoder layer (non-reentrant, so FSDP hooks
+    and torch.compile see through it)."""
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(lm, "config"):
+        lm.config.use_cache = False
+
+
+def apply_fsdp(root: nn.Module, lm: nn.Module, mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
+               reshard_after_forward: bool = True) -> nn.Module:
+    kw: dict = {"mesh": mesh}
+    if param_dtype != torch.float32:
+        # compute in low precision, keep FP32 master weights and reduce gradients in FP32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if cpu_offload:
+        # pinned memory needs a CUDA driver; on CPU-only machines plain pageable memory
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for layer in decoder_layers(lm):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(root, **kw)
+    return root

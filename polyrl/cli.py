@@ -1,0 +1,123 @@
+"""`polyrl train | sft | eval | plot | export-hf`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from polyrl.config import ConfigError, add_config_args, config_from_args, validate
+
+ALL = ("cluster", "data", "rollout", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log")
+COMMANDS = {
+    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL),
+    "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
+            ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log")),
+    "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
+             ("cluster", "data", "rollout", "reward", "model", "checkpoint", "log", "batch", "optimizer")),
+    "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",
+                  ("cluster", "model", "checkpoint", "batch", "optimizer")),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polyrl", description="RL post-training for LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (help_, sections) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.HelpFormatter)
+        add_config_args(sp, sections)
+    pp = sub.add_parser("plot", help="write PNG curves of a run directory")
+    pp.add_argument("run_dir")
+    pp.add_argument("--out", default=None, help="output PNG (default RUN_DIR/curves.png)")
+    return p
+
+
+def _check_backend_available(cfg) -> None:
+    if cfg.cluster.train_backend == "megatron":
+        from polyrl.backends.megatron.backend import require_megatron
+        require_megatron()
+
+
+def run_eval(cfg) -> dict:
+    from polyrl import runtime as rt
+    from polyrl.checkpoint import load_checkpoint
+    from polyrl.rewards import RewardManager
+    from polyrl.weight_sync import InMemoryTransport
+
+    device, d = rt.setup(cfg)
+    engine = rt.build_engine(cfg, device)
+    if cfg.checkpoint.load:
+        backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
+        load_checkpoint(cfg.checkpoint.load, backend)
+        InMemoryTransport().push(backend.export_weights(), [engine], version=0)
+    tok = engine.tokenizer
+    ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
+    rewards = RewardManager(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.group_rm)
+    result = rt.evaluate(cfg, engine, ds, rewards, d)
+    if d.is_main:
+        os.makedirs(cfg.log.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.log.run_dir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def run_export(cfg) -> None:
+    from polyrl import runtime as rt
+    from polyrl.checkpoint import load_checkpoint
+
+    device, _ = rt.setup(cfg)
+    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
+    load_checkpoint(cfg.checkpoint.load, backend)
+    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "plot":
+        from polyrl.metrics import plot_run
+        try:
+            print(plot_run(args.run_dir, args.out))
+        except FileNotFoundError as e:
+            print(f"polyrl plot: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    from polyrl.checkpoint import CheckpointError
+    from polyrl.data import DataError
+    try:
+        cfg = config_from_args(args)
+        validate(cfg, args.command)
+        if args.command == "export-hf" and not (cfg.checkpoint.load and cfg.checkpoint.save_hf):
+            raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
+        _check_backend_available(cfg)
+        if args.command == "train":
+            from polyrl.loop import train
+            out = train(cfg)
+        elif args.command == "sft":
+            from polyrl.sft import sft
+            out = sft(cfg)
+        elif args.command == "eval":
+            out = run_eval(cfg)
+            print(json.dumps(out))
+        else:
+            run_export(cfg)
+            out = {}
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        if "pip install" in str(e):  # optional dependency with an install hint
+            print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

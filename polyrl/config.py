@@ -1,0 +1,315 @@
+"""One typed config tree, slime-style flat flags, YAML files, and start-up validation.
+
+Every leaf field is a flag: ``rollout_batch_size`` in section ``rollout`` is
+``--rollout-batch-size``. ``--config run.yaml`` sets the same fields (nested by section or
+flat); flags given on the command line override the file. Each component receives only
+its own section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Invalid flag values or combinations; the message names the flags and the fix."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+    md = {"help": help}
+    if choices:
+        md["choices"] = choices
+    if flag:
+        md["flag"] = flag
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=md)
+    return field(default=default, metadata=md)
+
+
+TRAIN_BACKENDS = ("fsdp", "megatron")
+ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class ClusterConfig:
+    train_backend: str = opt("fsdp", "training backend", TRAIN_BACKENDS)
+    seed: int = opt(1234, "global seed (model init, data order, dropout)")
+    device: str = opt("auto", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
+    dist_backend: str = opt("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl", ("auto", "gloo", "nccl"))
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str | None = opt(None, "prompt dataset: .jsonl or .parquet, optional path@[start:end] row slice")
+    input_key: str = opt("prompt", "key of the prompt (str or chat messages) in each row")
+    label_key: str | None = opt("label", "key of the label/answer in each row")
+    metadata_key: str | None = opt("metadata", "key of a per-row metadata dict")
+    response_key: str = opt("response", "key of the target response (polyrl sft)")
+    apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
+    rollout_max_prompt_len: int | None = opt(None, "drop (and count) prompts longer than this many tokens")
+    rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded)")
+    eval_prompt_data: str | None = opt(None, "held-out prompts for --eval-interval and polyrl eval")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int = opt(8, "prompts per RL step")
+    n_samples_per_prompt: int = opt(4, "responses sampled per prompt (the GRPO group size)")
+    rollout_temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
+    rollout_top_p: float = opt(1.0, "nucleus sampling threshold")
+    rollout_top_k: int = opt(-1, "top-k sampling (-1 = off)")
+    rollout_max_response_len: int = opt(64, "max new tokens per response")
+    rollout_stop: list[str] = opt([], "stop strings (repeatable list)")
+    rollout_stop_token_ids: list[int] = opt([], "extra stop token ids, beside EOS")
+    rollout_seed: int = opt(42, "seed of the sampler (per step: seed + step)")
+    num_rollout: int = opt(10, "number of RL steps")
+    eval_temperature: float = opt(0.0, "sampling temperature for evaluation (0 = greedy)")
+    rollout_engine: str = opt("embedded", "rollout engine", ("embedded",))
+    rollout_batch_generate: int = opt(0, "max sequences per generate call on the embedded engine (0 = all at once)")
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int | None = opt(None, "samples per optimizer step (default: one step per rollout)")
+    micro_batch_size: int = opt(8, "samples per micro-batch (ignored with --use-dynamic-batch-size)")
+    use_dynamic_batch_size: bool = opt(False, "pack micro-batches by token count up to --max-tokens-per-gpu")
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch")
+    num_epoch: int = opt(1, "passes over the data (polyrl sft)")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: str = opt("grpo", "advantage estimator", ADV_ESTIMATORS)
+    disable_grpo_std_normalization: bool = opt(False, "GRPO without dividing by the group std")
+    eps_clip: float = opt(0.2, "PPO clip range (low side)")
+    eps_clip_high: float | None = opt(None, "PPO clip range high side (clip-higher); default = --eps-clip")
+    eps_clip_c: float | None = opt(None, "dual-clip constant c (> 1)")
+    loss_agg_mode: str = opt("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
+    use_kl_loss: bool = opt(False, "add a KL(actor || reference) loss term")
+    kl_loss_coef: float = opt(0.0, "weight of the KL loss")
+    kl_loss_type: str = opt("low_var_kl", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
+    kl_coef: float = opt(0.0, "KL-in-reward coefficient (reinforce_plus_plus)")
+    gamma: float = opt(1.0, "discount (reinforce_plus_plus)")
+    entropy_coef: float = opt(0.0, "entropy bonus weight")
+    use_tis: bool = opt(False, "truncated importance sampling against rollout logprobs")
+    tis_clip: float = opt(2.0, "TIS weight cap")
+    ref_update_interval: int = opt(0, "copy the actor into the reference model every N steps (0 = never)")
+
+
+@dataclass
+class RewardConfig:
+    rm_type: str | None = opt(None, "built-in reward: math | gsm8k | exact | arithmetic")
+    custom_rm_path: str | None = opt(None, "custom reward 'module:function' or 'file.py:function' (sync or async)")
+    group_rm: bool = opt(False, "call the custom reward once per prompt group with a list of samples")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(1e-6, "peak learning rate")
+    min_lr: float = opt(0.0, "final learning rate of the decay")
+    lr_warmup_steps: int = opt(0, "linear warm-up optimizer steps")
+    lr_decay_style: str = opt("constant", "constant | linear | cosine", ("constant", "linear", "cosine"))
+    lr_decay_steps: int | None = opt(None, "decay length in optimizer steps (default: the whole run)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW eps")
+    clip_grad: float = opt(1.0, "max global grad norm (0 = off)")
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: str | None = opt(None, "local HF model directory (config, weights, tokenizer)")
+    ref_load: str | None = opt(None, "reference model directory (default: --hf-checkpoint)")
+    gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer")
+    attn_implementation: str = opt("sdpa", "transformers attention: sdpa | eager | flex_attention | flash_attention_2")
+    fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
+    bf16: bool = opt(False, "force BF16 (also on CPU)")
+    fsdp_cpu_offload: bool = opt(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU")
+    offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
+    update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
+    logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs/entropy from hidden states")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = opt(None, "checkpoint directory (written atomically)")
+    save_interval: int = opt(0, "save every N steps (0 = only at the end)")
+    load: str | None = opt(None, "resume from this checkpoint directory")
+    save_hf: str | None = opt(None, "export the final actor as an HF directory")
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = opt("runs/latest", "metrics.jsonl, tensorboard and plots go here")
+    use_tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb")
+    eval_interval: int = opt(0, "evaluate on --eval-prompt-data every N steps (0 = off)")
+    quiet: bool = opt(False, "no live console view")
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTION_TITLES = {
+    "cluster": "cluster / backend", "data": "data", "rollout": "rollout", "batch": "batching",
+    "algorithm": "algorithm", "reward": "reward", "optimizer": "optimizer", "model": "model / backend",
+    "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend",
+}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(scalar type, is_list) from an annotation such as `int | None` or `list[str]`."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"list": list, "dict": dict})  # annotations are strings under `from __future__`
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is list:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def _sections(cfg_cls=Config):
+    for sf in dataclasses.fields(cfg_cls):
+        yield sf.name, sf.default_factory
+
+
+def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None) -> None:
+    """Add one argument group per config section; defaults are shown but SUPPRESSed so we can
+    tell which flags the user actually gave (they override --config)."""
+    parser.add_argument("--config", default=None, help="YAML file with the same fields (flags override it)")
+    for name, cls in _sections():
+        if sections is not None and name not in sections:
+            continue
+        group = parser.add_argument_group(SECTION_TITLES.get(name, name))
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tp, is_list = _base_type(f.type)
+            kw: dict[str, Any] = dict(dest=f"{name}.{f.name}", default=argparse.SUPPRESS)
+            help_ = f.metadata.get("help", "") + f" (default: {default})"
+            if tp is bool:
+                group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, help=help_, **kw)
+                continue
+            if is_list:
+                kw["nargs"] = "*"
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+                kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+            group.add_argument(_flag(f), type=tp, help=help_, **kw)
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    sec = getattr(cfg, section, None)
+    if sec is None or not any(f.name == key for f in dataclasses.fields(sec)):
+        raise ConfigError(f"{origin}: unknown setting {section}.{key}")
+    setattr(sec, key, value)
+
+
+def _field_index() -> dict[str, str]:
+    return {f.name: sname for sname, cls in _sections() for f in dataclasses.fields(cls)}
+
+
+def load_yaml(cfg: Config, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping at the top level")
+    index = _field_index()
+    for k, v in data.items():
+        k = k.replace("-", "_")
+        if isinstance(v, dict) and hasattr(cfg, k):  # nested section
+            for kk, vv in v.items():
+                _apply(cfg, k, kk.replace("-", "_"), vv, f"--config {path}")
+        elif k in index:
+            _apply(cfg, index[k], k, v, f"--config {path}")
+        else:
+            raise ConfigError(f"--config {path}: unknown setting {k!r}")
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    cfg = Config()
+    if getattr(ns, "config", None):
+        load_yaml(cfg, ns.config)
+    for dest, value in vars(ns).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            _apply(cfg, section, key, value, "flag")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def validate(cfg: Config, command: str = "train") -> None:
+    """All start-up checks in one place. Raises ConfigError naming the flags and the fix."""
+    c, r, b, a = cfg.cluster, cfg.rollout, cfg.batch, cfg.algorithm
+    if c.train_backend not in TRAIN_BACKENDS:
+        raise ConfigError(f"--train-backend {c.train_backend!r} is unknown; choose one of {', '.join(TRAIN_BACKENDS)}")
+    if a.advantage_estimator not in ADV_ESTIMATORS:
+        raise ConfigError(f"--advantage-estimator {a.advantage_estimator!r} is unknown; choose one of {', '.join(ADV_ESTIMATORS)}")
+    if command in ("train", "sft") and not cfg.data.prompt_data:
+        raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
+    if command == "eval" and not (cfg.data.eval_prompt_data or cfg.data.prompt_data):
+        raise ConfigError("polyrl eval needs --eval-prompt-data (or --prompt-data)")
+    if not cfg.model.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required: a local HF model directory (config.json, weights, tokenizer)")
+    for flag, v in (("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt", r.n_samples_per_prompt),
+                    ("--micro-batch-size", b.micro_batch_size), ("--rollout-max-response-len", r.rollout_max_response_len)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {v})")
+    if command == "train":
+        per_step = r.rollout_batch_size * r.n_samples_per_prompt
+        gbs = b.global_batch_size or per_step
+        if gbs < 1 or per_step % gbs:
+            raise ConfigError(
+                f"--rollout-batch-size ({r.rollout_batch_size}) x --n-samples-per-prompt ({r.n_samples_per_prompt}) = {per_step} "
+                f"samples per step is not divisible by --global-batch-size ({gbs}); pick a divisor of {per_step}")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
+        raise ConfigError(f"--eps-clip-c must be > 1 for dual clip (got {a.eps_clip_c}); leave it unset to disable")
+    if a.eps_clip <= 0:
+        raise ConfigError(f"--eps-clip must be > 0 (got {a.eps_clip})")
+    if a.use_kl_loss and a.kl_loss_coef <= 0:
+        raise ConfigError("--use-kl-loss needs a positive --kl-loss-coef")
+    if b.use_dynamic_batch_size and not b.max_tokens_per_gpu:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
+    if not 0 < r.rollout_top_p <= 1:
+        raise ConfigError(f"--rollout-top-p must be in (0, 1] (got {r.rollout_top_p})")
+    if cfg.model.fp16 and cfg.model.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
+    if command == "train" and not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
+        raise ConfigError("a reward is required: --rm-type {math,gsm8k,exact,arithmetic} or --custom-rm-path module:function")
+    if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
+        raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
+    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+        raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
+    if c.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")

@@ -1,0 +1,239 @@
+"""Prompt datasets: reading jsonl/parquet rows, chat templates, epoch-cycling batches, SFT examples.
+
+A data spec is a path with an optional row slice: ``data/train.jsonl@[0:1000]``. Rows are the
+non-blank lines of a jsonl file or the rows of a parquet file; the slice uses Python semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.types import PromptRecord
+
+logger = logging.getLogger(__name__)
+
+_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
+
+
+class DataError(ValueError):
+    """A dataset problem, reported with the file and line (or row) and what to do about it."""
+
+
+def parse_data_spec(spec: str) -> tuple[str, slice | None]:
+    """``path``, ``path@[start:end]``, ``path@[:end]`` or ``path@[start:]`` -> (path, row slice)."""
+    m = _SLICE_RE.match(spec)
+    if m is None:
+        if "@[" in spec:
+            raise DataError(f"bad data spec {spec!r}: write PATH@[START:END], e.g. train.jsonl@[0:100]")
+        return spec, None
+    start, end = m["start"], m["end"]
+    return m["path"], slice(int(start) if start else None, int(end) if end else None)
+
+
+def _read_rows(spec: str) -> list[tuple[str, dict]]:
+    """Rows of the sliced file as (source, row) where source is ``path:line`` (jsonl, 1-based)
+    or ``path:row N`` (parquet, 0-based)."""
+    path, slc = parse_data_spec(spec)
+    if not Path(path).is_file():
+        raise DataError(f"data file {path} does not exist (from spec {spec!r}); check the path")
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
+        if slc is not None:
+            lines = lines[slc]
+        rows = []
+        for lineno, line in lines:  # parse only the sliced lines: a slice of a huge file stays cheap
+            try:
+                rows.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e}); each line must be one JSON object") from e
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq  # only parquet users need pyarrow
+
+        table = pq.read_table(path)
+        indices = range(table.num_rows)
+        if slc is not None:
+            indices = indices[slc]
+        table = table.slice(indices.start, len(indices))
+        rows = [(f"{path}:row {i}", row) for i, row in zip(indices, table.to_pylist())]
+    else:
+        raise DataError(f"unsupported data file {path}: use .jsonl (one JSON object per line) or .parquet")
+    if not rows:
+        where = f" (slice {slc.start}:{slc.stop})" if slc is not None else ""
+        raise DataError(f"no rows in {path}{where}; check the file and the @[start:end] slice")
+    for source, row in rows:
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: row is a {type(row).__name__}, expected a JSON object like {{\"prompt\": ...}}")
+    return rows
+
+
+def _get(row: dict, key: str, source: str, flag: str) -> Any:
+    if key not in row:
+        raise DataError(f"{source}: row has no key {key!r} (keys: {sorted(row)}); pass {flag} to name the right column")
+    return row[key]
+
+
+def _check_prompt(prompt: Any, source: str) -> Any:
+    is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    if not (isinstance(prompt, str) or (is_chat and prompt)):
+        raise DataError(
+            f"{source}: prompt must be a string or a list of chat messages "
+            f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+        )
+    return prompt
+
+
+def load_records(
+    spec: str, input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata"
+) -> list[PromptRecord]:
+    """Read prompt rows from a jsonl/parquet spec. A row without the label key gets label None."""
+    records = []
+    for source, row in _read_rows(spec):
+        prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
+        metadata = row.get(metadata_key) if metadata_key else None
+        if isinstance(metadata, str):  # parquet files often store metadata as a JSON string
+            try:
+                metadata = json.loads(metadata)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{source}: {metadata_key!r} is a string but not JSON ({e})") from e
+        if metadata is not None and not isinstance(metadata, dict):
+            raise DataError(f"{source}: {metadata_key!r} must be an object, got {type(metadata).__name__}; "
+                            "fix the row or pass --metadata-key to name another column")
+        label = row.get(label_key) if label_key else None
+        records.append(PromptRecord(prompt=prompt, label=label, metadata=metadata or {}, source=source))
+    return records
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
+    """Token ids of one prompt.
+
+    With ``apply_chat_template`` a string becomes one user message and the template adds the
+    generation prompt (and whatever special tokens the template itself writes). Without it, a
+    string is tokenized with ``add_special_tokens=True``: tokenizers that prepend BOS (Llama,
+    Gemma) expect it on raw text too, and those that add nothing (Qwen) are unaffected. A
+    trailing EOS added by a post-processor is dropped, since a prompt ending in EOS would stop
+    generation before it starts.
+    """
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        return list(ids)
+    if not isinstance(prompt, str):
+        raise DataError("prompt is a list of chat messages; pass --apply-chat-template to render it with the "
+                        "tokenizer's chat template")
+    ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if ids and eos is not None and ids[-1] == eos and not prompt.endswith(tokenizer.eos_token):
+        ids.pop()
+    return ids
+
+
+class PromptDataset:
+    """Tokenized prompts served in batches that cycle over epochs.
+
+    Items are ``(token_ids, record)``. With ``shuffle`` each epoch's order is a permutation drawn
+    from ``torch.Generator().manual_seed(seed + epoch)``, so the order depends only on
+    (seed, epoch) and ``state_dict`` = (epoch, position) is enough to resume exactly.
+    """
+
+    def __init__(
+        self,
+        records: list[PromptRecord],
+        tokenizer: Any,
+        max_prompt_len: int | None = None,
+        apply_chat_template: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        self.shuffle, self.seed = shuffle, seed
+        self.items: list[tuple[list[int], PromptRecord]] = []
+        lengths = []
+        for record in records:
+            try:
+                ids = encode_prompt(tokenizer, record.prompt, apply_chat_template)
+            except DataError as e:
+                raise DataError(f"{record.source}: {e}") from e
+            lengths.append(len(ids))
+            if max_prompt_len is None or len(ids) <= max_prompt_len:
+                self.items.append((ids, record))
+        self.num_dropped = len(records) - len(self.items)
+        if not self.items:
+            raise DataError(
+                f"all {len(records)} prompts are longer than --rollout-max-prompt-len={max_prompt_len} "
+                f"(shortest {min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise the limit"
+            )
+        if self.num_dropped:
+            logger.warning("dropped %d of %d prompts longer than %d tokens (--rollout-max-prompt-len)",
+                           self.num_dropped, len(records), max_prompt_len)
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[list[int], PromptRecord]:
+        return self.items[i]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.items)))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.items), generator=gen).tolist()
+
+    def next_batch(self, n: int) -> list[tuple[list[int], PromptRecord]]:
+        """The next ``n`` items; crosses into the next epoch (a new order) when one runs out."""
+        batch = []
+        while len(batch) < n:
+            if self.position >= len(self.items):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = self._order[self.position : self.position + n - len(batch)]
+            batch.extend(self.items[i] for i in take)
+            self.position += len(take)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+
+def load_sft_records(
+    spec: str, input_key: str = "prompt", response_key: str = "response"
+) -> list[tuple[str | list[dict], str, str]]:
+    """(prompt, response, source) triples for supervised fine-tuning."""
+    out = []
+    for source, row in _read_rows(spec):
+        prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
+        response = _get(row, response_key, source, "--response-key")
+        if not isinstance(response, str):
+            raise DataError(f"{source}: response {response_key!r} must be a string, got {type(response).__name__}")
+        out.append((prompt, response, source))
+    return out
+
+
+def build_sft_example(
+    tokenizer: Any, prompt: str | list[dict], response: str, apply_chat_template: bool
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)``: the prompt (mask 0) then the response and EOS (mask 1).
+
+    The response is tokenized on its own rather than as part of the rendered conversation so
+    the prompt/response boundary is exact; EOS teaches the model to stop.
+    """
+    prompt_ids = encode_prompt(tokenizer, prompt, apply_chat_template)
+    response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        response_ids.append(tokenizer.eos_token_id)
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)

@@ -1,0 +1,70 @@
+"""`make demo`: build a tiny model and an arithmetic task, warm-start with `polyrl sft`,
+improve with `polyrl train` (GRPO), and compare held-out accuracy before and after."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from polyrl.tasks.arithmetic import build_model, write_datasets
+
+
+def polyrl(*args: str) -> None:
+    cmd = [sys.executable, "-m", "polyrl", *args]
+    print("$ polyrl " + " ".join(args), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sft-epochs", type=int, default=2)
+    p.add_argument("--grpo-steps", type=int, default=40)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    run = a.run_dir
+    shutil.rmtree(run, ignore_errors=True)
+    paths = write_datasets(os.path.join(run, "data"), seed=a.seed)
+    base, sft_dir, rl_dir = (os.path.join(run, x) for x in ("base_model", "sft_model", "grpo_model"))
+    build_model(base, seed=a.seed)
+    common = ["--seed", str(a.seed), "--quiet"]
+    polyrl("sft", "--hf-checkpoint", base, "--prompt-data", paths["sft"], "--global-batch-size", "64", "--micro-batch-size", "64",
+           "--num-epoch", str(a.sft_epochs), "--lr", "3e-3", "--lr-warmup-steps", "10", "--lr-decay-style", "cosine",
+           "--min-lr", "3e-4", "--adam-beta2", "0.98", "--weight-decay", "0.0", "--save-hf", sft_dir,
+           "--run-dir", os.path.join(run, "sft"), *common)
+    evals = ["--eval-prompt-data", paths["eval"], "--rm-type", "arithmetic", "--rollout-max-response-len", "8"]
+    polyrl("eval", "--hf-checkpoint", sft_dir, *evals, "--run-dir", os.path.join(run, "eval_before"), *common)
+    polyrl("train", "--hf-checkpoint", sft_dir, "--prompt-data", paths["train"], "--rm-type", "arithmetic",
+           "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
+           "--rollout-temperature", "1.0", "--num-rollout", str(a.grpo_steps), "--micro-batch-size", "256",
+           "--lr", "1e-4", "--adam-beta2", "0.98", "--rollout-shuffle", "--eval-prompt-data", paths["eval"], "--eval-interval", "10",
+           "--save-hf", rl_dir, "--run-dir", run, *common)
+    polyrl("eval", "--hf-checkpoint", rl_dir, *evals, "--run-dir", os.path.join(run, "eval_after"), *common)
+    polyrl("plot", run)
+    before = json.load(open(os.path.join(run, "eval_before", "eval.json")))["eval/accuracy"]
+    after = json.load(open(os.path.join(run, "eval_after", "eval.json")))["eval/accuracy"]
+    summary = {"eval_accuracy_before": before, "eval_accuracy_after": after, "steps": a.grpo_steps,
+               "wall_seconds": round(time.perf_counter() - t0, 1), "seed": a.seed, "plot": os.path.join(run, "curves.png")}
+    with open(os.path.join(run, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="held-out accuracy (200 unseen 3-digit additions, greedy)")
+    for c in ("model", "accuracy"):
+        t.add_column(c)
+    t.add_row("after SFT (noisy demos)", f"{before:.1%}")
+    t.add_row(f"after GRPO ({a.grpo_steps} steps)", f"{after:.1%}")
+    t.add_row("change", f"{after - before:+.1%}")
+    Console().print(t)
+    print(f"summary: {json.dumps(summary)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Console progress (rich), RUN_DIR/metrics.jsonl, TensorBoard, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+CONSOLE_KEYS = [
+    ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("response_len/mean", "len", "{:.1f}"),
+    ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
+    ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
+]
+TIME_KEYS = ("rollout", "reward", "train", "weight_sync")
+
+
+class Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, *, total_steps: int, use_tensorboard: bool = False, quiet: bool = False,
+                 enabled: bool = True, title: str = "polyrl"):
+        self.enabled = enabled
+        self.quiet = quiet or not enabled
+        self.tb = None
+        self._progress = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        if not self.quiet:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            self.console = Console()
+            self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                      TimeRemainingColumn(), console=self.console, transient=False)
+            self._task = self._progress.add_task("steps", total=total_steps)
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self._progress is not None:
+            parts = [f"step {step}"] + [f"{short} {fmt.format(row[k])}" for k, short, fmt in CONSOLE_KEYS if k in row]
+            if "eval/accuracy" in row:
+                parts.append(f"[bold green]eval_acc {row['eval/accuracy']:.3f}[/]")
+            times = " ".join(f"{k[:6]} {row['time/' + k]:.1f}s" for k in TIME_KEYS if "time/" + k in row)
+            self._progress.console.print(" | ".join(parts) + (f" | [dim]{times}[/]" if times else ""))
+            self._progress.update(self._task, completed=step)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+
+
+PLOTS = [("reward/mean", "reward"), ("response_len/mean", "response length"), ("kl", "KL"), ("entropy", "entropy"),
+         ("eval/accuracy", "held-out accuracy"), ("loss", "loss")]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    """Write RUN_DIR/curves.png from metrics.jsonl (reward, length, KL, entropy, accuracy, loss)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no metrics to plot (is {run_dir} a polyrl run directory?)")
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, title) in zip(axes.flat, PLOTS):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, ms=3)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

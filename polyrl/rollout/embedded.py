@@ -1,0 +1,127 @@
+"""The default rollout engine: an HF causal LM in this process, with a batched KV-cache
+decode loop of our own (control over seeds, per-token logprobs, stop strings and finish
+reasons, and finished rows leave the batch so long tails don't pay for short ones)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from polyrl.rollout.sampling import sample_tokens
+from polyrl.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedEngine:
+    def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "sdpa", max_batch: int = 0):
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.dtype = dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            hf_checkpoint, dtype=dtype, attn_implementation=attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
+        ).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.max_batch = max_batch
+        self.version = 0
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        step = self.max_batch or len(flat)
+        out: list[Sample] = []
+        for s in range(0, len(flat), step):
+            out.extend(self._generate_batch(flat[s:s + step], params, gen))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, flat: list[tuple[int, list[int]]], sp: SamplingParams, gen) -> list[Sample]:
+        B = len(flat)
+        lens = [len(p) for _, p in flat]
+        P = max(lens)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(B, P, dtype=torch.long)
+        for r, (_, p) in enumerate(flat):  # left padding keeps every row's next token at the end
+            ids[r, P - len(p):] = torch.tensor(p)
+            attn[r, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = set(sp.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_t = torch.tensor(sorted(stop_ids), device=self.device, dtype=torch.long)
+
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                            use_cache=True).logits[:, -1]
+        rows = torch.arange(B)  # live row -> original row
+        next_pos = pos[:, -1] + 1
+        responses: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        for t in range(sp.max_new_tokens):
+            tok, lp = sample_tokens(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, generator=gen)
+            done = torch.isin(tok, stop_t)
+            tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
+            for j, r in enumerate(rows.tolist()):
+                responses[r].append(tok_l[j])
+                logps[r].append(lp_l[j])
+                if done_l[j]:
+                    finish[r] = "stop"
+                elif sp.stop and self._hit_stop_string(responses[r], sp.stop):
+                    finish[r] = "stop"
+                    done_l[j] = True
+            keep = [j for j, d in enumerate(done_l) if not d]
+            if not keep or t == sp.max_new_tokens - 1:
+                break
+            if len(keep) < len(done_l):  # drop finished rows from the batch and the cache
+                kt = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(kt)
+                rows, tok, attn, next_pos = rows[kt.cpu()], tok[kt], attn[kt], next_pos[kt]
+            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        return [
+            Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
+                   group_index=g, response=self.tokenizer.decode(responses[r], skip_special_tokens=True))
+            for r, (g, p) in enumerate(flat)
+        ]
+
+    def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
+        tail = self.tokenizer.decode(response[-16:], skip_special_tokens=True)  # a stop string ends in the tail
+        return any(s in tail for s in stops)
+
+    # ---- weights & memory ----------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        seen = 0
+        for name, tensor in weights:
+            try:
+                param = self._params[name]
+            except KeyError:
+                raise KeyError(f"weight sync sent {name!r}, which the rollout model does not have") from None
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            seen += 1
+        self.version = version
+        log.debug("engine weights updated to version %d (%d tensors)", version, seen)
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)

@@ -1,0 +1,130 @@
+"""Assembling the pieces a command needs from the config: process group, device, tokenizer,
+train backend, rollout engine, datasets, rewards. Each component gets its own section."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from polyrl.backends.base import load_backend_class
+from polyrl.backends.parallel_dims import init_distributed
+from polyrl.config import Config
+from polyrl.data import PromptDataset, load_records
+from polyrl.rollout.base import load_engine_class
+from polyrl.types import Sample, SamplingParams, TrainBatch
+
+log = logging.getLogger("polyrl")
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.cluster.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.cluster.device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share (groups of one prompt stay on one rank)."""
+        per = len(items) // self.world
+        return items[self.rank * per:(self.rank + 1) * per]
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def setup(cfg: Config) -> tuple[str, Dist]:
+    device = resolve_device(cfg)
+    init_distributed(device, cfg.cluster.dist_backend)
+    seed_everything(cfg.cluster.seed)
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    return device, Dist(dist.get_rank(), dist.get_world_size())
+
+
+def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool):
+    cls = load_backend_class(cfg.cluster.train_backend)
+    return cls(cfg.model, cfg.optimizer, cfg.batch, device=device, total_steps=total_steps, need_ref=need_ref,
+               seed=cfg.cluster.seed)
+
+
+def build_engine(cfg: Config, device: str):
+    cls = load_engine_class(cfg.rollout.rollout_engine)
+    dtype = torch.float16 if cfg.model.fp16 else torch.bfloat16 if (cfg.model.bf16 or device == "cuda") else torch.float32
+    return cls(cfg.model.hf_checkpoint, device=device, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+               max_batch=cfg.rollout.rollout_batch_generate)
+
+
+def load_tokenizer(cfg: Config):
+    return AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+
+
+def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> PromptDataset:
+    d = cfg.data
+    records = load_records(spec, d.input_key, d.label_key, d.metadata_key)
+    return PromptDataset(records, tokenizer, max_prompt_len=d.rollout_max_prompt_len,
+                         apply_chat_template=d.apply_chat_template, shuffle=shuffle, seed=cfg.cluster.seed)
+
+
+def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.eval_temperature if eval_mode else r.rollout_temperature,
+        top_p=1.0 if eval_mode else r.rollout_top_p, top_k=-1 if eval_mode else r.rollout_top_k,
+        max_new_tokens=r.rollout_max_response_len, stop=list(r.rollout_stop), stop_token_ids=list(r.rollout_stop_token_ids),
+        n=1 if eval_mode else r.n_samples_per_prompt, seed=seed)
+
+
+def rollout(engine, items: list, params: SamplingParams) -> list[Sample]:
+    samples = engine.generate([ids for ids, _ in items], params)
+    for s in samples:
+        rec = items[s.group_index][1]
+        s.prompt, s.label, s.metadata = rec.prompt if isinstance(rec.prompt, str) else str(rec.prompt), rec.label, rec.metadata
+    return samples
+
+
+def to_train_batch(samples: list[Sample]) -> TrainBatch:
+    ids = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long) for s in samples]
+    mask = [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids), dtype=torch.float32)
+            for s in samples]
+    return TrainBatch(ids, [len(s.prompt_ids) for s in samples], {
+        "loss_mask": mask,
+        "rollout_logprobs": [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples],
+    })
+
+
+def evaluate(cfg: Config, engine, dataset: PromptDataset, rewards, d: Dist) -> dict[str, float]:
+    """Greedy (or --eval-temperature) accuracy on every prompt of a held-out set."""
+    items = [dataset[i] for i in range(len(dataset))]
+    per = -(-len(items) // d.world)
+    mine = items[d.rank * per:(d.rank + 1) * per]
+    samples = rollout(engine, mine, sampling_params(cfg, seed=cfg.rollout.rollout_seed, eval_mode=True)) if mine else []
+    m = rewards.score(samples) if samples else {}
+    correct, total, length = d.sum([sum(s.reward > 0.5 for s in samples), len(samples),
+                                    sum(len(s.response_ids) for s in samples)])
+    return {"eval/accuracy": correct / max(total, 1), "eval/response_len": length / max(total, 1), "eval/n": total,
+            "eval/reward_errors": m.get("reward/errors", 0.0)}

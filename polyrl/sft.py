@@ -1,0 +1,62 @@
+"""Supervised fine-tuning on prompt/response rows, loss on response tokens only."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import torch
+
+from polyrl import runtime as rt
+from polyrl.algorithms.losses import sft_loss
+from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.config import Config
+from polyrl.data import DataError, build_sft_example, load_sft_records
+from polyrl.metrics import MetricsLogger, Timer
+from polyrl.types import TrainBatch
+
+
+def sft(cfg: Config) -> dict:
+    device, d = rt.setup(cfg)
+    tok = rt.load_tokenizer(cfg)
+    rows = load_sft_records(cfg.data.prompt_data, cfg.data.input_key, cfg.data.response_key)
+    examples = []
+    for prompt, response, source in rows:
+        ids, mask = build_sft_example(tok, prompt, response, cfg.data.apply_chat_template)
+        if not any(mask):
+            raise DataError(f"{source}: empty response; nothing to train on")
+        start = mask.index(1)
+        examples.append((torch.tensor(ids), start, torch.tensor(mask[start:], dtype=torch.float32)))
+    gbs = cfg.batch.global_batch_size or min(32, len(examples))
+    if gbs % d.world:
+        raise DataError(f"--global-batch-size {gbs} is not divisible by the {d.world} ranks")
+    per_epoch = len(examples) // gbs
+    if per_epoch == 0:
+        raise DataError(f"{cfg.data.prompt_data}: {len(examples)} rows is fewer than --global-batch-size {gbs}")
+    total = per_epoch * cfg.batch.num_epoch
+    backend = rt.build_backend(cfg, device, total_steps=total, need_ref=False)
+    logger = MetricsLogger(cfg.log.run_dir, total_steps=total, use_tensorboard=cfg.log.use_tensorboard, quiet=cfg.log.quiet,
+                           enabled=d.is_main, title="polyrl sft")
+    start = 0
+    if cfg.checkpoint.load:
+        start = load_checkpoint(cfg.checkpoint.load, backend)["step"]
+    loss_fn = functools.partial(sft_loss)
+    t0 = time.perf_counter()
+    for step in range(start, total):
+        epoch, k = divmod(step, per_epoch)
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.cluster.seed + epoch)).tolist()
+        idx = d.shard(order[k * gbs:(k + 1) * gbs])
+        batch = TrainBatch([examples[i][0] for i in idx], [examples[i][1] for i in idx],
+                           {"loss_mask": [examples[i][2] for i in idx]})
+        timer = Timer()
+        with timer("train"):
+            m = backend.train_step(batch, loss_fn)
+        m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
+        logger.log(step + 1, m)
+        if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
+            save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "config": dataclasses.asdict(cfg)})
+    logger.close()
+    if cfg.checkpoint.save_hf:
+        backend.save_hf(cfg.checkpoint.save_hf, tok)
+    return {"steps": total - start, "wall_seconds": time.perf_counter() - t0, "last": m if total > start else {}}

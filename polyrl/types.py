@@ -1,0 +1,81 @@
+"""Plain data carried between the rollout engine, the rewards, the algorithms and the backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filter
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS
+    n: int = 1  # samples per prompt
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Sample:
+    """One generated response to one prompt, and everything later stages attach to it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # per response token, from the engine that sampled it
+    finish_reason: str  # "stop" (EOS / stop id / stop string) or "length"
+    group_index: int = 0  # which prompt of the step this sample answers
+    prompt: str = ""
+    response: str = ""
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    reward: float = 0.0
+    loss_mask: list[int] | None = None  # per response token; None means all ones
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class PromptRecord:
+    """One row of a prompt dataset after parsing."""
+
+    prompt: Any  # str, or a list of chat messages when the dataset stores conversations
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    source: str = ""  # "file:line", for error messages
+
+
+@dataclass
+class TrainBatch:
+    """Variable-length samples for a train backend; no padding anywhere.
+
+    input_ids[i]: [L_i] prompt + response tokens; prompt_lens[i]: P_i.
+    token_fields[k][i]: [L_i - P_i] per-response-token values (loss_mask, advantages,
+    old_logprobs, ref_logprobs, rollout_logprobs, ...).
+    """
+
+    input_ids: list  # list[torch.Tensor]
+    prompt_lens: list[int]
+    token_fields: dict = field(default_factory=dict)  # str -> list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [int(x.numel()) - p for x, p in zip(self.input_ids, self.prompt_lens)]
+
+    def select(self, idx: list[int]) -> "TrainBatch":
+        return TrainBatch(
+            [self.input_ids[i] for i in idx],
+            [self.prompt_lens[i] for i in idx],
+            {k: [v[i] for i in idx] for k, v in self.token_fields.items()},
+        )

@@ -1,0 +1,206 @@
+"""Built-in rewards, reward-function resolution and RewardManager error isolation, on CPU."""
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from polyrl.rewards import REWARD_FUNCTIONS, RewardManager, exact_match, resolve_reward_fn
+from polyrl.rewards.math import extract_boxed, extract_gsm8k_answer, gsm8k_reward, math_reward
+from polyrl.types import Sample
+
+
+def sample(response="", label=None, group_index=0):
+    return Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
+                  group_index=group_index, response=response, label=label)
+
+
+def write_module(tmp_path, name, source):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return path
+
+
+# ---- built-ins ----
+
+def test_extract_boxed():
+    assert extract_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{\{1,2\}}") == r"\{1,2\}"
+    assert extract_boxed("no box") is None
+    assert extract_boxed(r"\boxed{\frac{1}{2") is None  # cut off mid-answer
+
+
+@pytest.mark.parametrize("response,label,expected", [
+    (r"The answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+    (r"\boxed{3}", "4", 0.0),
+    (r"\boxed{3}", 3, 1.0),  # non-string labels are stringified
+    (r"\boxed{x^2+1}", "1+x^2", 1.0),
+    (r"\boxed{1,000}", r"\boxed{1000}", 1.0),
+    (r"first \boxed{4} then \boxed{5}", "4", 0.0),  # the last box is the answer
+    ("The answer is 0.5", "0.5", 0.0),  # no boxed answer
+])
+def test_math_reward(response, label, expected):
+    assert math_reward(sample(response, label)) == expected
+
+
+def test_math_reward_off_the_main_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_reward(sample(r"\boxed{\frac{1}{2}}", "0.5"))))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_math_reward_needs_a_label():
+    with pytest.raises(ValueError, match="--label-key"):
+        math_reward(sample(r"\boxed{1}", None))
+
+
+def test_gsm8k_extraction_and_reward():
+    solution = "Natalia sold 48/2 = 24 clips in May.\nAltogether 48+24 = 72 clips.\n#### 72"
+    assert extract_gsm8k_answer(solution) == 72.0
+    assert extract_gsm8k_answer("costs $1,234.50 total") == 1234.5
+    assert extract_gsm8k_answer("nothing") is None
+    assert gsm8k_reward(sample("so 48+24=72\n#### 72", solution)) == 1.0
+    assert gsm8k_reward(sample("#### $1,000", "1000")) == 1.0
+    assert gsm8k_reward(sample("I think 3, then 72.", "72")) == 1.0  # falls back to the last number
+    assert gsm8k_reward(sample("#### 71", solution)) == 0.0
+    assert gsm8k_reward(sample("#### -5", "-5")) == 1.0
+    assert gsm8k_reward(sample("no number", "5")) == 0.0
+    with pytest.raises(ValueError, match="no number"):
+        gsm8k_reward(sample("#### 5", "five"))
+
+
+def test_exact():
+    assert exact_match(sample("  Paris \n", "Paris")) == 1.0
+    assert exact_match(sample("paris", "Paris")) == 0.0
+    assert exact_match(sample("4", 4)) == 1.0
+
+
+# ---- resolution ----
+
+def test_builtin_table_is_plain_strings():
+    assert REWARD_FUNCTIONS["arithmetic"] == "polyrl.tasks.arithmetic:reward"
+    assert all(isinstance(v, str) and ":" in v for v in REWARD_FUNCTIONS.values())
+    assert resolve_reward_fn("math", None) is math_reward
+    assert resolve_reward_fn("gsm8k", None) is gsm8k_reward
+    assert resolve_reward_fn("exact", None) is exact_match
+
+
+def test_resolve_errors_name_the_flags(tmp_path):
+    with pytest.raises(ValueError, match=r"--rm-type 'nope' is unknown; valid: math, gsm8k, exact"):
+        resolve_reward_fn("nope", None)
+    with pytest.raises(ValueError, match="--rm-type .* or --custom-rm-path"):
+        resolve_reward_fn(None, None)
+    with pytest.raises(ValueError, match=r"--custom-rm-path 'no_such_mod_xyz:f': could not import"):
+        resolve_reward_fn(None, "no_such_mod_xyz:f")
+    with pytest.raises(ValueError, match="--custom-rm-path .*expected"):
+        resolve_reward_fn(None, "just_a_module")
+    with pytest.raises(ValueError, match=r"could not import .*missing\.py"):
+        resolve_reward_fn(None, f"{tmp_path}/missing.py:f")
+    bad = write_module(tmp_path, "broken", "raise RuntimeError('boom at import')\n")
+    with pytest.raises(ValueError, match="RuntimeError: boom at import"):
+        resolve_reward_fn(None, f"{bad}:f")
+    ok = write_module(tmp_path, "ok_rm", "def f(s):\n    return 1.0\n")
+    with pytest.raises(ValueError, match="has no function 'g'"):
+        resolve_reward_fn(None, f"{ok}:g")
+
+
+def test_custom_path_from_file_and_module(tmp_path, monkeypatch):
+    path = write_module(tmp_path, "my_rm", "def length_reward(sample):\n    return len(sample.response) / 10\n")
+    fn = resolve_reward_fn("math", f"{path}:length_reward")  # the custom path wins over --rm-type
+    assert fn(sample("abcde")) == 0.5
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward_fn(None, "my_rm:length_reward")(sample("ab")) == 0.2
+
+
+# ---- RewardManager ----
+
+def test_manager_scores_builtin_and_reports_metrics():
+    samples = [sample(r"\boxed{2}", "2"), sample(r"\boxed{3}", "2"), sample("none", "2"), sample(r"\boxed{2}", 2)]
+    metrics = RewardManager("math").score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.0]
+    assert metrics == {"reward/mean": 0.5, "reward/errors": 0.0, "reward/accuracy": 0.5}
+
+
+def test_manager_isolates_raising_and_invalid_returns(tmp_path, caplog):
+    path = write_module(tmp_path, "flaky", (
+        "def f(s):\n"
+        "    if s.response == 'raise':\n"
+        "        raise KeyError('bad sample')\n"
+        "    return {'nan': float('nan'), 'none': None, 'str': '1.0', 'inf': float('inf'),\n"
+        "            'true': True, 'int': 1}.get(s.response, 0.25)\n"
+    ))
+    rm = RewardManager(None, f"{path}:f")
+    samples = [sample(r) for r in ["raise", "nan", "none", "str", "inf", "true", "int", "ok"]]
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        metrics = rm.score(samples)
+        rm.score([sample("raise")])
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.25]
+    assert metrics["reward/errors"] == 5.0 and rm.errors_total == 6
+    assert metrics["reward/accuracy"] == 2 / 8
+    warnings = [r for r in caplog.records if r.name == "polyrl.rewards"]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None
+    assert "KeyError: 'bad sample'" in caplog.text  # the first traceback, once
+
+
+def test_manager_awaits_async_functions_concurrently(tmp_path):
+    path = write_module(tmp_path, "async_rm", (
+        "import asyncio\n"
+        "async def f(s):\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    if s.response == 'raise':\n"
+        "        raise RuntimeError('async boom')\n"
+        "    return float(s.label)\n"
+    ))
+    rm = RewardManager(None, f"{path}:f")
+    samples = [sample("x", i % 2) for i in range(10)] + [sample("raise", 1)]
+    start = time.perf_counter()
+    metrics = rm.score(samples)
+    assert time.perf_counter() - start < 1.5  # 11 x 0.2 s run concurrently, not in series
+    assert [s.reward for s in samples] == [float(i % 2) for i in range(10)] + [0.0]
+    assert metrics["reward/errors"] == 1.0
+
+
+def test_manager_async_inside_a_running_event_loop(tmp_path):
+    path = write_module(tmp_path, "async_rm2", "async def f(s):\n    return 1.0\n")
+    rm = RewardManager(None, f"{path}:f")
+    samples = [sample("x"), sample("y")]
+
+    async def caller():
+        return rm.score(samples)
+
+    assert asyncio.run(caller())["reward/mean"] == 1.0
+
+
+def test_group_rm(tmp_path):
+    path = write_module(tmp_path, "group_rm", (
+        "def rank(samples):\n"
+        "    if samples[0].group_index == 1:\n"
+        "        return [1.0]  # wrong length for a group of 2\n"
+        "    if samples[0].group_index == 2:\n"
+        "        raise ValueError('group boom')\n"
+        "    return [float(i) for i, _ in enumerate(samples)]\n"
+    ))
+    rm = RewardManager(None, f"{path}:rank", group_rm=True)
+    samples = [sample("a", group_index=g) for g in [0, 1, 0, 2, 1, 0]]
+    metrics = rm.score(samples)
+    assert [s.reward for s in samples] == [0.0, 0.0, 1.0, 0.0, 0.0, 2.0]
+    assert metrics["reward/errors"] == 3.0
+
+
+def test_async_group_rm(tmp_path):
+    path = write_module(tmp_path, "async_group_rm", (
+        "async def f(samples):\n"
+        "    return [len(samples)] * len(samples)\n"
+    ))
+    samples = [sample("a", group_index=g) for g in [0, 0, 1]]
+    RewardManager(None, f"{path}:f", group_rm=True).score(samples)
+    assert [s.reward for s in samples] == [2.0, 2.0, 1.0]
+
+
+def test_group_rm_needs_a_custom_function():
+    with pytest.raises(ValueError, match="--group-rm needs --custom-rm-path"):
+        RewardManager("math", group_rm=True)
