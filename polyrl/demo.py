@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sft-epochs", type=int, default=2)
-    p.add_argument("--grpo-steps", type=int, default=40)
+    p.add_argument("--sft-epochs", type=int, default=15)
+    p.add_argument("--grpo-steps", type=int, default=60)
     p.add_argument("--digits", type=int, default=2)
     p.add_argument("--carry-bug-rate", type=float, default=0.6, help="share of SFT demos that forget the carry")
     a = p.parse_args(argv)
@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     build_model(base, seed=a.seed)
     common = ["--seed", str(a.seed), "--quiet"]
     polyrl("sft", "--hf-checkpoint", base, "--prompt-data", paths["sft"], "--global-batch-size", "64", "--micro-batch-size", "64",
-           "--num-epoch", str(a.sft_epochs), "--lr", "3e-3", "--lr-warmup-steps", "10", "--lr-decay-style", "cosine",
-           "--min-lr", "3e-4", "--adam-beta2", "0.98", "--weight-decay", "0.0", "--save-hf", sft_dir,
+           "--num-epoch", str(a.sft_epochs), "--lr", "1e-3", "--lr-warmup-steps", "20", "--lr-decay-style", "cosine",
+           "--min-lr", "1e-4", "--adam-beta2", "0.98", "--weight-decay", "0.0", "--save-hf", sft_dir,
            "--run-dir", os.path.join(run, "sft"), *common)
     evals = ["--eval-prompt-data", paths["eval"], "--rm-type", "arithmetic", "--rollout-max-response-len", "8"]
     polyrl("eval", "--hf-checkpoint", sft_dir, *evals, "--run-dir", os.path.join(run, "eval_before"), *common)
