@@ -71,7 +71,7 @@ def reinforce_plus_plus(rewards, seq_ids, *, kl=None, kl_coef=0.0, gamma=1.0, lo
     token; discounted returns; whitened over the whole batch. kl: [T] or None. -> [T]"""
     token_rewards = torch.zeros(seq_ids.numel(), dtype=torch.float32)
     if kl is not None and kl_coef:
-        token_rewards -= kl_coef * kl.float()
+        token_rewards -= kl_coef * (kl.float() if loss_mask is None else kl.float() * loss_mask.float())  # no KL on untrained (e.g. tool) tokens
     last = torch.ones_like(seq_ids, dtype=torch.bool)
     last[:-1] = seq_ids[1:] != seq_ids[:-1]
     token_rewards[last] += rewards.float()[seq_ids[last]]

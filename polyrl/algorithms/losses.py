@@ -65,6 +65,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):
+        if kind == "low_var_kl":  # |log r| >= 20 is clamped to 10 below anyway; exp(88+) = inf gave a NaN gradient
+            log_ratio = log_ratio.clamp(-20.0, 20.0)
         # k3 = r - log r - 1 with r = ref/pi: unbiased and always >= 0
         kl = torch.exp(-log_ratio) + log_ratio - 1.0
         return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl

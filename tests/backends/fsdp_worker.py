@@ -1,0 +1,72 @@
+"""Runs FSDPBackend under torchrun (or alone) on a fixed batch, for the equivalence tests.
+
+python -m torch.distributed.run --nproc-per-node N tests/backends/fsdp_worker.py MODEL_DIR OUT.pt
+    [--steps K] [--load CKPT] [--save CKPT] [--offload] [--micro-batch-size M] [--dynamic TOKENS]
+Writes, from rank 0: losses per step and the full final weights.
+"""
+
+import argparse
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from polyrl.algorithms.losses import LossSettings, rl_loss
+from polyrl.backends.parallel_dims import init_distributed
+from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+from polyrl.types import TrainBatch
+
+
+def fixed_batch(n: int = 8, vocab: int = 14, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids, plens, fields = [], [], {"loss_mask": [], "advantages": [], "rollout_logprobs": []}
+    for i in range(n):
+        p, r = 3 + i % 4, 2 + (i * 3) % 5
+        ids.append(torch.randint(2, vocab, (p + r,), generator=g))
+        plens.append(p)
+        fields["loss_mask"].append(torch.ones(r))
+        fields["advantages"].append(torch.full((r,), 1.0 if i % 2 else -1.0))
+        fields["rollout_logprobs"].append(torch.full((r,), -2.5))
+    return TrainBatch(ids, plens, fields)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--load")
+    ap.add_argument("--save")
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--dynamic", type=int, default=0)
+    a = ap.parse_args()
+    init_distributed("cpu")
+    torch.set_num_threads(1)
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload)
+    oc = OptimizerConfig(lr=1e-2, clip_grad=1.0)
+    bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None)
+    be = FSDPBackend(mc, oc, bc, device="cpu", total_steps=8)
+    start = load_checkpoint(a.load, be)["step"] if a.load else 0
+    batch = fixed_batch()
+    ws, rk = dist.get_world_size(), dist.get_rank()
+    per = len(batch) // ws
+    mine = batch.select(list(range(rk * per, (rk + 1) * per)))
+    loss_fn = functools.partial(rl_loss, s=LossSettings(eps_clip=0.2, loss_agg_mode="token-mean"))
+    losses = []
+    for step in range(start, start + a.steps):
+        m = be.train_step(mine, loss_fn, with_entropy=True)
+        losses.append((m["loss"], m["grad_norm"], m["entropy"]))
+    if a.save:
+        save_checkpoint(a.save, start + a.steps, be, {"step": start + a.steps})
+    weights = {n: t.clone() for n, t in be.export_weights()}
+    if rk == 0:
+        torch.save({"losses": losses, "weights": weights}, a.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models and data built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def make_model_dir(path, arch: str = "qwen2", layers: int = 2, hidden: int = 64, tied: bool = True, seed: int = 0) -> str:
+    from polyrl.tasks.arithmetic import build_model
+
+    model, tok = build_model(str(path), hidden=hidden, layers=layers, heads=4, kv_heads=2, seed=seed, arch=arch)
+    if not tied:  # rebuild untied, keeping the tokenizer files
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = AutoConfig.from_pretrained(str(path))
+        cfg.tie_word_embeddings = False
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Qwen2-style, tied embeddings, 2 layers, hidden 64."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied(tmp_path_factory) -> str:
+    return make_model_dir(tmp_path_factory.mktemp("tiny_llama"), arch="llama", tied=False)
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory) -> dict[str, str]:
+    from polyrl.tasks.arithmetic import write_datasets
+    return write_datasets(str(tmp_path_factory.mktemp("arith")), digits=2, n_train=256, n_eval=32, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
