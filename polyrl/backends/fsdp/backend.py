@@ -177,6 +177,7 @@ class FSDPBackend:
             _, logp, _, _ = self._forward(m, batch, idx, temperature, False)
             for i, part in zip(idx, logp.float().cpu().split(batch.select(idx).response_lens)):
                 out[i] = part
+        m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
         return out  # type: ignore[return-value]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
@@ -235,8 +236,9 @@ class FSDPBackend:
         if self.ref_model is None:
             return
         with torch.no_grad():
+            local = lambda p: p.to_local() if isinstance(p, DTensor) else p.data  # noqa: E731
             for pr, pa in zip(self.ref_model.parameters(), self.model.parameters()):
-                pr.to_local().copy_(pa.to_local())
+                local(pr).copy_(local(pa))
 
     def save_hf(self, path: str, tokenizer=None) -> None:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,124 @@
+"""Shared pieces of the benchmark scripts: model shapes built from configs (random weights,
+no hub), the arithmetic character tokenizer, timing statistics and table printing.
+
+Imports of torch/transformers happen inside the functions, so `--help` of every script is
+instant and needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub at run time: every model is built from a config
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Real model shapes (architecture numbers of the public configs), instantiated with random weights.
+QWEN_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+SHAPES = ("tiny", *QWEN_SHAPES)
+
+
+def char_tokenizer(vocab_size: int | None = None, out_dir: str | None = None):
+    """The arithmetic task's one-token-per-character tokenizer (same ids as
+    `polyrl.tasks.arithmetic.build_tokenizer`), optionally padded with `<xN>` tokens up to
+    `vocab_size` so a big-vocabulary model can sample any id and still decode it. Its decoder
+    concatenates tokens (no spaces), so a decoded answer reads "579", not "5 7 9"."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from polyrl.tasks.arithmetic import CHARS, CHAT_TEMPLATE, SPECIAL
+
+    base = SPECIAL + CHARS
+    vocab = {t: i for i, t in enumerate(base)}
+    for i in range(len(base), vocab_size or len(base)):
+        vocab[f"<x{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir:
+        fast.save_pretrained(out_dir)
+    return fast
+
+
+def fix_decoder(model_dir: str) -> bool:
+    """If the saved tokenizer decodes "579" as "5 7 9" (a WordLevel tokenizer without a decoder
+    joins tokens with spaces under tokenizers>=0.2x), give it a concatenating decoder, so the
+    exact-answer reward can ever match. Returns True when it had to fix it."""
+    from tokenizers import decoders
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("579", add_special_tokens=False)["input_ids"]
+    if tok.decode(ids, skip_special_tokens=True) == "579":
+        return False
+    tok.backend_tokenizer.decoder = decoders.Fuse()
+    tok.save_pretrained(model_dir)
+    return True
+
+
+def build_model_dir(out_dir: str, shape: str, *, seed: int = 0) -> dict[str, Any]:
+    """Write a local HF directory (config, random weights, tokenizer) for `shape`.
+    `tiny` is `polyrl.tasks.arithmetic.build_model`'s default model; the qwen shapes are
+    Qwen2Config instances of the real sizes with the arithmetic character tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if shape == "tiny":
+        from polyrl.tasks.arithmetic import build_model
+        model, _ = build_model(out_dir, seed=seed)
+        fixed = fix_decoder(out_dir)
+    elif shape in QWEN_SHAPES:
+        s = QWEN_SHAPES[shape]
+        tok = char_tokenizer(s["vocab_size"], out_dir)
+        cfg = Qwen2Config(**s, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                          head_dim=s["hidden_size"] // s["num_attention_heads"])
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(out_dir)
+        fixed = False
+    else:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    return {"shape": shape, "dir": out_dir, "params": n_params, "tokenizer_decoder_fixed": fixed}
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt(v: Any, spec: str = "{:.3g}") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:  # nan
+            return "-"
+        return spec.format(v)
+    return str(v)
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text (Markdown) table: prints readably and pastes into RESULTS.md as is."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)

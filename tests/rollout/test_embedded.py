@@ -1,0 +1,93 @@
+"""Embedded engine: sampling contract, stops, seeds, logprobs, weight updates."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.types import SamplingParams
+
+
+def prompts(engine):
+    return [engine.tokenizer("12+34=")["input_ids"], engine.tokenizer("5+6=")["input_ids"], engine.tokenizer("99+1=")["input_ids"]]
+
+
+def test_groups_lengths_and_logprobs(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    out = e.generate(prompts(e), SamplingParams(n=4, max_new_tokens=6, seed=0))
+    assert len(out) == 12
+    assert [s.group_index for s in out] == [0] * 4 + [1] * 4 + [2] * 4
+    for s in out:
+        assert 1 <= len(s.response_ids) <= 6
+        assert len(s.rollout_logprobs) == len(s.response_ids)
+        assert all(lp <= 0 for lp in s.rollout_logprobs)
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] == e.tokenizer.eos_token_id
+        else:
+            assert s.finish_reason == "length" and len(s.response_ids) == 6
+
+
+def test_seed_makes_sampling_deterministic(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    sp = SamplingParams(n=4, max_new_tokens=6, seed=7)
+    a = [s.response_ids for s in e.generate(prompts(e), sp)]
+    b = [s.response_ids for s in e.generate(prompts(e), sp)]
+    c = [s.response_ids for s in e.generate(prompts(e), SamplingParams(n=4, max_new_tokens=6, seed=8))]
+    assert a == b and a != c
+
+
+def test_greedy_equals_transformers_generate(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    out = e.generate(prompts(e), SamplingParams(temperature=0.0, max_new_tokens=6))
+    for p, s in zip(prompts(e), out):
+        g = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=e.tokenizer.eos_token_id,
+                         pad_token_id=e.pad_id)[0, len(p):].tolist()
+        if e.tokenizer.eos_token_id in g:
+            g = g[: g.index(e.tokenizer.eos_token_id) + 1]
+        assert s.response_ids == g
+
+
+def test_logprobs_match_a_plain_forward_at_the_sampling_temperature(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for s in e.generate(prompts(e), SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=1)):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(s.prompt_ids) - 1:-1] / 0.8
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_stop_token_ids_and_stop_strings(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    p = prompts(e)
+    free = e.generate(p, SamplingParams(n=2, max_new_tokens=8, seed=3))
+    first_tok = free[0].response_ids[0]
+    out = e.generate(p, SamplingParams(n=2, max_new_tokens=8, seed=3, stop_token_ids=[first_tok]))
+    assert out[0].response_ids == [first_tok] and out[0].finish_reason == "stop"
+    text = free[1].response
+    if len(text) >= 2:
+        stop = text[1]
+        s = e.generate(p, SamplingParams(n=2, max_new_tokens=8, seed=3, stop=[stop]))[1]
+        assert s.finish_reason == "stop" and s.response.endswith(stop) and len(s.response) <= len(text)
+
+
+def test_update_weights_in_place_changes_the_policy(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    params_before = {n: p.data_ptr() for n, p in e.model.named_parameters()}
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = [s.rollout_logprobs for s in e.generate(prompts(e), sp)]
+    stream = ((n, p.detach() * 0.5) for n, p in e.model.named_parameters())
+    e.update_weights(stream, version=3)
+    assert e.version == 3
+    assert {n: p.data_ptr() for n, p in e.model.named_parameters()} == params_before  # no reallocation
+    after = [s.rollout_logprobs for s in e.generate(prompts(e), sp)]
+    assert before != after
+    try:
+        e.update_weights([("not.a.weight", torch.zeros(1))], version=4)
+    except KeyError as err:
+        assert "not.a.weight" in str(err)
+    else:
+        raise AssertionError("unknown weight name accepted")
