@@ -214,8 +214,8 @@ class FSDPBackend:
             log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
         else:
             self.optimizer.step()
+            self.scheduler.step()  # a skipped step does not advance the schedule either
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         keys = sorted(sums)
         vec = torch.tensor([float(loss_total)] + [float(sums[k]) for k in keys], dtype=torch.float64)
         if dist.get_world_size() > 1:
