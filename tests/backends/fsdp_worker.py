@@ -42,14 +42,15 @@ def main():
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--dynamic", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
-    init_distributed("cpu")
+    init_distributed(a.device)
     torch.set_num_threads(1)
     from polyrl.backends.fsdp.backend import FSDPBackend
     mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload)
     oc = OptimizerConfig(lr=1e-2, clip_grad=1.0)
     bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None)
-    be = FSDPBackend(mc, oc, bc, device="cpu", total_steps=8)
+    be = FSDPBackend(mc, oc, bc, device=a.device, total_steps=8)
     start = load_checkpoint(a.load, be)["step"] if a.load else 0
     batch = fixed_batch()
     ws, rk = dist.get_world_size(), dist.get_rank()
@@ -62,7 +63,7 @@ def main():
         losses.append((m["loss"], m["grad_norm"], m["entropy"]))
     if a.save:
         save_checkpoint(a.save, start + a.steps, be, {"step": start + a.steps})
-    weights = {n: t.clone() for n, t in be.export_weights()}
+    weights = {n: t.float().cpu().clone() for n, t in be.export_weights()}
     if rk == 0:
         torch.save({"losses": losses, "weights": weights}, a.out)
     dist.destroy_process_group()

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from polyrl.backends.base import LossFn, plan_micro_batches
-from polyrl.backends.fsdp.parallelize import apply_ac, apply_fsdp
+from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl.backends.parallel_dims import ParallelDims
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
@@ -36,10 +36,10 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
-                with_entropy: bool = False):
+                with_entropy: bool = False, **attn_kwargs):
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=False).last_hidden_state[0]
+                      use_cache=False, **attn_kwargs).last_hidden_state[0]
         hidden = hidden.index_select(0, gather_idx)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
@@ -50,9 +50,9 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
     """Concatenate samples into one row with per-sequence position ids and a block-diagonal
     causal mask, so no token attends across a sequence boundary.
 
-    Returns input_ids [1, L], position_ids [1, L], mask (or None for varlen kernels that read
-    boundaries from position_ids), gather_idx [R] (positions whose next token is a response
-    token), targets [R], seq_ids [R].
+    Returns input_ids [1, L], position_ids [1, L], mask (None for varlen kernels), gather_idx
+    [R] (positions whose next token is a response token), targets [R], seq_ids [R], and the
+    cu_seqlens kwargs varlen kernels read instead of a mask.
     """
     ids = torch.cat(input_ids).to(device)
     lens = [int(x.numel()) for x in input_ids]
@@ -65,15 +65,18 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         off += l
     gather_idx = torch.cat(gather).to(device)
     targets = ids[gather_idx + 1]
-    mask = None
-    if attn_impl in ("sdpa", "eager"):
+    mask, varlen = None, {}
+    if attn_impl in ("varlen", "flash_attention_2", "flash_attention_3"):
+        cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    elif attn_impl in ("sdpa", "eager"):
         seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
         allowed = (seg[:, None] == seg[None, :]) & torch.ones(off, off, dtype=torch.bool, device=device).tril()
         if attn_impl == "sdpa":
             mask = allowed[None, None]
         else:  # eager adds the mask to the scores
             mask = torch.zeros(off, off, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    return ids[None], pos[None], mask, gather_idx, targets, torch.cat(seq).to(device)
+    return ids[None], pos[None], mask, gather_idx, targets, torch.cat(seq).to(device), varlen
 
 
 def _lr_lambda(o: OptimizerConfig, total_steps: int):
@@ -109,6 +112,8 @@ class FSDPBackend:
             self.dtype = torch.bfloat16
         else:
             self.dtype = torch.float32
+        from polyrl.backends.fsdp.attention import resolve
+        self.attn_impl = resolve(model_cfg.attn_implementation, self.device.type)
         torch.manual_seed(seed)
         self.model = self._build(model_cfg.hf_checkpoint, train=True)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
@@ -125,7 +130,7 @@ class FSDPBackend:
         shards it, and receives rank 0's weights by broadcast (tied embeddings stay tied:
         they are one Parameter in the root FSDP group)."""
         config = AutoConfig.from_pretrained(path)
-        attn = self.mcfg.attn_implementation
+        attn = self.attn_impl
         full_sd, buffers = {}, {}
         if self.dp_rank == 0:
             src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
@@ -135,6 +140,8 @@ class FSDPBackend:
             lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
+        if self.mcfg.compile:
+            apply_compile(lm)
         root = PolicyModel(lm, self.mcfg.logprob_chunk_size)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
@@ -165,8 +172,8 @@ class FSDPBackend:
             mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1])
         else:
             mb = batch.select(idx)
-        ids, pos, mask, gidx, tgt, seq = pack(mb.input_ids, mb.prompt_lens, self.mcfg.attn_implementation, self.device, self.dtype)
-        logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy)
+        ids, pos, mask, gidx, tgt, seq, varlen = pack(mb.input_ids, mb.prompt_lens, self.attn_impl, self.device, self.dtype)
+        logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
         return mb, logp, ent, seq
 
     @torch.no_grad()

@@ -25,6 +25,13 @@ def apply_ac(lm: nn.Module) -> None:
         lm.config.use_cache = False
 
 
+def apply_compile(lm: nn.Module) -> None:
+    """Compile each decoder layer on its own (the layers are identical, so one compiled graph
+    is reused; dynamic shapes because packed lengths change every micro-batch)."""
+    for layer in decoder_layers(lm):
+        layer.compile(dynamic=True)
+
+
 def apply_fsdp(root: nn.Module, lm: nn.Module, mesh, *, param_dtype: torch.dtype, cpu_offload: bool,
                reshard_after_forward: bool = True) -> nn.Module:
     kw: dict = {"mesh": mesh}

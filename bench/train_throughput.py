@@ -1,0 +1,170 @@
+"""Training-step throughput and MFU of a train backend on packed micro-batches.
+
+One step = forward + backward + optimizer over one packed micro-batch per rank (the RL loss,
+log-probs and entropy from hidden states in chunks). Random-weight models of Qwen2.5 shapes,
+BF16 compute with FP32 master weights.
+
+FLOPs per step = 6 * N * tokens + attention, where N counts the parameters that take part in
+matmuls (all but the input embedding; the tied LM head counts once as a matmul) and the causal
+attention term is 6 * layers * heads * head_dim * sum_i(s_i^2) (fwd QK^T + PV = 2*2*s^2*d/2, x3
+for fwd+bwd). MFU = achieved FLOP/s / dense BF16 peak (989 TFLOP/s for H100 SXM and H200).
+
+    python bench/train_throughput.py --model-shape qwen2.5-0.5b qwen2.5-1.5b --tokens 16384
+    torchrun --nproc-per-node 2 bench/train_throughput.py --model-shape qwen2.5-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+SHAPES = {
+    # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab), tied embeddings
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=sorted(SHAPES))
+    p.add_argument("--train-backend", default="fsdp", choices=["fsdp", "megatron"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384], help="tokens per packed micro-batch per rank")
+    p.add_argument("--min-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa")
+    p.add_argument("--chunk", type=int, default=4096, help="tokens per log-prob chunk")
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
+    p.add_argument("--out", default=None, help="append JSON rows here")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    return p.parse_args(argv)
+
+
+def make_model(shape: str, path: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from polyrl.tasks.arithmetic import build_tokenizer
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    m.save_pretrained(path)
+    build_tokenizer(path)
+
+
+def matmul_params(model_dir: str) -> tuple[int, dict]:
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_dir)
+    h, i, L, nh, kv = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    hd = h // nh
+    attn = h * nh * hd + 2 * h * kv * hd + nh * hd * h
+    mlp = 3 * h * i
+    return L * (attn + mlp) + c.vocab_size * h, dict(layers=L, heads=nh, head_dim=hd)
+
+
+def synthetic_batch(tokens: int, lo: int, hi: int, vocab: int, seed: int):
+    import torch
+
+    from polyrl.types import TrainBatch
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < tokens:
+        lens.append(min(rng.randint(lo, hi), tokens - sum(lens)))
+    if lens[-1] < 8:
+        lens[-2] += lens.pop()
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (l,), generator=g) for l in lens]
+    plens = [max(1, l // 4) for l in lens]
+    fields = {"loss_mask": [torch.ones(l - p) for l, p in zip(lens, plens)],
+              "advantages": [torch.full((l - p,), rng.choice([-1.0, 1.0])) for l, p in zip(lens, plens)],
+              "rollout_logprobs": [torch.full((l - p,), -1.0) for l, p in zip(lens, plens)]}
+    return TrainBatch(ids, plens, fields), lens
+
+
+def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from polyrl.algorithms.losses import LossSettings, rl_loss
+    from polyrl.backends.base import load_backend_class
+    from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    mc = ModelConfig(hf_checkpoint=model_dir, compile="compile" in variant, gradient_checkpointing="ac" in variant,
+                     attn_implementation="sdpa" if variant == "sdpa" else "auto", logprob_chunk_size=a.chunk)
+    bc = BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=tokens)
+    be = load_backend_class(a.train_backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device, total_steps=a.steps + a.warmup)
+    n_params, geo = matmul_params(model_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_fn = functools.partial(rl_loss, s=LossSettings())
+    times, flops = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(a.warmup + a.steps):
+        batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        be.train_step(batch, loss_fn, with_entropy=True)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        f = 6 * n_params * sum(lens) + 6 * geo["layers"] * geo["heads"] * geo["head_dim"] * sum(l * l for l in lens)
+        if step >= a.warmup:
+            times.append(dt)
+            flops.append(f)
+    del be
+    t = statistics.median(times)
+    f = statistics.median(flops)
+    name = torch.cuda.get_device_name()
+    peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
+    return {"shape": shape, "backend": a.train_backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
+            "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "device": name}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from polyrl.backends.parallel_dims import init_distributed
+    init_distributed(a.device)
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="polyrl_bench_")
+    for shape in a.model_shape:
+        model_dir = os.path.join(tmp, shape)
+        if dist.get_rank() == 0:
+            make_model(shape, model_dir)
+        dist.barrier()
+        for tokens in a.tokens:
+            for variant in a.variants.split(","):
+                try:
+                    rows.append(run_one(a, shape, model_dir, tokens, variant))
+                except torch.OutOfMemoryError:
+                    rows.append({"shape": shape, "variant": variant, "tokens_per_gpu": tokens, "gpus": dist.get_world_size(), "error": "OOM"})
+                torch.cuda.empty_cache()
+                if dist.get_rank() == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+    if dist.get_rank() == 0:
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"]
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(str(r.get(c, r.get("error", ""))) for c in cols) + " |")
+        print(f"MFU against dense BF16 peak {rows[0].get('device', '')}: 989 TFLOP/s (H100 SXM / H200)")
+        if a.out:
+            with open(a.out, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
