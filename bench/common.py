@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub at run time: every model is built from a config
@@ -122,3 +123,46 @@ def write_json(path: str, obj: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes on this machine have spent busy so far (None if unknown)."""
+    try:
+        import psutil
+        t = psutil.cpu_times()
+        return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+    except ImportError:
+        pass
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ContentionProbe:
+    """How busy the machine was with *other* work while a child process ran: (all busy CPU
+    seconds - the reaped children's CPU seconds) / (wall x cores). A benchmark on a shared
+    machine reports it beside its timings; more than a few percent means those timings are
+    inflated (BLAS/OpenMP threads slow down many times over when cores are oversubscribed)."""
+
+    def __enter__(self):
+        import resource
+        self.t0, self.busy0 = time.perf_counter(), _busy_cpu_seconds()
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.child0 = ru.ru_utime + ru.ru_stime
+        return self
+
+    def __exit__(self, *exc):
+        import resource
+        self.wall = time.perf_counter() - self.t0
+        busy1 = _busy_cpu_seconds()
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.child_cpu_s = ru.ru_utime + ru.ru_stime - self.child0
+        if busy1 is None or self.busy0 is None or self.wall <= 0:
+            self.other_frac = None
+        else:
+            other = max(busy1 - self.busy0 - self.child_cpu_s, 0.0)
+            self.other_frac = other / (self.wall * (os.cpu_count() or 1))
+        return False

@@ -35,7 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SHAPES, build_model_dir, fmt, markdown_table, median, write_json  # noqa: E402
+from common import ContentionProbe, build_model_dir, fmt, markdown_table, median, write_json  # noqa: E402
 
 FRAMEWORKS = ("polyrl", "trl", "trl-cb")
 INSTALL_HINT = "TRL is not installed: `pip install -e .[bench]` (adds trl and psutil)"
@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps, not measured")
     p.add_argument("--reward-last-k", type=int, default=5, help="mean reward over the last K steps")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the frameworks this many times, alternating (polyrl, trl, polyrl, trl, ...); "
+                        "step times pool the measured steps of all runs")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=8, help="GRPO group size (TRL num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -81,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"of --samples-per-prompt ({a.samples_per_prompt}) (TRL splits whole groups)")
     if a.samples_per_prompt < 2:
         p.error("--samples-per-prompt must be >= 2 (GRPO needs a group)")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
+        p.error("--steps and --repeats must be >= 1 and --warmup >= 0")
     return a
 
 
@@ -238,28 +241,38 @@ def worker_main(framework: str, spec_path: str) -> int:
 
 
 # ---- parent: prepare, run each, report -----------------------------------------------------------------------
-def summarize(framework: str, res: dict, s: dict, prompt_tokens: list[int]) -> dict:
+def summarize(framework: str, results: list[dict], s: dict, prompt_tokens: list[int]) -> dict:
+    """One row from one or more runs of a framework: warm-up steps dropped from each run, the
+    measured steps pooled; the reward is the mean of each run's last K steps."""
     w, k = s["warmup"], s["reward_last_k"]
-    steps = sorted(res["steps"], key=lambda r: r["step"])
-    measured = steps[w:]
+    measured, runs = [], []
+    for res in results:
+        steps = sorted(res["steps"], key=lambda r: r["step"])
+        measured += steps[w:]
+        runs.append({"per_step": steps, "step_s_median": median([r["step_s"] for r in steps[w:]]),
+                     "reward_last_k": sum(r.get("reward", float("nan")) for r in steps[-k:]) / max(len(steps[-k:]), 1),
+                     "other_cpu_frac": res.get("other_cpu_frac"), "peak_rss_mib": res.get("peak_rss_mib"),
+                     "peak_gpu_mib": res.get("peak_gpu_mib"), "wall_s": res.get("wall_s")})
     step_s = [r["step_s"] for r in measured]
     gen_tok = [r.get("completion_tokens", float("nan")) for r in measured]
-    trained = [r.get("completion_tokens", float("nan")) + prompt_tokens[(r["step"] - 1) % len(prompt_tokens)] for r in measured]
+    trained = [t + prompt_tokens[(r["step"] - 1) % len(prompt_tokens)] for t, r in zip(gen_tok, measured)]
+    others = [r["other_cpu_frac"] for r in runs if r["other_cpu_frac"] is not None]
+    peak = lambda key: max((r[key] for r in runs if r.get(key) is not None), default=None)  # noqa: E731
     row = {
-        "framework": framework, "steps_measured": len(measured), "warmup": w,
+        "framework": framework, "runs": len(runs), "steps_measured": len(measured), "warmup": w,
         "step_s_median": median(step_s),
         "gen_s_median": median([r["gen_s"] for r in measured if r.get("gen_s") is not None]),
         "gen_tokens_per_s": sum(gen_tok) / sum(step_s) if step_s else float("nan"),
         "trained_tokens_per_s": sum(trained) / sum(step_s) if step_s else float("nan"),
         "completion_tokens_per_step": median(gen_tok),
-        "reward_last_k": sum(r.get("reward", float("nan")) for r in steps[-k:]) / max(len(steps[-k:]), 1),
-        "reward_first_step": steps[0].get("reward") if steps else None,
-        "peak_rss_mib": res.get("peak_rss_mib"), "peak_gpu_mib": res.get("peak_gpu_mib"), "wall_s": res.get("wall_s"),
+        "reward_last_k": sum(r["reward_last_k"] for r in runs) / len(runs),
+        "peak_rss_mib": peak("peak_rss_mib"), "peak_gpu_mib": peak("peak_gpu_mib"),
+        "other_cpu_frac": max(others) if others else None,
     }
     if framework == "polyrl":
         keys = sorted({p for r in measured for p in r.get("parts", {})})
         row["parts_median_s"] = {p: median([r["parts"].get(p, 0.0) for r in measured]) for p in keys}
-    row["per_step"] = steps
+    row["run_details"] = runs
     return row
 
 
@@ -307,17 +320,18 @@ def prompt_tokens_per_step(model_dir: str, train_path: str, prompts_per_step: in
 
 def print_table(rows: list[dict], device: str) -> str:
     mem_key, mem_name = ("peak_gpu_mib", "peak GPU MiB") if device == "cuda" else ("peak_rss_mib", "peak RSS MiB")
-    headers = ["framework", "step s (median)", "gen phase s", "gen tok/s", "trained tok/s", mem_name, "reward (last K)"]
+    headers = ["framework", "step s (median)", "gen phase s", "gen tok/s", "trained tok/s", mem_name, "reward (last K)",
+               "other CPU load"]
     body = []
     ok = [r for r in rows if "error" not in r and "skipped" not in r]
     for r in rows:
         if "skipped" in r or "error" in r:
-            body.append([r["framework"], "skipped: " + r["skipped"] if "skipped" in r else "error: " + r["error"][:60],
-                         "", "", "", "", ""])
+            body.append([r["framework"], "skipped" if "skipped" in r else "failed", "", "", "", "", "", ""])
             continue
         body.append([r["framework"], fmt(r["step_s_median"], "{:.3f}"), fmt(r["gen_s_median"], "{:.3f}"),
                      fmt(r["gen_tokens_per_s"], "{:.0f}"), fmt(r["trained_tokens_per_s"], "{:.0f}"),
-                     fmt(r.get(mem_key), "{:.0f}"), fmt(r["reward_last_k"], "{:.3f}")])
+                     fmt(r.get(mem_key), "{:.0f}"), fmt(r["reward_last_k"], "{:.3f}"),
+                     fmt(r["other_cpu_frac"] * 100 if r.get("other_cpu_frac") is not None else None, "{:.0f}%")])
     pol = next((r for r in ok if r["framework"] == "polyrl"), None)
     for r in ok:
         if pol is None or r is pol:
@@ -325,8 +339,12 @@ def print_table(rows: list[dict], device: str) -> str:
         ratio = lambda key: (pol[key] / r[key]) if pol.get(key) and r.get(key) else float("nan")  # noqa: E731
         body.append([f"polyrl / {r['framework']}", fmt(ratio("step_s_median"), "{:.2f}x"), fmt(ratio("gen_s_median"), "{:.2f}x"),
                      fmt(ratio("gen_tokens_per_s"), "{:.2f}x"), fmt(ratio("trained_tokens_per_s"), "{:.2f}x"),
-                     fmt(ratio(mem_key), "{:.2f}x"), fmt(pol["reward_last_k"] - r["reward_last_k"], "{:+.3f}")])
+                     fmt(ratio(mem_key), "{:.2f}x"), fmt(pol["reward_last_k"] - r["reward_last_k"], "{:+.3f}"), ""])
     table = markdown_table(headers, body)
+    notes = [f"{r['framework']}: {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']}"
+             for r in rows if "skipped" in r or "error" in r]
+    if notes:
+        table += "\n\n" + "\n".join(notes)
     print(table)
     return table
 
@@ -340,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             "samples_per_prompt": a.samples_per_prompt, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
             "seed": a.seed, "micro_batch_size": a.micro_batch_size, "warmup": a.warmup, "steps": a.steps,
             "total_steps": a.warmup + a.steps, "reward_last_k": a.reward_last_k, "frameworks": a.framework_list,
-            "model_dir": "<workdir>/model", "train_data": "<workdir>/data/train.jsonl", "run_dir": "<workdir>/<framework>",
-            "device_note": "cuda" if a.device == "cuda" else "cpu"}
+            "repeats": a.repeats, "digits": a.digits, "sft_warmstart_epochs": a.sft_warmstart_epochs,
+            "model_dir": "<workdir>/model", "train_data": "<workdir>/data/train.jsonl", "run_dir": "<workdir>/<framework>"}
     if a.dry_run:
         print(json.dumps({"plan": plan, "polyrl_argv": polyrl_argv(plan), "trl_grpo_config": trl_config_kwargs(plan)}, indent=1))
         return 0
@@ -354,47 +372,62 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("compare_trl: error: --device cuda but no CUDA device is visible", file=sys.stderr)
             return 2
+    import shutil
     work = a.workdir or tempfile.mkdtemp(prefix="polyrl_compare_trl_")
     os.makedirs(work, exist_ok=True)
     print(f"workdir: {work}")
     prep = prepare(a, work)
     ptoks = prompt_tokens_per_step(prep["model_dir"], prep["data"]["train"], a.prompts_per_step, a.samples_per_prompt,
                                    a.warmup + a.steps)
-    rows = []
+    runnable, rows_by_fw = [], {}
     for fw in a.framework_list:
+        why = None
         if fw == "trl-cb":
             if a.device != "cuda":
                 why = "transformers continuous batching (paged attention) is a GPU path; not run on CPU"
-                print(f"skip trl-cb: {why}")
-                rows.append({"framework": fw, "skipped": why})
+            elif trl_cb_field()[0] is None:
+                why = trl_cb_field()[1]
+        if why:
+            print(f"skip {fw}: {why}")
+            rows_by_fw[fw] = {"framework": fw, "skipped": why}
+        else:
+            runnable.append(fw)
+    results: dict[str, list[dict]] = {fw: [] for fw in runnable}
+    specs = {}
+    for rep in range(a.repeats):
+        for fw in runnable:
+            if fw in rows_by_fw:  # failed before
                 continue
-            field, why = trl_cb_field()
-            if field is None:
-                print(f"skip trl-cb: {why}")
-                rows.append({"framework": fw, "skipped": why})
+            s = {**plan, "model_dir": prep["model_dir"], "train_data": prep["data"]["train"],
+                 "run_dir": os.path.join(work, f"{fw}_run{rep}"), "result_path": os.path.join(work, f"{fw}_result{rep}.json")}
+            specs[fw] = s
+            shutil.rmtree(s["run_dir"], ignore_errors=True)
+            spec = os.path.join(work, f"{fw}_spec{rep}.json")
+            write_json(spec, s)
+            print(f"--- {fw} (run {rep + 1}/{a.repeats}): {a.warmup} warm-up + {a.steps} measured steps ...", flush=True)
+            with ContentionProbe() as probe:
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", fw, "--_spec", spec],
+                                      capture_output=True, text=True)
+            if proc.returncode != 0:
+                err = (proc.stderr or proc.stdout).strip().splitlines()
+                print(f"{fw} failed (exit {proc.returncode}):\n" + "\n".join(err[-30:]), file=sys.stderr)
+                rows_by_fw[fw] = {"framework": fw, "error": err[-1] if err else f"exit {proc.returncode}"}
                 continue
-        s = {**plan, "model_dir": prep["model_dir"], "train_data": prep["data"]["train"],
-             "run_dir": os.path.join(work, fw), "result_path": os.path.join(work, f"{fw}_result.json")}
-        import shutil
-        shutil.rmtree(s["run_dir"], ignore_errors=True)
-        spec = os.path.join(work, f"{fw}_spec.json")
-        write_json(spec, s)
-        print(f"--- {fw}: {a.warmup} warm-up + {a.steps} measured steps ...", flush=True)
-        t = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", fw, "--_spec", spec],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            err = (proc.stderr or proc.stdout).strip().splitlines()
-            print(f"{fw} failed (exit {proc.returncode}):\n" + "\n".join(err[-30:]), file=sys.stderr)
-            rows.append({"framework": fw, "error": err[-1] if err else f"exit {proc.returncode}"})
-            continue
-        with open(s["result_path"]) as f:
-            res = json.load(f)
-        row = summarize(fw, res, s, ptoks)
-        print(f"    done in {time.perf_counter() - t:.1f}s: step {row['step_s_median']:.3f}s, reward(last {a.reward_last_k}) "
-              f"{row['reward_last_k']:.3f}" + (f", polyrl parts {json.dumps({k: round(v, 3) for k, v in row['parts_median_s'].items()})}"
-                                                 if "parts_median_s" in row else ""))
-        rows.append(row)
+            with open(s["result_path"]) as f:
+                res = json.load(f)
+            res["other_cpu_frac"] = probe.other_frac
+            results[fw].append(res)
+            one = summarize(fw, [res], s, ptoks)
+            load = f", other CPU load {probe.other_frac:.0%}" if probe.other_frac is not None else ""
+            print(f"    done in {probe.wall:.1f}s: step {one['step_s_median']:.3f}s, reward(last {a.reward_last_k}) "
+                  f"{one['reward_last_k']:.3f}{load}" + (f", polyrl parts {json.dumps({k: round(v, 3) for k, v in one['parts_median_s'].items()})}"
+                                                         if "parts_median_s" in one else ""), flush=True)
+            if probe.other_frac is not None and probe.other_frac > 0.05:
+                print(f"    warning: other processes used {probe.other_frac:.0%} of the CPUs during this run; its timings are inflated")
+    for fw in runnable:
+        if fw not in rows_by_fw:
+            rows_by_fw[fw] = summarize(fw, results[fw], specs[fw], ptoks)
+    rows = [rows_by_fw[fw] for fw in a.framework_list]
     print()
     table = print_table(rows, a.device)
     import platform
@@ -409,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         versions = {}
     out = {"settings": plan, "model": prep["model_info"], "sft_seconds": prep["sft_seconds"], "rows": rows,
            "table": table, "versions": versions, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": " ".join([os.path.relpath(__file__) if not argv else "bench/compare_trl.py", *(argv if argv is not None else sys.argv[1:])])}
+           "command": " ".join(["python bench/compare_trl.py", *(argv if argv is not None else sys.argv[1:])])}
     if a.out:
         write_json(a.out, out)
         print(f"\nwrote {a.out}")

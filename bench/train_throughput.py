@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
     p.add_argument("--out", default=None, help="append JSON rows here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one measured step")
     return p.parse_args(argv)
 
 
@@ -109,11 +110,18 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
     for step in range(a.warmup + a.steps):
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
+        prof = None
+        if a.profile and step == a.warmup and rank == 0:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         be.train_step(batch, loss_fn, with_entropy=True)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
         f = 6 * n_params * sum(lens) + 6 * geo["layers"] * geo["heads"] * geo["head_dim"] * sum(l * l for l in lens)
         if step >= a.warmup:
             times.append(dt)

@@ -10,15 +10,15 @@ import sys
 
 from polyrl.config import ConfigError, add_config_args, config_from_args, validate
 
-ALL = ("cluster", "data", "rollout", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log")
+ALL = ("cluster", "data", "rollout", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
     "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
-            ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log")),
+            ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
-             ("cluster", "data", "rollout", "reward", "model", "checkpoint", "log", "batch", "optimizer")),
+             ("cluster", "data", "rollout", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
     "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",
-                  ("cluster", "model", "checkpoint", "batch", "optimizer")),
+                  ("cluster", "model", "checkpoint", "batch", "optimizer", "megatron")),
 }
 
 

@@ -23,8 +23,10 @@ class ConfigError(ValueError):
     """Invalid flag values or combinations; the message names the flags and the fix."""
 
 
-def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None, repeat: bool = False):
     md = {"help": help}
+    if repeat:
+        md["repeat"] = True
     if choices:
         md["choices"] = choices
     if flag:
@@ -157,6 +159,29 @@ class LogConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """--train-backend megatron only; flag names are Megatron-LM's."""
+
+    tensor_model_parallel_size: int = opt(1, "tensor parallel degree (TP)")
+    sequence_parallel: bool = opt(False, "shard norms/dropout activations along the sequence over the TP group (needs TP > 1)")
+    pipeline_model_parallel_size: int = opt(1, "pipeline parallel degree (PP)")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(None, "layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)")
+    context_parallel_size: int = opt(1, "context parallel degree (CP): each sequence is split over CP ranks")
+    expert_model_parallel_size: int = opt(1, "expert parallel degree (EP, MoE models)")
+    expert_tensor_parallel_size: int | None = opt(None, "tensor parallel degree inside experts (default: --tensor-model-parallel-size)")
+    moe_router_topk: int | None = opt(None, "experts per token (default: the HF config's num_experts_per_tok)")
+    use_distributed_optimizer: bool = opt(True, "shard fp32 main params and Adam state over data parallel ranks (ZeRO-1)")
+    recompute_granularity: str | None = opt(None, "activation recompute: full | selective", ("full", "selective"))
+    recompute_method: str | None = opt(None, "full recompute: uniform | block", ("uniform", "block"))
+    recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers per stage (block)")
+    custom_model_provider_path: str | None = opt(None, "'module:function' or 'file.py:function' building the megatron model; "
+                                                 "called as fn(config, hf_config, pre_process, post_process, vp_stage)")
+    use_megatron_fsdp: bool = opt(False, "megatron-core FSDP (ZeRO-3 optim_grads_params by default) instead of DDP")
+    override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
+                                         repeat=True)
+
+
+@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -168,6 +193,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 SECTION_TITLES = {
@@ -217,6 +243,8 @@ def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] |
                 continue
             if is_list:
                 kw["nargs"] = "*"
+                if f.metadata.get("repeat"):  # `--flag a --flag b` accumulates instead of keeping the last
+                    kw["action"] = "extend"
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
                 kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
@@ -310,7 +338,30 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
+    if c.train_backend == "megatron":
+        _validate_megatron(cfg.megatron)
     if c.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+
+
+def _validate_megatron(m: MegatronConfig) -> None:
+    """Degrees against the launch's world size (torchrun's WORLD_SIZE; 1 for a plain launch)."""
+    from polyrl.backends.parallel_dims import ParallelDims
+
+    if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.pipeline_model_parallel_size == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError("--recompute-method applies to --recompute-granularity full")
+    for item in m.override_ddp_config:
+        if "=" not in item:
+            raise ConfigError(f"--override-ddp-config {item!r}: expected key=value")
+    try:
+        ParallelDims(world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=m.tensor_model_parallel_size,
+                     pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size, ep=m.expert_model_parallel_size,
+                     etp=m.expert_tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

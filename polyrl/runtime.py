@@ -68,8 +68,9 @@ def setup(cfg: Config) -> tuple[str, Dist]:
 
 def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool):
     cls = load_backend_class(cfg.cluster.train_backend)
+    extra = {"megatron_cfg": cfg.megatron} if cfg.cluster.train_backend == "megatron" else {}  # only megatron reads it
     return cls(cfg.model, cfg.optimizer, cfg.batch, device=device, total_steps=total_steps, need_ref=need_ref,
-               seed=cfg.cluster.seed)
+               seed=cfg.cluster.seed, **extra)
 
 
 def build_engine(cfg: Config, device: str):

@@ -20,17 +20,31 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, in
     return logp, ent
 
 
+_compiled = None
+
+
+def _compiled_chunk():
+    """The chunk under torch.compile: logsumexp, gather and entropy fuse into a couple of passes
+    over the [chunk, V] logits instead of one pass per op."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_chunk, dynamic=True)
+    return _compiled
+
+
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     chunk_size: int = 1024, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk_size: int = 1024, with_entropy: bool = False, compiled: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden: [T, H], weight: [V, H] (the LM head), targets: [T] -> logprobs [T] (fp32), entropy [T] | None."""
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    fn = _compiled_chunk() if compiled else _chunk
     lps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_size):
         args = (hidden[s:s + chunk_size], weight, targets[s:s + chunk_size], inv_temp, with_entropy)
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk, *args, use_reentrant=False)
+            lp, ent = checkpoint(fn, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk(*args)
+            lp, ent = fn(*args)
         lps.append(lp)
         if ent is not None:
             ents.append(ent)

@@ -40,10 +40,14 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     world_size: int = 1
+    etp: int | None = None  # expert tensor parallel; None = tp (megatron's default)
 
     def __post_init__(self) -> None:
+        if self.etp is None:
+            self.etp = self.tp
         for name, v in (("tensor-model-parallel-size", self.tp), ("pipeline-model-parallel-size", self.pp),
-                        ("context-parallel-size", self.cp), ("expert-model-parallel-size", self.ep)):
+                        ("context-parallel-size", self.cp), ("expert-model-parallel-size", self.ep),
+                        ("expert-tensor-parallel-size", self.etp)):
             if v < 1:
                 raise ValueError(f"--{name} must be >= 1 (got {v})")
         model = self.tp * self.pp * self.cp
@@ -55,6 +59,10 @@ class ParallelDims:
         if (self.dp * self.cp * self.tp) % self.ep:
             raise ValueError(f"--expert-model-parallel-size ({self.ep}) must divide data x context x tensor parallel "
                              f"({self.dp * self.cp * self.tp})")
+        if (self.dp * self.cp * self.tp) % (self.ep * self.etp):
+            # megatron lays experts out as etp x ep x expert-dp over the same ranks as tp x cp x dp
+            raise ValueError(f"--expert-model-parallel-size ({self.ep}) x --expert-tensor-parallel-size ({self.etp}) "
+                             f"must divide data x context x tensor parallel ({self.dp * self.cp * self.tp})")
 
     @classmethod
     def from_world(cls, **degrees) -> "ParallelDims":

@@ -30,10 +30,11 @@ class PolicyModel(nn.Module):
     """Wraps an HF causal LM so one FSDP forward returns per-token log-probs (and entropy)
     of the targets, computed from hidden states in chunks: no [T, V] logits tensor."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.compiled = compiled
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
                 with_entropy: bool = False, **attn_kwargs):
@@ -43,7 +44,7 @@ class PolicyModel(nn.Module):
         hidden = hidden.index_select(0, gather_idx)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
-                                with_entropy=with_entropy)
+                                with_entropy=with_entropy, compiled=self.compiled)
 
 
 def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, device, dtype):
@@ -119,7 +120,8 @@ class FSDPBackend:
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
-                                           eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay)
+                                           eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay,
+                                           fused=self.device.type == "cuda" and not model_cfg.fsdp_cpu_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
         self.skipped_steps = 0
         self.scaler_fp16 = model_cfg.fp16  # fp16 relies on the NaN/inf skip below instead of a loss scaler
@@ -142,7 +144,7 @@ class FSDPBackend:
             apply_ac(lm)
         if self.mcfg.compile:
             apply_compile(lm)
-        root = PolicyModel(lm, self.mcfg.logprob_chunk_size)
+        root = PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=self.mcfg.compile)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
         root.to_empty(device="cpu" if offload else self.device)
@@ -306,7 +308,8 @@ class FSDPBackend:
         self.model.to(self.device)
         for st in self.optimizer.state.values():
             for k, v in st.items():
-                if torch.is_tensor(v) and v.device.type == "cpu" and k != "step":
+                # fused AdamW keeps `step` on the GPU too; the foreach/for-loop kernels want it on CPU
+                if torch.is_tensor(v) and v.device.type == "cpu" and (k != "step" or self.optimizer.defaults.get("fused")):
                     st[k] = v.to(self.device, non_blocking=True)
         torch.cuda.synchronize()
 

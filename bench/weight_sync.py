@@ -1,0 +1,169 @@
+"""Weight sync into the colocated embedded engine, against the device's copy floor.
+
+For each model shape (random weights from a config, saved with save_pretrained to a temp
+dir), builds the FSDP train backend and the embedded rollout engine exactly as
+`polyrl train` does (`polyrl.runtime.setup / build_backend / build_engine` from a Config)
+and times
+
+  push     `InMemoryTransport.push(backend.export_weights(), [engine], version)`: gather each
+           full parameter from FSDP, cast to the engine's dtype, copy into the engine's
+           parameter (what the RL loop's `time/weight_sync` spends besides offload/wake)
+  export   iterating `backend.export_weights()` alone (the gather/cast half of push)
+  floor    `dst.copy_(src)` of one flat buffer of the same byte count on the same device:
+           the practical floor of moving those bytes
+
+  python bench/weight_sync.py --device cpu --model-shapes tiny,qwen2.5-0.5b
+  python bench/weight_sync.py --device cuda --model-shapes qwen2.5-0.5b,qwen2.5-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SHAPES, build_model_dir, fmt, markdown_table, median, write_json  # noqa: E402
+
+DEFAULT_SHAPES = {"cpu": "tiny,qwen2.5-0.5b", "cuda": "qwen2.5-0.5b,qwen2.5-1.5b"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/weight_sync.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model-shapes", default=None,
+                   help=f"comma list of {', '.join(SHAPES)} (default: {DEFAULT_SHAPES['cpu']} on cpu, "
+                        f"{DEFAULT_SHAPES['cuda']} on cuda)")
+    p.add_argument("--repeats", type=int, default=5, help="timed pushes (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed pushes first")
+    p.add_argument("--bucket-mib", type=int, default=512, help="InMemoryTransport bucket size (--update-weight-buffer-size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="where the model directories go (default: a temp dir, removed)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    a = p.parse_args(argv)
+    a.shapes = [s.strip() for s in (a.model_shapes or DEFAULT_SHAPES[a.device]).split(",") if s.strip()]
+    bad = [s for s in a.shapes if s not in SHAPES]
+    if bad:
+        p.error(f"--model-shapes: unknown {', '.join(bad)}; choose from {', '.join(SHAPES)}")
+    if a.repeats < 1 or a.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    return a
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
+    import torch
+
+    from polyrl import runtime as rt
+    from polyrl.config import Config
+    from polyrl.weight_sync import InMemoryTransport
+
+    model_dir = os.path.join(work, shape)
+    t = time.perf_counter()
+    info = build_model_dir(model_dir, shape, seed=a.seed)
+    print(f"{shape}: {info['params'] / 1e6:.1f}M params, built in {time.perf_counter() - t:.1f}s", flush=True)
+    cfg = Config()
+    cfg.model.hf_checkpoint = model_dir
+    cfg.model.update_weight_buffer_size = a.bucket_mib * 2**20
+    cfg.cluster.device = a.device
+    cfg.cluster.seed = a.seed
+    device, _ = rt.setup(cfg)
+    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
+    engine = rt.build_engine(cfg, device)
+    transport = InMemoryTransport(cfg.model.update_weight_buffer_size)
+    version = [0]
+
+    def push():
+        version[0] += 1
+        return transport.push(backend.export_weights(), [engine], version=version[0])
+
+    nbytes = push()
+    push_s = _timed(push, device, a.warmup, a.repeats)
+
+    def export_only():
+        for _, t_ in backend.export_weights():
+            pass
+
+    export_s = _timed(export_only, device, a.warmup, a.repeats)
+    dev = engine.device
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    floor_s = _timed(lambda: dst.copy_(src), device, max(a.warmup, 1), a.repeats)
+    engine_dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
+    del backend, engine, transport, src, dst
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    shutil.rmtree(model_dir, ignore_errors=True)
+    p, f = median(push_s), median(floor_s)
+    return {"shape": shape, "params": info["params"], "bytes": nbytes, "engine_dtype": engine_dtype,
+            "push_s": p, "export_s": median(export_s), "floor_s": f, "ratio": p / f if f > 0 else float("nan"),
+            "push_gb_s": nbytes / p / 1e9, "floor_gb_s": nbytes / f / 1e9,
+            "push_s_all": push_s, "export_s_all": export_s, "floor_s_all": floor_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.dry_run:
+        print(f"plan: device={a.device} shapes={','.join(a.shapes)} repeats={a.repeats} warmup={a.warmup} "
+              f"bucket={a.bucket_mib}MiB")
+        return 0
+    import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("weight_sync: error: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    work = a.workdir or tempfile.mkdtemp(prefix="polyrl_weight_sync_")
+    os.makedirs(work, exist_ok=True)
+    rows = []
+    try:
+        for shape in a.shapes:
+            rows.append(bench_shape(shape, a, work))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    headers = ["shape", "params", "bytes", "engine dtype", "push s", "export-only s", "copy-floor s", "push/floor",
+               "push GB/s", "floor GB/s"]
+    body = [[r["shape"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 2**20:.1f} MiB", r["engine_dtype"],
+             fmt(r["push_s"], "{:.4f}"), fmt(r["export_s"], "{:.4f}"), fmt(r["floor_s"], "{:.4f}"),
+             fmt(r["ratio"], "{:.1f}x"), fmt(r["push_gb_s"], "{:.2f}"), fmt(r["floor_gb_s"], "{:.2f}")] for r in rows]
+    print()
+    table = markdown_table(headers, body)
+    print(table)
+    if a.out:
+        import platform
+        write_json(a.out, {"device": a.device, "rows": rows, "table": table, "torch": torch.__version__,
+                           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                           "command": " ".join(["bench/weight_sync.py", *(argv if argv is not None else sys.argv[1:])])})
+        print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

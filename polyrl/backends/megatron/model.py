@@ -1,0 +1,364 @@
+"""megatron-core model construction: parallel state, layer spec, GPTModel chunks, HF weights in,
+DDP / Megatron-FSDP wrapping, optimizer. Imports megatron-core at module level: only
+`backend.py` imports this module, and only once a Megatron backend is built.
+
+Why GPTModel and not HybridModel: megatron-core 0.19 marks GPTModel deprecated in favour of
+HybridModel, but HybridModel describes layers by a hybrid pattern string meant for Mamba/attention
+mixes and its local (non-Transformer-Engine) path is thinner; GPTModel with
+`get_gpt_decoder_block_spec(use_transformer_engine=False)` is the path megatron's own local-spec
+tests cover, takes the per-layer dense/MoE pattern Qwen3-MoE needs, and exposes the
+`output_processor` hook the vocab-parallel log-prob head uses. The bridge's parameter names are
+those of this model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from polyrl.backends.megatron import bridge, thd
+from polyrl.backends.parallel_dims import ParallelDims
+
+# ---------------------------------------------------------------------------------------------
+# Parallel state (the one place megatron's process groups are made)
+
+
+def init_parallel_state(dims: ParallelDims, vpp: int | None, seed: int) -> None:
+    if ps.model_parallel_is_initialized():  # a second backend in one process (tests, actor + export)
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer spec: local modules, our norms and our varlen core attention
+
+
+class HFRMSNorm(torch.nn.Module):
+    """RMSNorm computed as the HF decoders compute it (fp32 statistics, cast, then the weight),
+    so logits match the FSDP backend closely. Megatron's torch-norm wrapper refuses sequence
+    parallelism; this one marks its weight `sequence_parallel` so finalize_model_grads sums its
+    gradient over TP when the activations it sees are sequence-sharded."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class HFQKNorm(HFRMSNorm):
+    """Per-head q/k norm: it sees whole (all-gathered) sequences, so it is never SP-sharded
+    (megatron sums q/k-norm grads over TP by name)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
+        super().__init__(config, hidden_size, eps)
+        self.weight.sequence_parallel = False
+
+
+@dataclass
+class VarlenPackedSeqParams(PackedSeqParams):
+    attn_plan: Any = None  # thd.AttnPlan of this rank's micro-batch, built once per forward
+
+
+class VarlenCoreAttention(MegatronModule):
+    """Core attention for packed THD batches without Transformer Engine: causal attention inside
+    each sequence (torch varlen flash attention; a dense-mask fallback off CUDA), with context
+    parallelism by all-gathering K/V over the CP group and attending local query chunks to the
+    causal prefix of their sequence."""
+
+    impl = os.environ.get("POLYRL_VARLEN_IMPL", "auto")  # auto | varlen | dense (tests compare them)
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
+                 pg_collection=None, **_: Any):
+        super().__init__(config=config)
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is None:
+            self.cp_group = ps.get_context_parallel_group()
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("polyrl's varlen core attention has no attention dropout; the HF decoders use none")
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_: Any):
+        plan = getattr(packed_seq_params, "attn_plan", None)
+        if plan is None:
+            raise ValueError("VarlenCoreAttention needs packed (THD) inputs built by polyrl.backends.megatron.thd.pack_thd")
+        k = thd.all_gather_seq(key, self.cp_group)
+        v = thd.all_gather_seq(value, self.cp_group)
+        out = thd.varlen_attention(query, k, v, plan, self.scale, impl=self.impl)
+        return out.reshape(out.shape[0], -1)
+
+
+def _patch_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    sub = spec.submodules
+    attn = sub.self_attention
+    a = attn.submodules
+    a = dataclasses.replace(
+        a, core_attention=VarlenCoreAttention,
+        q_layernorm=a.q_layernorm if a.q_layernorm in (None, IdentityOp) else HFQKNorm,
+        k_layernorm=a.k_layernorm if a.k_layernorm in (None, IdentityOp) else HFQKNorm)
+    sub = dataclasses.replace(sub, input_layernorm=HFRMSNorm, pre_mlp_layernorm=HFRMSNorm,
+                              self_attention=dataclasses.replace(attn, submodules=a))
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def layer_spec(config: TransformerConfig, vp_stage: int | None):
+    """megatron's local GPT block spec (dense and MoE layers per moe_layer_freq) with the norms
+    and core attention swapped through the ModuleSpec mechanism."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    return dataclasses.replace(block, layer_specs=[_patch_layer_spec(s) for s in block.layer_specs], layer_norm=HFRMSNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and model
+
+
+def virtual_pipeline_size(num_layers: int, pp: int, layers_per_vstage: int | None) -> int | None:
+    if layers_per_vstage is None:
+        return None
+    if num_layers % (pp * layers_per_vstage):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_vstage} x --pipeline-model-parallel-size "
+                         f"{pp} must divide the model's {num_layers} layers")
+    v = num_layers // (pp * layers_per_vstage)
+    return v if v > 1 else None
+
+
+def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype: torch.dtype) -> TransformerConfig:
+    kw = bridge.config_to_mcore_kwargs(hf_config)
+    if mg.moe_router_topk is not None and "moe_router_topk" in kw:
+        kw["moe_router_topk"] = mg.moe_router_topk
+    if hf_config.num_hidden_layers % dims.pp:
+        raise ValueError(f"--pipeline-model-parallel-size {dims.pp} must divide the model's {hf_config.num_hidden_layers} layers")
+    return TransformerConfig(
+        **kw,
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+        sequence_parallel=mg.sequence_parallel,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
+        variable_seq_lengths=True,  # packed micro-batches differ in length: p2p exchanges shapes
+        transformer_impl="local", perform_initialization=False,  # every weight comes from the HF checkpoint
+        recompute_granularity=mg.recompute_granularity, recompute_method=mg.recompute_method,
+        recompute_num_layers=mg.recompute_num_layers,
+    )
+
+
+def _load_provider(path: str):
+    mod, _, fn = path.rpartition(":")
+    if not mod or not fn:
+        raise ValueError(f"--custom-model-provider-path {path!r}: expected 'module:function' or 'file.py:function'")
+    if mod.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("polyrl_custom_model_provider", mod)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod)
+    return getattr(module, fn)
+
+
+def build_chunks(config: TransformerConfig, hf_config, dims: ParallelDims, vpp: int | None,
+                 provider_path: str | None = None) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), on the GPU, uninitialised."""
+    provider = _load_provider(provider_path) if provider_path else None
+    chunks = []
+    for v in range(vpp or 1):
+        vp = v if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        if provider is not None:
+            m = provider(config, hf_config, pre_process=pre, post_process=post, vp_stage=vp)
+        else:
+            m = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp), pre_process=pre,
+                         post_process=post, parallel_output=True, vp_stage=vp,
+                         **bridge.gpt_model_kwargs(hf_config, dims.tp))
+        chunks.append(m.cuda(torch.cuda.current_device()))
+    return chunks
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def chunk_layer_offset(config: TransformerConfig, chunk: GPTModel) -> int:
+    return get_transformer_layer_offset(config, vp_stage=getattr(chunk, "vp_stage", None))
+
+
+def _bridge_stage(chunk: GPTModel) -> tuple[int, int]:
+    """(pp_rank, pp_size) the bridge understands: it puts the embedding on rank 0 and the head on
+    the last rank; a virtual stage is first/last only when it holds them."""
+    pre, post = chunk.pre_process, chunk.post_process
+    return {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2), (False, False): (1, 3)}[(pre, post)]
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: TransformerConfig) -> None:
+    """Each rank reads only its own TP / PP / EP slice of the safetensors checkpoint."""
+    hf = bridge.load_hf_safetensors(hf_dir)
+    for chunk in chunks:
+        m = unwrap(chunk)
+        pp_rank, pp_size = _bridge_stage(m)
+        off = chunk_layer_offset(config, m)
+        sd = bridge.hf_to_mcore(
+            hf, hf_config, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=config.tensor_model_parallel_size,
+            pp_rank=pp_rank, pp_size=pp_size, layer_range=range(off, off + len(m.decoder.layers)),
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=config.expert_model_parallel_size,
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=config.expert_tensor_parallel_size)
+        params = dict(m.named_parameters())
+        missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+        if missing or extra:
+            raise ValueError(f"HF -> megatron mismatch: missing {missing[:8]}, unexpected {extra[:8]}")
+        for name, t in sd.items():
+            if params[name].shape != t.shape:
+                raise ValueError(f"{name}: megatron {tuple(params[name].shape)} vs HF-derived {tuple(t.shape)}")
+            params[name].copy_(t)
+
+
+FSDP_DEFAULTS = dict(  # verl's Megatron-FSDP defaults; --override-ddp-config changes any of them
+    use_megatron_fsdp=True, use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params",
+    overlap_grad_reduce=True, overlap_param_gather=True, check_for_nan_in_grad=True, grad_reduce_in_fp32=True)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`key=value` strings -> typed values of DistributedDataParallelConfig's fields."""
+    fields = {f.name: f for f in dataclasses.fields(DistributedDataParallelConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in fields:
+            raise ValueError(f"--override-ddp-config {item!r}: DistributedDataParallelConfig has no field {key!r}")
+        default = fields[key].default
+        low = raw.strip().lower()
+        if isinstance(default, bool):
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError(f"--override-ddp-config {item!r}: expected true/false")
+            out[key] = low in ("true", "1")
+        elif low in ("none", "null"):
+            out[key] = None
+        elif isinstance(default, int) or key in ("bucket_size", "num_buckets", "suggested_communication_unit_size"):
+            out[key] = int(raw)
+        elif isinstance(default, float):
+            out[key] = float(raw)
+        elif isinstance(default, torch.dtype) or "dtype" in key:
+            out[key] = getattr(torch, raw.strip().replace("torch.", ""))
+        else:
+            out[key] = raw.strip()
+    return out
+
+
+def ddp_config(mg) -> DistributedDataParallelConfig:
+    if mg.use_megatron_fsdp:
+        kw = dict(FSDP_DEFAULTS)
+    else:
+        kw = dict(use_distributed_optimizer=mg.use_distributed_optimizer, grad_reduce_in_fp32=True,
+                  overlap_grad_reduce=False)
+    kw.update(parse_overrides(mg.override_ddp_config))
+    return DistributedDataParallelConfig(**kw)
+
+
+def wrap_chunks(chunks: list[GPTModel], config: TransformerConfig, dcfg: DistributedDataParallelConfig) -> list:
+    """Float16Module (bf16/fp16 params) then DDP or Megatron-FSDP, as megatron's get_model does."""
+    wrapped = [Float16Module(config, m) if (config.bf16 or config.fp16) else m for m in chunks]
+    if dcfg.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        out = [FullyShardedDataParallel(config=config, ddp_config=dcfg, module=m, disable_bucketing=i > 0,
+                                        pg_collection=None) for i, m in enumerate(wrapped)]
+    else:
+        out = [DistributedDataParallel(config=config, ddp_config=dcfg, module=m, disable_bucketing=i > 0)
+               for i, m in enumerate(wrapped)]
+    config.finalize_model_grads_func = finalize_model_grads
+    if dcfg.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in out]
+        config.no_sync_func = no_sync[0] if len(out) == 1 else no_sync
+    return out
+
+
+def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool):
+    cfg = McoreOptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=use_distributed)
+    opt = get_megatron_optimizer(cfg, model)
+    for c in model:
+        unwrap(c).config.grad_scale_func = opt.scale_loss
+    return opt
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward inputs and the log-prob head
+
+
+def packed_inputs(pb: thd.PackedBatch, cp_group) -> tuple[torch.Tensor, torch.Tensor, VarlenPackedSeqParams]:
+    cu = pb.cu_seqlens
+    psp = VarlenPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=pb.max_seqlen,
+                                max_seqlen_kv=pb.max_seqlen, cp_group=cp_group, attn_plan=pb.plan)
+    return pb.input_ids[None], pb.position_ids[None], psp
+
+
+@dataclass
+class HeadContext:
+    pb: thd.PackedBatch
+    vocab_size: int
+    temperature: float
+    chunk_size: int
+    with_entropy: bool
+
+
+def logprob_head(*, hidden_states, output_layer, output_weight, context: HeadContext, config, **_: Any):
+    """GPTModel output_processor: per-response-token log-probs (and entropy) of this micro-batch,
+    [R] each, identical on every TP and CP rank. Mirrors ColumnParallelLinear's input handling
+    (sequence-parallel gather, or copy with a TP all-reduce in the backward) and never gathers
+    the vocabulary."""
+    tp_group = ps.get_tensor_model_parallel_group()
+    h = hidden_states
+    if config.sequence_parallel:
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=tp_group)
+    else:
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+    pb = context.pb
+    h = h[:, 0].index_select(0, pb.logp_index)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+    logp, ent = thd.vocab_parallel_logprobs(h, weight, pb.targets, vocab_start=start, vocab_size=context.vocab_size,
+                                            group=tp_group, temperature=context.temperature,
+                                            chunk_size=context.chunk_size, with_entropy=context.with_entropy)
+    cp_group = ps.get_context_parallel_group()
+    logp = thd.assemble_responses(logp, pb.logp_slot, pb.num_response, cp_group)
+    if ent is None:
+        return logp, logp.new_zeros(0)
+    return logp, thd.assemble_responses(ent, pb.logp_slot, pb.num_response, cp_group)

@@ -1,0 +1,238 @@
+"""Our own forward of the dense Llama / Qwen2 / Qwen3 decoder, reading HF weights by HF name.
+
+All weights live in one flat buffer; every tensor is a view into it, and q/k/v (gate/up) are
+stored fused as one matrix whose row slices are the HF tensors. So:
+  - an HF-named stream (checkpoint or trainer) is copied in place: captured CUDA graphs stay
+    valid, nothing is reallocated;
+  - sleep/wake moves one buffer;
+  - a decode layer is 4 GEMMs + 5 fused kernels.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from polyrl.rollout.gpu import ops as ref_ops
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+_ROTARY = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+
+
+@dataclass
+class ModelSpec:
+    arch: str
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tied: bool
+    max_pos: int
+
+
+def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
+    """(spec, None) for a supported HF config, else (None, why not)."""
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED:
+        return None, f"model_type {mt!r} is not one of {', '.join(SUPPORTED)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return None, f"hidden_act {cfg.hidden_act!r} (only silu)"
+    if getattr(cfg, "use_sliding_window", False):
+        return None, "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return None, "mlp_bias"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if "dynamic" in str(rtype) or rtype == "longrope":
+        return None, f"rope type {rtype!r} (position-dependent frequencies)"
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kvh = getattr(cfg, "num_key_value_heads", None) or heads
+    if hd % 16 or hd > 256:
+        return None, f"head_dim {hd} (needs a multiple of 16, at most 256)"
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return ModelSpec(
+        arch=mt, vocab=cfg.vocab_size, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
+        layers=cfg.num_hidden_layers, heads=heads, kv_heads=kvh, head_dim=hd, eps=cfg.rms_norm_eps,
+        qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias, qk_norm=mt == "qwen3",
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)), max_pos=cfg.max_position_embeddings), None
+
+
+def rope_tables(cfg, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, D / 2] in the model dtype, from the architecture's own HF rotary
+    module (so every static rope type it knows, llama3 / yarn / linear scaling included,
+    and its attention scaling come out exactly as the trainer computes them)."""
+    mod = importlib.import_module(f"transformers.models.{spec.arch}.modeling_{spec.arch}")
+    rot = getattr(mod, _ROTARY[spec.arch])(config=cfg)
+    cos, sin = rot(torch.zeros(1, dtype=torch.float32), torch.arange(max_len)[None])
+    half = spec.head_dim // 2
+    return cos[0, :, :half].to(dtype).contiguous(), sin[0, :, :half].to(dtype).contiguous()
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named tensors of a local checkpoint directory (safetensors, else .bin)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        return
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+    for f in files:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+class DenseLM:
+    """Weights + forward. `ops` is `polyrl.rollout.gpu.ops` (torch, any device) or
+    `polyrl.rollout.gpu.triton_ops` layered over it (CUDA)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, ops=ref_ops):
+        self.spec, self.device, self.dtype, self.ops = spec, device, dtype, ops
+        s = spec
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        self._qkv_rows = (q, kv, kv)
+        self.layout: list[tuple[str, tuple[int, ...]]] = [("embed", (s.vocab, s.hidden)), ("norm", (s.hidden,))]
+        if not s.tied:
+            self.layout.append(("lm_head", (s.vocab, s.hidden)))
+        for i in range(s.layers):
+            self.layout += [(f"{i}.ln1", (s.hidden,)), (f"{i}.qkv_w", (q + 2 * kv, s.hidden))]
+            if s.qkv_bias:
+                self.layout.append((f"{i}.qkv_b", (q + 2 * kv,)))
+            if s.qk_norm:
+                self.layout += [(f"{i}.qn", (s.head_dim,)), (f"{i}.kn", (s.head_dim,))]
+            self.layout.append((f"{i}.o_w", (s.hidden, q)))
+            if s.o_bias:
+                self.layout.append((f"{i}.o_b", (s.hidden,)))
+            self.layout += [(f"{i}.ln2", (s.hidden,)), (f"{i}.gu_w", (2 * s.inter, s.hidden)), (f"{i}.down_w", (s.hidden, s.inter))]
+        self.offsets: dict[str, int] = {}
+        n = 0
+        for key, shape in self.layout:
+            self.offsets[key] = n
+            n += -(-torch.Size(shape).numel() // 64) * 64  # 128-byte aligned views (GEMM-friendly)
+        self.numel = n
+        self.flat = torch.empty(n, dtype=dtype, device=device)
+        self.bind(self.flat)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """(Re)build every view over `flat` (GPU buffer when awake, CPU copy while asleep)."""
+        self.flat = flat
+        self.w = {k: flat[self.offsets[k]:self.offsets[k] + torch.Size(sh).numel()].view(sh) for k, sh in self.layout}
+        if self.spec.tied:
+            self.w["lm_head"] = self.w["embed"]
+        s, (q, kv, _) = self.spec, self._qkv_rows
+        hf = {"model.embed_tokens.weight": self.w["embed"], "model.norm.weight": self.w["norm"],
+              "lm_head.weight": self.w["lm_head"]}
+        for i in range(s.layers):
+            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv = self.w[f"{i}.qkv_w"]
+            hf.update({p + "input_layernorm.weight": self.w[f"{i}.ln1"], p + "post_attention_layernorm.weight": self.w[f"{i}.ln2"],
+                       a + "q_proj.weight": qkv[:q], a + "k_proj.weight": qkv[q:q + kv], a + "v_proj.weight": qkv[q + kv:],
+                       a + "o_proj.weight": self.w[f"{i}.o_w"], m + "down_proj.weight": self.w[f"{i}.down_w"],
+                       m + "gate_proj.weight": self.w[f"{i}.gu_w"][:s.inter], m + "up_proj.weight": self.w[f"{i}.gu_w"][s.inter:]})
+            if s.qkv_bias:
+                b = self.w[f"{i}.qkv_b"]
+                hf.update({a + "q_proj.bias": b[:q], a + "k_proj.bias": b[q:q + kv], a + "v_proj.bias": b[q + kv:]})
+            if s.o_bias:
+                hf[a + "o_proj.bias"] = self.w[f"{i}.o_b"]
+            if s.qk_norm:
+                hf.update({a + "q_norm.weight": self.w[f"{i}.qn"], a + "k_norm.weight": self.w[f"{i}.kn"]})
+        self.hf = hf
+        self.layers = [{k.split(".", 1)[1]: v for k, v in self.w.items() if k.startswith(f"{i}.")} for i in range(s.layers)]
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool) -> int:
+        """Copy an HF-named stream into the views, in place. Unknown names raise KeyError
+        (rotary buffers excepted); with strict=True every weight must arrive."""
+        seen = set()
+        for name, t in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            try:
+                dst = self.hf[name]
+            except KeyError:
+                raise KeyError(f"weight sync sent {name!r}, which the rollout model does not have") from None
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"{name}: got shape {tuple(t.shape)}, the rollout model has {tuple(dst.shape)}")
+            dst.copy_(t, non_blocking=True)
+            seen.add(name)
+        if strict:
+            missing = set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
+            if missing:
+                raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        return len(seen)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv, attn,
+                logits_rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, pos, slots: [T]; kv: a KVCache (per-layer k/v [S, Hkv, D], rope cos/sin);
+        attn: PrefillAttn or DecodeAttn; logits_rows: the rows that need logits (None: all);
+        out: where to write the logits -> logits [R, V] in the model dtype."""
+        s, o, W = self.spec, self.ops, self.w
+        h = F.embedding(ids, W["embed"])
+        res = None
+        for i, L in enumerate(self.layers):
+            x, res = o.add_rmsnorm(h, res, L["ln1"], s.eps)
+            qkv = F.linear(x, L["qkv_w"], L.get("qkv_b"))
+            q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
+                                   L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
+            a = attn(q, k, v, kv.k[i], kv.v[i])
+            h = F.linear(a.reshape(a.shape[0], -1), L["o_w"], L.get("o_b"))
+            x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
+            h = F.linear(o.silu_mul(F.linear(x, L["gu_w"])), L["down_w"])
+        if logits_rows is not None:
+            h, res = h[logits_rows], res[logits_rows]
+        x, _ = o.add_rmsnorm(h, res, W["norm"], s.eps)
+        if out is None:
+            return F.linear(x, W["lm_head"])
+        return torch.mm(x, W["lm_head"].t(), out=out)
+
+
+class PrefillAttn:
+    """Causal attention over whole prompts (packed, lengths `lens`)."""
+    needs_k = True
+
+    def __init__(self, ops, lens: list[int]):
+        self.ops, self.lens = ops, lens
+
+    def __call__(self, q, k, v, k_cache, v_cache):
+        return self.ops.prefill_attention(q, k, v, self.lens)
+
+
+class DecodeAttn:
+    """One new token per sequence against the paged cache."""
+    needs_k = False
+
+    def __init__(self, ops, block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int, num_splits: int = 1,
+                 split_len: torch.Tensor | None = None):
+        self.ops, self.bt, self.ctx, self.bs = ops, block_tables, ctx_lens, block_size
+        self.num_splits, self.split_len = num_splits, split_len
+
+    def __call__(self, q, k, v, k_cache, v_cache):
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, self.bt, self.ctx, self.bs, self.num_splits,
+                                               self.split_len)
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)

@@ -1,0 +1,163 @@
+"""The engine's per-layer operations, in plain torch. These run anywhere (the CPU tests use
+them) and are the reference the Triton kernels in `triton_ops.py` are checked against.
+
+Rounding follows transformers' Llama/Qwen modules step for step (fp32 statistics, a cast to
+the model dtype, then the weight product in the model dtype), so BF16 results stay close to
+what the trainer recomputes.
+
+Shapes: T tokens (packed, no padding), H hidden, Hq / Hkv query / key-value heads, D head
+dim, S cache slots (num_blocks * block_size). A KV cache of one layer is [S, Hkv, D]; slot
+s lives in block s // block_size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H] -> (rmsnorm(residual + x) [T, H], residual + x [T, H])."""
+    s = x if residual is None else residual + x
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(s.dtype), s
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_store(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+               write_k: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (Hq + 2 Hkv) D]; pos, slots: [T]; cos, sin: [max_pos, D / 2] in the model dtype.
+    Applies the optional per-head q/k RMSNorm (Qwen3) and rotary embedding, writes k and v
+    into the cache at `slots`, and returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    T = qkv.shape[0]
+    q = qkv[:, :hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    if q_norm is not None:
+        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+
+    def rot(x):  # (x * cos) + (rotate_half(x) * sin), each product rounded like HF
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return torch.cat([x1 * c + (-x2) * s, x2 * c + x1 * s], dim=-1)
+
+    q, k = rot(q), rot(k)
+    k_cache[slots] = k
+    v_cache[slots] = v
+    return q, k, v
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu: [T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
+    i = gu.shape[-1] // 2
+    return F.silu(gu[:, :i]) * gu[:, i:]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Causal attention within each of the packed sequences (no cached prefix).
+    q: [T, Hq, D], k, v: [T, Hkv, D], lens: the sequences' lengths (sum T) -> [T, Hq, D].
+    Sequences are right-padded to the longest one and run through SDPA: under a causal
+    mask, a real query only sees real keys, so padding never leaks in."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable)
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    B, L = len(lens), max(lens)
+    if B == 1:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True)
+        return o[0].transpose(0, 1)
+    if all(n == L for n in lens):
+        shape = (B, L, hq, d)
+        o = F.scaled_dot_product_attention(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2),
+                                           v.view(shape).transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2).reshape(T, hq, d)
+    lens_t = torch.tensor(lens, device=q.device)
+    row = torch.repeat_interleave(torch.arange(B, device=q.device), lens_t)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    col = torch.arange(T, device=q.device) - starts[row]
+
+    def pad(x):
+        out = x.new_zeros(B, L, hq, d)
+        out[row, col] = x
+        return out.transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True)
+    return o.transpose(1, 2)[row, col]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, block_size: int, num_splits: int = 1, split_len=None) -> torch.Tensor:
+    """One query token per sequence against its paged cache.
+    q: [B, Hq, D]; k_cache, v_cache: [S, Hkv, D]; block_tables: [B, W] (int); ctx_lens: [B]
+    (tokens in the cache, the current one included) -> [B, Hq, D]. (The split arguments
+    are the Triton kernel's; they do not change the result.)"""
+    B, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    L = int(ctx_lens.max())
+    pos = torch.arange(L, device=q.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    k = k_cache[slots].float()  # [B, L, Hkv, D]
+    v = v_cache[slots].float()
+    g = hq // hkv
+    qf = q.float().view(B, hkv, g, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) / math.sqrt(d)
+    scores = scores.masked_fill((pos[None, :] >= ctx_lens[:, None])[:, None, None, :], float("-inf"))
+    o = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, -1), v)
+    return o.reshape(B, hq, d).to(q.dtype)
+
+
+def sample(logits: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor, thresh: torch.Tensor, seeds: torch.Tensor,
+           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sampling, one seeded random stream per row. logits: [B, V]; inv_temp,
+    thresh: [B] fp32; noise: [B] (0 = greedy); seeds, counters: [B] int64 ->
+    tokens [B] int64, logprobs [B] fp32 of the token under softmax(logits * inv_temp)
+    (unfiltered). Tokens whose scaled logit is below `thresh` (top-k / top-p) are never
+    drawn, which samples the renormalized filtered distribution exactly."""
+    x = logits.float() * inv_temp[:, None]
+    lse = torch.logsumexp(x, -1)
+    score = x.clone()
+    for r in torch.nonzero(noise).flatten().tolist():
+        g = torch.Generator(device=x.device)
+        g.manual_seed((int(seeds[r]) * 1_000_003 + int(counters[r])) % (2**63))
+        u = torch.rand(x.shape[-1], generator=g, device=x.device)
+        score[r] += -torch.log(-torch.log(u))
+    score = score.masked_fill(x < thresh[:, None], float("-inf"))
+    tokens = score.argmax(-1)
+    return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
+def filter_thresholds(logits: torch.Tensor, inv_temp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Per-row lowest scaled logit that top-k / top-p keep, as polyrl.rollout.sampling
+    defines them (top-k first, then top-p on what remains; the token that crosses p is
+    kept). logits: [B, V] -> [B] fp32; -inf when nothing is filtered."""
+    x = logits.float() * inv_temp[:, None]
+    thr = torch.full((x.shape[0],), float("-inf"), device=x.device)
+    if 0 < top_k < x.shape[-1]:
+        thr = torch.topk(x, top_k, dim=-1).values[:, -1]
+    if top_p < 1.0:
+        xs = torch.sort(x.masked_fill(x < thr[:, None], float("-inf")), descending=True, dim=-1).values
+        p = torch.softmax(xs, -1)
+        keep = (p.cumsum(-1) - p) <= top_p
+        n_keep = keep.sum(-1).clamp(min=1)
+        thr = torch.maximum(thr, xs.gather(-1, (n_keep - 1)[:, None]).squeeze(-1))
+    return thr
+
+
+def mix_seed(base: int, index: int) -> int:
+    """splitmix64 of (base, index): independent per-sample streams from one user seed."""
+    z = (base * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,82 @@
+"""The bench scripts parse their flags and answer --help without running a benchmark,
+and without TRL installed (it is imported only inside the TRL runner)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+SCRIPTS = ["compare_trl.py", "weight_sync.py"]
+# Runs a script with `import trl` (and torch, for --help) made to fail, as on a machine without them.
+NO_TRL = ("import sys, runpy; sys.modules['trl'] = None; sys.modules['torch'] = None; "
+          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name[:-3]}", os.path.join(BENCH, name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_runs_without_trl_or_torch(script):
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, script), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "--device" in out.stdout
+
+
+def test_compare_trl_dry_run_without_trl():
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "compare_trl.py"), "--dry-run",
+                          "--prompts-per-step", "4", "--samples-per-prompt", "2", "--beta", "0.04"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    trl = plan["trl_grpo_config"]
+    assert trl["num_generations"] == 2 and trl["beta"] == 0.04 and trl["use_vllm"] is False
+    assert trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] == 8  # one optimizer step per generation
+    argv = plan["polyrl_argv"]
+    assert argv[argv.index("--rollout-batch-size") + 1] == "4" and "--use-kl-loss" in argv
+
+
+def test_compare_trl_parse_args():
+    ct = load("compare_trl.py")
+    a = ct.parse_args(["--device", "cpu", "--steps", "4", "--warmup", "1", "--frameworks", "polyrl,trl",
+                       "--model-shape", "tiny", "--sft-warmstart-epochs", "2", "--out", "x.json"])
+    assert a.framework_list == ["polyrl", "trl"] and a.steps == 4 and a.sft_warmstart_epochs == 2
+    assert a.micro_batch_size == 64  # default, within 32 prompts x 8 samples
+    assert ct.main(["--dry-run"]) == 0
+    for bad in (["--frameworks", "polyrl,vllm"], ["--samples-per-prompt", "1"], ["--micro-batch-size", "12"],
+                ["--model-shape", "qwen2.5-72b"]):
+        with pytest.raises(SystemExit) as e:
+            ct.parse_args(bad)
+        assert e.value.code == 2
+
+
+def test_trl_settings_match_polyrl():
+    ct = load("compare_trl.py")
+    s = dict(device="cpu", prompts_per_step=8, samples_per_prompt=4, max_new_tokens=6, micro_batch_size=16, lr=3e-4,
+             beta=0.0, seed=7, total_steps=5, model_dir="m", train_data="t.jsonl", run_dir="r")
+    kw = ct.trl_config_kwargs(s)
+    assert (kw["gradient_accumulation_steps"], kw["max_completion_length"], kw["learning_rate"], kw["seed"]) == (2, 6, 3e-4, 7)
+    assert kw["bf16"] is False and kw["use_cpu"] is True and kw["report_to"] == "none" and kw["logging_steps"] == 1
+    argv = ct.polyrl_argv(s)
+    assert argv[argv.index("--micro-batch-size") + 1] == "16" and "--use-kl-loss" not in argv
+    assert ct.trl_config_kwargs({**s, "device": "cuda"}, continuous_batching=True, cb_field="use_transformers_paged")[
+        "use_transformers_paged"] is True
+
+
+def test_weight_sync_parse_args():
+    ws = load("weight_sync.py")
+    assert ws.parse_args([]).shapes == ["tiny", "qwen2.5-0.5b"]
+    assert ws.parse_args(["--device", "cuda"]).shapes == ["qwen2.5-0.5b", "qwen2.5-1.5b"]
+    assert ws.main(["--dry-run", "--model-shapes", "tiny"]) == 0
+    with pytest.raises(SystemExit):
+        ws.parse_args(["--model-shapes", "gpt2"])
