@@ -1,16 +1,39 @@
-"""Megatron-core train backend (GPU only). megatron-core is imported here, lazily."""
+"""Megatron-core train backend (GPU only): TP / SP / PP (+ virtual stages) / CP / EP, the
+distributed optimizer or Megatron-FSDP, packed THD micro-batches, vocab-parallel log-probs.
+megatron-core is imported lazily (`model.py`), so this module imports anywhere.
+
+Data: the loop hands every rank its own share of samples (sharded by global rank). Megatron needs
+the same samples on every rank of a model-parallel group, so each call first gathers all ranks'
+samples (token ids only: small), cuts them into data-parallel shards, and at the end hands every
+rank back the results for its own samples.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import os
+import re
 import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.parallel_dims import ParallelDims
+from polyrl.config import BatchConfig, MegatronConfig, ModelConfig, OptimizerConfig
+from polyrl.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install -e .[megatron]  (megatron-core >= 0.19, Python >= 3.12, a CUDA GPU)"
 
 
 def require_megatron() -> None:
     """Exit early with what is missing: megatron-core, Python >= 3.12 or CUDA."""
-    import torch
-
     problems = []
     if sys.version_info < (3, 12):
         problems.append(f"Python >= 3.12 (this is {sys.version.split()[0]})")
@@ -24,7 +47,451 @@ def require_megatron() -> None:
         raise ImportError("--train-backend megatron needs " + ", ".join(problems) + f"; install with: {INSTALL_HINT}")
 
 
+def _lr_factor(o: OptimizerConfig, total_steps: int, step: int) -> float:
+    from polyrl.backends.fsdp.backend import _lr_lambda  # one schedule definition for both backends
+    return _lr_lambda(o, total_steps)(step)
+
+
+@dataclass
+class _Micro:
+    pb: object  # thd.PackedBatch
+    fields: dict
+    dummy: bool
+    index: list[int]  # global sample indices
+
+
 class MegatronBackend:
-    def __init__(self, *args, **kwargs):
+    """TrainBackend on megatron-core. Same constructor and methods as FSDPBackend, plus the
+    `megatron` config section."""
+
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *, device: str,
+                 total_steps: int = 1, need_ref: bool = False, seed: int = 0, megatron_cfg: MegatronConfig | None = None):
         require_megatron()
-        raise NotImplementedError("the megatron-core train backend is not built yet (see the Megatron issue)")
+        from transformers import AutoConfig
+
+        from polyrl.backends.megatron import model as mm  # megatron-core itself, imported only now
+
+        self.mm = mm
+        self.mcfg, self.ocfg, self.bcfg = model_cfg, optim_cfg, batch_cfg
+        self.mg = mg = megatron_cfg or MegatronConfig()
+        self.total_steps = total_steps
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}")
+        self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
+        self.dims = ParallelDims.from_world(tp=mg.tensor_model_parallel_size, pp=mg.pipeline_model_parallel_size,
+                                            cp=mg.context_parallel_size, ep=mg.expert_model_parallel_size,
+                                            etp=mg.expert_tensor_parallel_size)
+        self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,
+                                            mg.num_layers_per_virtual_pipeline_stage)
+        mm.init_parallel_state(self.dims, self.vpp, seed)
+        self.dtype = torch.float16 if model_cfg.fp16 else torch.bfloat16
+        self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype)
+        self.ddp_config = mm.ddp_config(mg)
+        if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
+            log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
+                        "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")
+        self.model = self._build(model_cfg.hf_checkpoint, train=True)
+        self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer)
+        self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        self.sched_step = 0
+        self.skipped_steps = 0
+        self._set_lr()
+        self._fused_experts = self._hf_uses_fused_experts()
+
+    # ---- construction -------------------------------------------------------------------
+    def _build(self, path: str, *, train: bool) -> list:
+        import copy
+
+        mm = self.mm
+        config = self.config if train else copy.copy(self.config)  # the ref model gets no grad-sync hooks
+        chunks = mm.build_chunks(config, self.hf_config, self.dims, self.vpp, self.mg.custom_model_provider_path)
+        mm.load_hf_weights(chunks, path, self.hf_config, config)
+        if train:
+            return mm.wrap_chunks(chunks, config, self.ddp_config)
+        from megatron.core.transformer.module import Float16Module
+        out = [Float16Module(config, c) for c in chunks]
+        for m in out:
+            m.eval().requires_grad_(False)
+        return out
+
+    def _hf_uses_fused_experts(self) -> bool:
+        """transformers >= 5 keeps MoE experts stacked in memory; the rollout engine's parameter
+        names are those, so export matches them."""
+        from transformers import AutoModelForCausalLM
+        if not getattr(self.hf_config, "num_experts", None):
+            return False
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(self.hf_config)
+        return any(n.endswith("mlp.experts.gate_up_proj") for n, _ in m.named_parameters())
+
+    # ---- groups -------------------------------------------------------------------------
+    @property
+    def ps(self):
+        from megatron.core import parallel_state
+        return parallel_state
+
+    def _reporting_rank(self) -> bool:
+        """One rank per data-parallel replica reports per-sample results and metrics."""
+        ps = self.ps
+        return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0)
+
+    # ---- data ---------------------------------------------------------------------------
+    def _gather_batch(self, batch: TrainBatch, with_fields: bool) -> tuple[TrainBatch, list[int]]:
+        mine = (batch.input_ids, batch.prompt_lens, batch.token_fields if with_fields else {})
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        ids, plens, fields, counts = [], [], {}, []
+        for p_ids, p_pl, p_f in parts:
+            counts.append(len(p_ids))
+            ids += p_ids
+            plens += p_pl
+            for k, v in p_f.items():
+                fields.setdefault(k, []).extend(v)
+        return TrainBatch(ids, plens, fields), counts
+
+    def _plan(self, glob: TrainBatch) -> list[_Micro]:
+        """This data-parallel rank's micro-batches, as many on every rank (EP all-to-alls and
+        Megatron-FSDP gathers run per forward), a multiple of PP with virtual stages."""
+        ps = self.ps
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        lens = [int(x.numel()) for x in glob.input_ids]
+        dyn = self.bcfg.use_dynamic_batch_size
+        if dyn:
+            shards = plan_micro_batches(lens, max_tokens=max(sum(lens), 1), num_micro_batches=dp)
+        else:
+            shards = plan_micro_batches(lens, micro_batch_size=max(-(-len(lens) // dp), 1), num_micro_batches=dp)
+        shard = shards[dp_rank] if len(lens) else []
+        slens = [lens[i] for i in shard]
+        kw = dict(max_tokens=self.bcfg.max_tokens_per_gpu) if dyn else dict(micro_batch_size=self.bcfg.micro_batch_size)
+        k = torch.tensor(len(plan_micro_batches(slens, **kw)) if slens else 1, device=self.device)
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+        k = int(k)
+        if self.vpp:
+            k = -(-k // self.dims.pp) * self.dims.pp
+        local = plan_micro_batches(slens, num_micro_batches=k, **kw) if slens else [[] for _ in range(k)]
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        sp = self.dims.tp if self.config.sequence_parallel else 1
+        from polyrl.backends.megatron import thd
+        out = []
+        for idx in local:
+            gidx = [shard[i] for i in idx]
+            if gidx:
+                mb = glob.select(gidx)
+            else:  # nothing for this rank: a 2-token dummy keeps the collectives in step; its loss is x0
+                mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1], {k_: [torch.zeros(1)] for k_ in glob.token_fields})
+            pb = thd.pack_thd(mb.input_ids, mb.prompt_lens, cp_size=cp, cp_rank=cp_rank, sp_size=sp, device=self.device)
+            fields = {k_: torch.cat(v).to(self.device) for k_, v in mb.token_fields.items()}
+            fields["seq_ids"] = pb.seq_ids
+            out.append(_Micro(pb, fields, not gidx, gidx))
+        return out
+
+    def _run(self, model: list, micros: list[_Micro], loss_func, *, forward_only: bool, temperature: float,
+             with_entropy: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mm = self.mm
+        cp_group = self.ps.get_context_parallel_group()
+
+        def forward_step(data_iterator, chunk):
+            item = next(data_iterator)
+            ids, pos, psp = mm.packed_inputs(item.pb, cp_group)
+            ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
+                                 with_entropy)
+            out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=mm.logprob_head,
+                        output_processor_context=ctx)
+            return out, functools.partial(loss_func, item)
+
+        its = [iter(micros) for _ in model]
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=forward_step, data_iterator=its if len(model) > 1 else its[0],
+                  model=model if len(model) > 1 else model[0], num_microbatches=len(micros),
+                  seq_length=max(int(m.pb.input_ids.numel()) for m in micros), micro_batch_size=1,
+                  forward_only=forward_only)
+
+    # ---- TrainBackend ---------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
+        m = self.model if model == "actor" else self.ref_model
+        glob, counts = self._gather_batch(batch, with_fields=False)
+        micros = self._plan(glob)
+        found: dict[int, torch.Tensor] = {}
+
+        def collect(item: _Micro, output):
+            logp, _ = output
+            if not item.dummy:
+                for i, part in zip(item.index, logp.float().cpu().split(item.pb.response_lens)):
+                    found[i] = part
+            return logp.sum() * 0.0, {}
+
+        for c in m:
+            c.eval()
+        self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, found if self._reporting_rank() else {})
+        merged: dict[int, torch.Tensor] = {}
+        for p in parts:
+            merged.update(p)
+        start = sum(counts[:dist.get_rank()])
+        return [merged[i] for i in range(start, start + counts[dist.get_rank()])]
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        for c in self.model:
+            c.train()
+        glob, _ = self._gather_batch(batch, with_fields=True)
+        num_tokens = float(sum(float(x.sum()) for x in glob.token_fields["loss_mask"]))
+        num_seqs = float(len(glob))
+        micros = self._plan(glob)
+        scale = self.ps.get_data_parallel_world_size() * len(micros)  # megatron: x cp / n_micro; DDP: / (dp x cp)
+        report = self._reporting_rank()
+        sums: dict[str, float] = {}
+
+        def loss_func(item: _Micro, output):
+            logp, ent = output
+            loss, metrics = loss_fn(logp, ent if with_entropy else None, item.fields, num_tokens=num_tokens,
+                                    num_seqs=num_seqs)
+            if item.dummy:
+                loss = loss * 0.0
+            elif report:
+                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+            return loss * scale, {}
+
+        for c in self.model:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(self.model, micros, loss_func, forward_only=False, temperature=temperature, with_entropy=with_entropy)
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, sums)
+        total: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.items():
+                total[k] = total.get(k, 0.0) + v
+        loss_total = total.pop("loss", 0.0)
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(loss_total)
+        if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
+            self.skipped_steps += 1
+            log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
+        else:
+            self._set_lr()
+            self.optimizer.step()
+            self.sched_step += 1  # a skipped step does not advance the schedule either
+        for c in self.model:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = {"loss": loss_total, **total}
+        out.update(grad_norm=grad_norm, lr=self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step),
+                   skipped_step=float(skipped))
+        return out
+
+    def _set_lr(self) -> None:
+        lr = self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+
+    # ---- weights ------------------------------------------------------------------------
+    def _local_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        if isinstance(p, DTensor):  # Megatron-FSDP shards over data parallel ranks
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+            return uneven_dtensor_to_full_tensor(p)
+        return p.detach()
+
+    def _megatron_stream(self, model: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """(megatron name with global layer and expert indices, full tensor) for every parameter,
+        on every rank: gathered over TP / expert-TP and EP, broadcast over PP."""
+        from polyrl.backends.megatron import bridge
+
+        ps, mm = self.ps, self.mm
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+        pp, pp_rank = self.dims.pp, ps.get_pipeline_model_parallel_rank()
+        n_exp = getattr(self.hf_config, "num_experts", 0) or 0
+        per_ep = n_exp // self.dims.ep if n_exp else 0
+        fsdp = self.ddp_config.use_megatron_fsdp
+
+        def gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+            if group is None or dist.get_world_size(group) == 1:
+                return [t]
+            out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(out, t.contiguous(), group=group)
+            return out
+
+        for stage in range(pp):
+            src = dist.get_global_rank(pp_group, stage) if pp > 1 else None
+            for v in range(len(model)):
+                meta = None
+                if stage == pp_rank:
+                    m = mm.unwrap(model[v])
+                    meta = (mm.chunk_layer_offset(self.config, m), [n for n, _ in m.named_parameters()])
+                if pp > 1:
+                    box = [meta]
+                    dist.broadcast_object_list(box, src=src, group=pp_group)
+                    meta = box[0]
+                offset, names = meta
+                params = dict(mm.unwrap(model[v]).named_parameters()) if stage == pp_rank else {}
+                for name in names:
+                    expert = ".local_experts." in name
+                    full: list[torch.Tensor] | None = None
+                    if stage == pp_rank:
+                        t = self._local_tensor(params[name])
+                        if not fsdp:
+                            t = bridge.gather_from_tp(name, gather(t, etp_group if expert else tp_group))
+                        full = gather(t, ep_group) if expert else [t]
+                    if pp > 1:
+                        box = [None if full is None else (tuple(full[0].shape), len(full))]
+                        dist.broadcast_object_list(box, src=src, group=pp_group)
+                        shape, count = box[0]
+                        if full is None:
+                            full = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(count)]
+                        for t in full:
+                            dist.broadcast(t, src=src, group=pp_group)
+                    m = _LAYER.fullmatch(name)
+                    for r, t in enumerate(full):
+                        gname = name
+                        if m:
+                            rest = m[2]
+                            e = _EXPERT.fullmatch(rest)
+                            if e:
+                                rest = f"mlp.experts.local_experts.{int(e[1]) + r * per_ep}.{e[2]}"
+                            gname = f"decoder.layers.{int(m[1]) + offset}.{rest}"
+                        yield gname, t
+
+    def _export(self, model: list, fused_experts: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        from polyrl.backends.megatron import bridge
+        yield from bridge.mcore_to_hf(self._megatron_stream(model), self.hf_config, fused_experts=fused_experts)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (the in-memory names of the HF model, like FSDP), gathered over
+        TP / EP and broadcast over PP one parameter at a time."""
+        yield from self._export(self.model, self._fused_experts)
+
+    @torch.no_grad()
+    def sync_ref_from_actor(self) -> None:
+        if self.ref_model is None:
+            return
+        mm = self.mm
+        for a, r in zip(self.model, self.ref_model):
+            rp = dict(mm.unwrap(r).named_parameters())
+            for n, p in mm.unwrap(a).named_parameters():
+                rp[n].copy_(self._local_tensor(p))
+
+    def save_hf(self, path: str, tokenizer=None) -> None:
+        sd = {}
+        for name, t in self.export_weights():
+            if dist.get_rank() == 0:
+                sd[name] = t.to("cpu", copy=True)
+        if dist.get_rank() == 0:
+            from transformers import AutoModelForCausalLM
+
+            from polyrl.backends.fsdp.backend import _replace_dir
+            hf = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
+            missing, unexpected = hf.load_state_dict(sd, strict=False)
+            missing = [k for k in missing if not (k == "lm_head.weight" and self.hf_config.tie_word_embeddings)]
+            if missing or unexpected:
+                raise RuntimeError(f"save_hf: exported weights do not fit the HF model: missing {missing[:5]}, "
+                                   f"unexpected {unexpected[:5]}")
+            tmp = path.rstrip("/") + ".tmp"
+            hf.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _replace_dir(tmp, path)
+        dist.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _ckpt_metadata(self) -> dict:
+        return {"distrib_optim_sharding_type": "fsdp_dtensor" if self.ddp_config.use_megatron_fsdp
+                else "fully_sharded_model_space",
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": self.ps.get_data_parallel_group(with_context_parallel=True)}
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        md = self._ckpt_metadata()
+        sd: dict = {}
+        if self.ddp_config.use_megatron_fsdp:
+            sd["model"] = self.model[0].state_dict()
+        else:
+            for i, m in enumerate(self.model):
+                sd[f"model{i}"] = m.sharded_state_dict(metadata=md)
+            if self.ref_model is not None:
+                for i, m in enumerate(self.ref_model):
+                    sd[f"ref{i}"] = _prefix_keys(m.sharded_state_dict(metadata=md), "ref.")
+        sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
+        return sd
+
+    def save(self, path: str) -> None:
+        ckpt = os.path.join(path, "dcp")
+        os.makedirs(ckpt, exist_ok=True)
+        sd = self._sharded_state(is_loading=False)
+        if self.ddp_config.use_megatron_fsdp:  # Megatron-FSDP: PyTorch DCP over its DTensors
+            import torch.distributed.checkpoint as dcp
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+                preprocess_state_dict_for_uneven_dtensor)
+            preprocess_state_dict_for_uneven_dtensor(sd)
+            dcp.save(sd, checkpoint_id=ckpt)
+        else:
+            from megatron.core import dist_checkpointing
+            dist_checkpointing.save(sd, ckpt)
+        from megatron.core import tensor_parallel
+        extra = {"sched_step": self.sched_step, "skipped_steps": self.skipped_steps, "cpu_rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        ckpt = os.path.join(path, "dcp")
+        sd = self._sharded_state(is_loading=True)
+        if self.ddp_config.use_megatron_fsdp:
+            import torch.distributed.checkpoint as dcp
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+                preprocess_state_dict_for_uneven_dtensor)
+            raw_model, raw_opt = sd["model"], sd["optimizer"]
+            preprocess_state_dict_for_uneven_dtensor(sd)
+            dcp.load(sd, checkpoint_id=ckpt)
+            self.model[0].load_state_dict(raw_model, strict=False)
+            self.optimizer.load_state_dict(raw_opt)
+        else:
+            from megatron.core import dist_checkpointing
+            loaded = dist_checkpointing.load(sd, ckpt)
+            for i, m in enumerate(self.model):
+                m.load_state_dict(loaded[f"model{i}"])
+            if self.ref_model is not None:
+                for i, m in enumerate(self.ref_model):
+                    m.load_state_dict(_prefix_keys(loaded[f"ref{i}"], "ref.", strip=True))
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
+        extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"),
+                           weights_only=False)
+        self.sched_step, self.skipped_steps = extra["sched_step"], extra["skipped_steps"]
+        torch.set_rng_state(extra["cpu_rng"])
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+        from megatron.core import tensor_parallel
+        tensor_parallel.get_cuda_rng_tracker().set_states(extra["tracker"])
+        self._set_lr()
+
+    # ---- colocation ---------------------------------------------------------------------
+    def offload(self) -> None:
+        """Colocated engines share the GPU; tiny to mid models fit beside them, so the Megatron
+        backend keeps its state resident (offload is a no-op here, see bench/RESULTS.md)."""
+
+    def onload(self) -> None:
+        pass
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+
+
+def _prefix_keys(sd: dict, prefix: str, strip: bool = False) -> dict:
+    """Give the reference model's sharded tensors their own checkpoint keys."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, ShardedBase) and not strip:
+            v.key = prefix + v.key
+        out[k] = v
+    return out
