@@ -27,6 +27,8 @@ def init_distributed(device: str, backend: str = "auto") -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl":  # small CPU-side reductions (metrics, counts) ride on gloo beside NCCL
+        backend = "cpu:gloo,cuda:nccl"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend)
