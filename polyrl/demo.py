@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     polyrl("train", "--hf-checkpoint", sft_dir, "--prompt-data", paths["train"], "--rm-type", "arithmetic",
            "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
            "--rollout-temperature", "1.0", "--num-rollout", str(a.grpo_steps), "--micro-batch-size", "64",
-           "--lr", "1e-4", "--adam-beta2", "0.98", "--rollout-shuffle", "--eval-prompt-data", paths["eval"], "--eval-interval", "10",
+           "--lr", "1e-4", "--adam-beta2", "0.98", "--rollout-shuffle", "--use-kl-loss", "--kl-loss-coef", "0.001", "--eval-prompt-data", paths["eval"], "--eval-interval", "10",
            "--save-hf", rl_dir, "--run-dir", run, *common)
     polyrl("eval", "--hf-checkpoint", rl_dir, *evals, "--run-dir", os.path.join(run, "eval_after"), *common)
     polyrl("plot", run)

@@ -48,6 +48,8 @@ def train(cfg: Config) -> dict:
         state = load_checkpoint(cfg.checkpoint.load, backend)
         start, _ = state["step"], dataset.load_state_dict(state["data"])
         transport.push(backend.export_weights(), [engine], version=start)  # the engine must sample from the resumed policy
+    if eval_set is not None and cfg.log.eval_interval and start == 0:  # the curve starts from the initial policy
+        logger.log(0, rt.evaluate(cfg, engine, eval_set, rewards, d))
     t_run = time.perf_counter()
     for step in range(start, r.num_rollout):
         timer, m = Timer(), {}

@@ -81,7 +81,8 @@ def test_eval_interval_save_hf_and_plot(base_args, tmp_path, arith_data):
     from transformers import AutoModelForCausalLM
     r = train(base_args, tmp_path / "run", "--num-rollout", "2", "--eval-prompt-data", arith_data["eval"], "--eval-interval", "1",
               "--save-hf", str(tmp_path / "hf"), "--use-tensorboard")
-    assert "eval/accuracy" in r[0] and r[0]["eval/n"] == 32
+    assert r[0]["step"] == 0 and "eval/accuracy" in r[0]  # the initial policy is evaluated too
+    assert [x["step"] for x in r] == [0, 1, 2] and r[1]["eval/n"] == 32
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")) is not None
     assert os.listdir(tmp_path / "run" / "tb")
     assert main(["plot", str(tmp_path / "run")]) == 0
