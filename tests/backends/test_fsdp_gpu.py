@@ -21,12 +21,12 @@ from fsdp_worker import fixed_batch  # noqa: E402
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with make test-gpu on a GPU machine)")
 
 
-def _backend(model_dir, attn="auto", **batch):
+def _backend(model_dir, attn="auto", offload_train=False, **batch):
     from polyrl.backends.fsdp.backend import FSDPBackend
     from polyrl.backends.parallel_dims import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     init_distributed("cuda")
-    return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, attn_implementation=attn), OptimizerConfig(lr=1e-3),
+    return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, attn_implementation=attn, offload_train=offload_train), OptimizerConfig(lr=1e-3),
                        BatchConfig(**batch), device="cuda")
 
 
@@ -73,7 +73,7 @@ def test_varlen_and_masked_sdpa_and_micro_batching_agree(gpu_model):
 @pytest.mark.gpu
 def test_offload_frees_gpu_memory_and_onload_restores(gpu_model):
     from polyrl.algorithms.losses import LossSettings, rl_loss
-    be = _backend(gpu_model, micro_batch_size=8)
+    be = _backend(gpu_model, offload_train=True, micro_batch_size=8)
     be.train_step(fixed_batch(), functools.partial(rl_loss, s=LossSettings()))
     torch.cuda.synchronize()
     state_bytes = sum(p.to_local().numel() * p.element_size() for p in be.model.parameters())

@@ -291,8 +291,9 @@ class FSDPBackend:
 
     # ---- colocation ---------------------------------------------------------------------
     def offload(self) -> None:
-        """Free the accelerator for a colocated engine: params, grads and Adam moments to CPU."""
-        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload:
+        """--offload-train: free the accelerator for a colocated engine (params, grads and Adam
+        moments to CPU). Nothing to do on CPU or when FSDP already keeps everything on CPU."""
+        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload or not self.mcfg.offload_train:
             return
         self.model.to("cpu")
         for st in self.optimizer.state.values():
@@ -303,7 +304,7 @@ class FSDPBackend:
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload:
+        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload or not self.mcfg.offload_train:
             return
         self.model.to(self.device)
         for st in self.optimizer.state.values():
