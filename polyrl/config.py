@@ -75,7 +75,13 @@ class RolloutConfig:
     num_rollout: int = opt(10, "number of RL steps")
     eval_temperature: float = opt(0.0, "sampling temperature for evaluation (0 = greedy)")
     rollout_engine: str = opt("embedded", "rollout engine", ("embedded",))
-    rollout_batch_generate: int = opt(0, "max sequences per generate call on the embedded engine (0 = all at once)")
+    rollout_batch_generate: int = opt(0, "max sequences per generate call on the embedded engine (0 = all at once; "
+                                          "on its GPU path: max sequences decoding at once, 0 = 256)")
+    rollout_gpu_engine: bool = opt(True, "on CUDA, run Llama/Qwen2/Qwen3 on the embedded engine's GPU path (paged KV cache, "
+                                         "continuous batching, CUDA graphs); --no-rollout-gpu-engine: the transformers path")
+    rollout_mem_fraction: float = opt(0.4, "share of GPU memory the embedded GPU engine holds (weights + KV cache + "
+                                           "workspace); the KV cache gets what is left")
+    rollout_cuda_graph: bool = opt(True, "embedded GPU engine: decode steps replay CUDA graphs captured per batch size")
 
 
 @dataclass

@@ -297,8 +297,21 @@ class MegatronBackend:
         from torch.distributed.tensor import DTensor
         if isinstance(p, DTensor):  # Megatron-FSDP shards over data parallel ranks
             from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
-            return uneven_dtensor_to_full_tensor(p)
+            return uneven_dtensor_to_full_tensor(p).to(self.dtype)  # fp32 main weights -> compute dtype
         return p.detach()
+
+    def _named_params(self, chunk) -> dict[str, torch.Tensor]:
+        """GPTModel-level names -> parameters. Under Megatron-FSDP the module's own parameters
+        switch between gathered compute buffers (freed after use) and sharded ones, so the
+        optimizer's sharded (up-to-date) parameters are read instead."""
+        if self.ddp_config.use_megatron_fsdp:
+            out = {}
+            for n, p in chunk.param_and_grad_buffer.optimizer_named_parameters:
+                while n.startswith("module."):
+                    n = n[len("module."):]
+                out[n] = p
+            return out
+        return dict(self.mm.unwrap(chunk).named_parameters())
 
     def _megatron_stream(self, model: list) -> Iterator[tuple[str, torch.Tensor]]:
         """(megatron name with global layer and expert indices, full tensor) for every parameter,
@@ -325,14 +338,13 @@ class MegatronBackend:
             for v in range(len(model)):
                 meta = None
                 if stage == pp_rank:
-                    m = mm.unwrap(model[v])
-                    meta = (mm.chunk_layer_offset(self.config, m), [n for n, _ in m.named_parameters()])
+                    meta = (mm.chunk_layer_offset(self.config, mm.unwrap(model[v])), list(self._named_params(model[v])))
                 if pp > 1:
                     box = [meta]
                     dist.broadcast_object_list(box, src=src, group=pp_group)
                     meta = box[0]
                 offset, names = meta
-                params = dict(mm.unwrap(model[v]).named_parameters()) if stage == pp_rank else {}
+                params = self._named_params(model[v]) if stage == pp_rank else {}
                 for name in names:
                     expert = ".local_experts." in name
                     full: list[torch.Tensor] | None = None
@@ -376,7 +388,7 @@ class MegatronBackend:
         mm = self.mm
         for a, r in zip(self.model, self.ref_model):
             rp = dict(mm.unwrap(r).named_parameters())
-            for n, p in mm.unwrap(a).named_parameters():
+            for n, p in self._named_params(a).items():
                 rp[n].copy_(self._local_tensor(p))
 
     def save_hf(self, path: str, tokenizer=None) -> None:
@@ -404,7 +416,7 @@ class MegatronBackend:
     # ---- checkpoints ----------------------------------------------------------------------
     def _ckpt_metadata(self) -> dict:
         return {"distrib_optim_sharding_type": "fsdp_dtensor" if self.ddp_config.use_megatron_fsdp
-                else "fully_sharded_model_space",
+                else "fully_reshardable",  # model-space layout: loads onto other TP / PP / DP degrees
                 "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                 "dp_cp_group": self.ps.get_data_parallel_group(with_context_parallel=True)}
 
@@ -414,11 +426,13 @@ class MegatronBackend:
         if self.ddp_config.use_megatron_fsdp:
             sd["model"] = self.model[0].state_dict()
         else:
+            # the GPTModel itself: Float16Module's sharded dict carries a `module.` prefix its
+            # load_state_dict does not accept
             for i, m in enumerate(self.model):
-                sd[f"model{i}"] = m.sharded_state_dict(metadata=md)
+                sd[f"model{i}"] = self.mm.unwrap(m).sharded_state_dict(metadata=md)
             if self.ref_model is not None:
                 for i, m in enumerate(self.ref_model):
-                    sd[f"ref{i}"] = _prefix_keys(m.sharded_state_dict(metadata=md), "ref.")
+                    sd[f"ref{i}"] = _prefix_keys(self.mm.unwrap(m).sharded_state_dict(metadata=md), "ref.")
         sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
         return sd
 
@@ -443,6 +457,12 @@ class MegatronBackend:
 
     def load(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
+        if not self.ddp_config.use_megatron_fsdp:
+            # megatron's DistributedOptimizer.state_dict() needs Adam state (torch AdamW, no Apex/TE,
+            # makes it lazily); a fresh optimizer gets zero-filled state that the load overwrites
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
         sd = self._sharded_state(is_loading=True)
         if self.ddp_config.use_megatron_fsdp:
             import torch.distributed.checkpoint as dcp
@@ -457,10 +477,10 @@ class MegatronBackend:
             from megatron.core import dist_checkpointing
             loaded = dist_checkpointing.load(sd, ckpt)
             for i, m in enumerate(self.model):
-                m.load_state_dict(loaded[f"model{i}"])
+                self.mm.unwrap(m).load_state_dict(loaded[f"model{i}"])
             if self.ref_model is not None:
                 for i, m in enumerate(self.ref_model):
-                    m.load_state_dict(_prefix_keys(loaded[f"ref{i}"], "ref.", strip=True))
+                    self.mm.unwrap(m).load_state_dict(loaded[f"ref{i}"])
             self.optimizer.load_state_dict(loaded["optimizer"])
         rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"),
@@ -485,13 +505,11 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def _prefix_keys(sd: dict, prefix: str, strip: bool = False) -> dict:
+def _prefix_keys(sd: dict, prefix: str) -> dict:
     """Give the reference model's sharded tensors their own checkpoint keys."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, ShardedBase) and not strip:
+    for v in sd.values():
+        if isinstance(v, ShardedBase):
             v.key = prefix + v.key
-        out[k] = v
-    return out
+    return sd

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from polyrl.backends.megatron import bridge, thd
 from polyrl.backends.parallel_dims import ParallelDims
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Parallel state (the one place megatron's process groups are made)
@@ -158,6 +161,11 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
     kw = bridge.config_to_mcore_kwargs(hf_config)
     if mg.moe_router_topk is not None and "moe_router_topk" in kw:
         kw["moe_router_topk"] = mg.moe_router_topk
+    kw["moe_token_dispatcher_type"] = "alltoall"  # megatron refuses allgather with variable_seq_lengths (even dense)
+    sp = mg.sequence_parallel
+    if "num_moe_experts" in kw and dims.tp > 1 and not sp:
+        log.warning("MoE with --tensor-model-parallel-size > 1: turning on --sequence-parallel (megatron-core requires it)")
+        sp = True
     if hf_config.num_hidden_layers % dims.pp:
         raise ValueError(f"--pipeline-model-parallel-size {dims.pp} must divide the model's {hf_config.num_hidden_layers} layers")
     return TransformerConfig(
@@ -165,7 +173,7 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
-        sequence_parallel=mg.sequence_parallel,
+        sequence_parallel=sp,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
         variable_seq_lengths=True,  # packed micro-batches differ in length: p2p exchanges shapes
         transformer_impl="local", perform_initialization=False,  # every weight comes from the HF checkpoint

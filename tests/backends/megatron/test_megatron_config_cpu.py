@@ -1,0 +1,51 @@
+"""Megatron flags: parsing, start-up validation in one place, and the lazy import (CPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from polyrl.cli import build_parser
+from polyrl.config import ConfigError, config_from_args, validate
+
+
+def _cfg(*flags: str, tmp_path=None):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": 2}\n')
+    args = build_parser().parse_args(["train", "--train-backend", "megatron", "--hf-checkpoint", str(tmp_path),
+                                      "--prompt-data", str(data), "--rm-type", "arithmetic", *flags])
+    return config_from_args(args)
+
+
+def test_megatron_flags_keep_megatron_names(tmp_path):
+    cfg = _cfg("--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+               "--num-layers-per-virtual-pipeline-stage", "1", "--context-parallel-size", "2",
+               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--moe-router-topk", "2",
+               "--no-use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "uniform",
+               "--recompute-num-layers", "1", "--use-megatron-fsdp", "--override-ddp-config", "a=1", "b=2",
+               "--override-ddp-config", "c=3", tmp_path=tmp_path)
+    m = cfg.megatron
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) == (2, 2, 2)
+    assert m.sequence_parallel and m.use_megatron_fsdp and not m.use_distributed_optimizer
+    assert m.override_ddp_config == ["a=1", "b=2", "c=3"]  # repeatable
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
+    (["--override-ddp-config", "nonsense"], "expected key=value"),
+    (["--recompute-method", "uniform"], "--recompute-granularity full"),
+])
+def test_megatron_degrees_are_validated_at_start_up(tmp_path, flags, needle):
+    with pytest.raises(ConfigError, match=needle.replace("+", r"\+").replace("[", r"\[")):
+        validate(_cfg(*flags, tmp_path=tmp_path))
+
+
+def test_megatron_core_is_not_imported_by_polyrl():
+    code = ("import sys, polyrl, polyrl.cli, polyrl.backends.megatron.backend, polyrl.backends.megatron.thd, "
+            "polyrl.backends.megatron.bridge; print(any(m.startswith('megatron') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

@@ -1,0 +1,135 @@
+"""Packed THD layout, context-parallel attention plan and vocab-parallel log-probs (CPU; no
+megatron-core needed): the pure-torch pieces the Megatron backend is built on."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from polyrl.backends.logprobs import chunked_logprobs
+from polyrl.backends.megatron import thd
+
+
+def _samples(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids, plens = [], []
+    for i in range(n):
+        p, r = 2 + i % 3, 1 + (i * 2) % 5
+        ids.append(torch.randint(1, 50, (p + r,), generator=g))
+        plens.append(p)
+    return ids, plens
+
+
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("sp", [1, 2])
+def test_pack_covers_every_response_token_once(cp, sp):
+    ids, plens = _samples()
+    packs = [thd.pack_thd(ids, plens, cp_size=cp, cp_rank=r, sp_size=sp) for r in range(cp)]
+    R = sum(int(x.numel()) - p for x, p in zip(ids, plens))
+    slots = torch.cat([pb.logp_slot for pb in packs]).sort().values
+    assert torch.equal(slots, torch.arange(R))
+    # each target is the next token of the same sample
+    full = torch.cat([torch.cat([x[p:] for x, p in zip(ids, plens)])])
+    for pb in packs:
+        assert torch.equal(pb.targets, full[pb.logp_slot])
+        assert pb.input_ids.numel() * cp % (cp * sp) == 0 and (pb.input_ids.numel() % sp == 0)
+        assert pb.num_response == R and pb.seq_ids.numel() == R
+
+
+def _dense_global(q_all, k_all, v_all, seq, pos):
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), attn_mask=mask[None], scale=0.3)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_cp_attention_plan_equals_full_attention(cp):
+    """Each CP rank's queries against the rank-major gathered keys give the rows of full
+    per-sequence causal attention (dense path; the GPU test checks the varlen path against it)."""
+    ids, plens = _samples(4)
+    packs = [thd.pack_thd(ids, plens, cp_size=cp, cp_rank=r) for r in range(cp)]
+    T = int(packs[0].cu_seqlens[-1])
+    torch.manual_seed(0)
+    qg, kg, vg = (torch.randn(T, 2, 8) for _ in range(3))
+    seq = torch.repeat_interleave(torch.arange(len(packs[0].cu_seqlens) - 1), torch.diff(packs[0].cu_seqlens.long()))
+    pos = torch.cat([torch.arange(int(n)) for n in torch.diff(packs[0].cu_seqlens.long())])
+    ref = _dense_global(qg, kg, vg, seq, pos)
+    local_idx = [thd._ranges(thd.local_chunks(torch.diff(pb.cu_seqlens.long()).tolist(), cp, r)) for r, pb in enumerate(packs)]
+    k_gath = torch.cat([kg[i] for i in local_idx])
+    v_gath = torch.cat([vg[i] for i in local_idx])
+    for r, pb in enumerate(packs):
+        out = thd.varlen_attention(qg[local_idx[r]], k_gath, v_gath, pb.plan, 0.3, impl="dense")
+        torch.testing.assert_close(out, ref[local_idx[r]])
+        # the varlen plan's key segments are exactly each query chunk's causal prefix
+        for s in range(len(pb.plan.cu_q) - 1):
+            ks = pb.plan.kv_index[pb.plan.cu_k[s]:pb.plan.cu_k[s + 1]]
+            assert torch.equal(pb.plan.k_pos[ks], torch.arange(ks.numel()))
+
+
+def test_gqa_heads_are_repeated():
+    ids, plens = _samples(2)
+    pb = thd.pack_thd(ids, plens)
+    T = pb.input_ids.numel()
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    out = thd.varlen_attention(q, k, v, pb.plan, 0.5, impl="dense")
+    ref = thd.varlen_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pb.plan, 0.5, impl="dense")
+    torch.testing.assert_close(out, ref)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vp_worker(rank, world, port, vocab, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    H, T = 16, 11
+    hidden = torch.randn(T, H, dtype=torch.float32)
+    padded = -(-vocab // world) * world
+    weight = torch.randn(padded, H, dtype=torch.float32)
+    weight[vocab:] = 0
+    targets = torch.randint(0, vocab, (T,))
+    per = padded // world
+    h = hidden.clone().requires_grad_(True)
+    w = weight[rank * per:(rank + 1) * per].clone().requires_grad_(True)
+    lp, ent = thd.vocab_parallel_logprobs(h, w, targets, vocab_start=rank * per, vocab_size=vocab, group=dist.group.WORLD,
+                                          temperature=0.7, chunk_size=4, with_entropy=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    hg = h.grad.clone()
+    dist.all_reduce(hg)  # megatron's copy_to_tensor_model_parallel_region does this in the backward
+    result[rank] = (lp.detach(), ent.detach(), hg, w.grad.detach())
+    if rank == 0:
+        h2 = hidden.clone().requires_grad_(True)
+        w2 = weight[:vocab].clone().requires_grad_(True)
+        lp2, ent2 = chunked_logprobs(h2, w2, targets, temperature=0.7, chunk_size=4, with_entropy=True)
+        (lp2.sum() + 0.3 * ent2.sum()).backward()
+        result["ref"] = (lp2.detach(), ent2.detach(), h2.grad, w2.grad)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,vocab", [(1, 37), (2, 37), (3, 40)])
+def test_vocab_parallel_logprobs_match_full_vocab(world, vocab):
+    result = mp.Manager().dict()
+    mp.spawn(_vp_worker, args=(world, _free_port(), vocab, result), nprocs=world)
+    lp_ref, ent_ref, hg_ref, wg_ref = result["ref"]
+    per = -(-vocab // world)
+    for r in range(world):
+        lp, ent, hg, wg = result[r]
+        torch.testing.assert_close(lp, lp_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ent, ent_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hg, hg_ref, atol=1e-4, rtol=1e-4)
+        n = max(0, min(per, vocab - r * per))
+        torch.testing.assert_close(wg[:n], wg_ref[r * per:r * per + n], atol=1e-4, rtol=1e-4)
+        assert torch.count_nonzero(wg[n:]) == 0  # padding rows get no gradient
+
