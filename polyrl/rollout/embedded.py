@@ -17,8 +17,22 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddedEngine:
+    def __new__(cls, hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, **kw):
+        """On CUDA, Llama / Qwen2 / Qwen3 checkpoints get the GPU path (polyrl.rollout.gpu: paged
+        KV cache, continuous batching, CUDA graphs); anything else, and every CPU run, this one."""
+        if cls is EmbeddedEngine and device != "cpu" and gpu_engine:
+            from polyrl.rollout.gpu import GPUEngine, unsupported_reason
+            why = unsupported_reason(hf_checkpoint)
+            if why is None:
+                return GPUEngine(hf_checkpoint, device=device, **{k: v for k, v in kw.items() if k in (
+                    "dtype", "max_batch", "mem_fraction", "cuda_graph")})
+            log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
+                        device, hf_checkpoint, why)
+        return super().__new__(cls)
+
     def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "sdpa", max_batch: int = 0):
+                 attn_implementation: str = "sdpa", max_batch: int = 0, gpu_engine: bool = True,
+                 mem_fraction: float = 0.4, cuda_graph: bool = True):  # the last three: GPU path only
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)

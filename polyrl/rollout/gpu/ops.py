@@ -80,8 +80,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
         return o[0].transpose(0, 1)
     if all(n == L for n in lens):
         shape = (B, L, hq, d)
-        o = F.scaled_dot_product_attention(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2),
-                                           v.view(shape).transpose(1, 2), is_causal=True)
+        o = F.scaled_dot_product_attention(q.reshape(shape).transpose(1, 2), k.reshape(shape).transpose(1, 2),
+                                           v.reshape(shape).transpose(1, 2), is_causal=True)
         return o.transpose(1, 2).reshape(T, hq, d)
     lens_t = torch.tensor(lens, device=q.device)
     row = torch.repeat_interleave(torch.arange(B, device=q.device), lens_t)

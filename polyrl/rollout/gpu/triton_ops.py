@@ -239,45 +239,105 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_si
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_l, V, inv_temp_ptr, noise_ptr, thresh_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_ptr,
-                   BLOCK: tl.constexpr):
+def _sample_chunk(logits_ptr, row, stride_l, V, cols, u, it, thr, use_noise, m, ssum, best, best_i, best_x):
+    # lane-wise state (no cross-lane reduction per chunk): running max / rescaled sum of exp, and the
+    # best Gumbel score with its column and scaled logit; a lane sees its columns in increasing order
+    mk = cols < V
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=mk, other=-float("inf")).to(tl.float32) * it
+    m_new = tl.maximum(m, x)
+    ssum = ssum * tl.exp(m - m_new) + tl.exp(x - m_new)
+    score = tl.where(use_noise, x - tl.log(-tl.log(u)), x)  # Gumbel-max
+    score = tl.where(mk & (x >= thr), score, -float("inf"))
+    upd = score > best  # strictly greater: a lane keeps its first maximum
+    return m_new, ssum, tl.where(upd, score, best), tl.where(upd, cols, best_i), tl.where(upd, x, best_x)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_l, V, seg_len, inv_temp_ptr, noise_ptr, thresh_ptr, seed_ptr, ctr_ptr, part_ptr,
+                   tok_ptr, lp_ptr, BLOCK: tl.constexpr, NSEG: tl.constexpr):
+    # one pass over a row segment: online logsumexp + Gumbel-max; one Philox call feeds 4 chunks. The
+    # random number of column c depends only on (seed, counter, c), not on the segmentation.
     row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
     it = tl.load(inv_temp_ptr + row)
     use_noise = tl.load(noise_ptr + row) != 0
     thr = tl.load(thresh_ptr + row)
     seed = tl.load(seed_ptr + row)
     ctr = tl.load(ctr_ptr + row).to(tl.int64)
-    m = -1e30
-    ssum = 0.0
-    best = -float("inf")
-    best_idx = 0
-    best_x = 0.0
+    per_step = tl.cdiv(V, 4 * BLOCK) * BLOCK  # random counters one step of one row uses
     offs = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
-        cols = start + offs
-        mk = cols < V
-        x = tl.load(logits_ptr + row * stride_l + cols, mask=mk, other=-float("inf")).to(tl.float32) * it
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        u = tl.rand(seed, ctr * V + cols)
-        score = tl.where(use_noise, x - tl.log(-tl.log(u)), x)
-        score = tl.where(mk & (x >= thr), score, -float("inf"))
-        cmax = tl.max(score, axis=0)
-        cidx = tl.argmax(score, axis=0)
-        upd = cmax > best  # strictly greater: the first maximum wins, like torch.argmax
-        best_idx = tl.where(upd, start + cidx, best_idx)
-        best_x = tl.where(upd, tl.sum(tl.where(offs == cidx, x, 0.0), axis=0), best_x)
-        best = tl.where(upd, cmax, best)
-    tl.store(tok_ptr + row, best_idx.to(tl.int64))
-    tl.store(lp_ptr + row, best_x - m - tl.log(ssum))
+    m = tl.full([BLOCK], -1e30, tl.float32)
+    ssum = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], -float("inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    best_x = tl.zeros([BLOCK], tl.float32)
+    lo = seg * seg_len
+    hi = tl.minimum(V, lo + seg_len)
+    for start in range(lo, hi, 4 * BLOCK):
+        u0, u1, u2, u3 = tl.rand4x(seed, ctr * per_step + start // 4 + offs)
+        m, ssum, best, best_i, best_x = _sample_chunk(logits_ptr, row, stride_l, V, start + offs, u0, it, thr, use_noise,
+                                                      m, ssum, best, best_i, best_x)
+        m, ssum, best, best_i, best_x = _sample_chunk(logits_ptr, row, stride_l, V, start + BLOCK + offs, u1, it, thr,
+                                                      use_noise, m, ssum, best, best_i, best_x)
+        m, ssum, best, best_i, best_x = _sample_chunk(logits_ptr, row, stride_l, V, start + 2 * BLOCK + offs, u2, it, thr,
+                                                      use_noise, m, ssum, best, best_i, best_x)
+        m, ssum, best, best_i, best_x = _sample_chunk(logits_ptr, row, stride_l, V, start + 3 * BLOCK + offs, u3, it, thr,
+                                                      use_noise, m, ssum, best, best_i, best_x)
+    mx = tl.max(m, axis=0)
+    total = tl.sum(ssum * tl.exp(m - mx), axis=0)
+    b = tl.max(best, axis=0)
+    bi = tl.min(tl.where(best == b, best_i, 2147483647), axis=0)  # ties: the first column, like torch.argmax
+    bx = tl.max(tl.where((best == b) & (best_i == bi), best_x, -float("inf")), axis=0)
+    if NSEG == 1:
+        tl.store(tok_ptr + row, bi.to(tl.int64))
+        tl.store(lp_ptr + row, bx - mx - tl.log(total))
+    else:
+        p = part_ptr + (row * NSEG + seg) * 5
+        tl.store(p, mx)
+        tl.store(p + 1, total)
+        tl.store(p + 2, b)
+        tl.store(p + 3, bi.to(tl.float32))  # < 2**24: exact
+        tl.store(p + 4, bx)
 
 
-def sample(logits, inv_temp, noise, thresh, seeds, counters):
+@triton.jit
+def _sample_merge_kernel(part_ptr, tok_ptr, lp_ptr, NSEG: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, NSEG)
+    p = part_ptr + (row * NSEG + k) * 5
+    m = tl.load(p)
+    mx = tl.max(m, axis=0)
+    total = tl.sum(tl.load(p + 1) * tl.exp(m - mx), axis=0)
+    best = tl.load(p + 2)
+    col = tl.load(p + 3)
+    b = tl.max(best, axis=0)
+    bi = tl.min(tl.where(best == b, col, 3.0e38), axis=0)  # segments hold increasing columns: the first wins ties
+    bx = tl.max(tl.where((best == b) & (col == bi), tl.load(p + 4), -float("inf")), axis=0)
+    tl.store(tok_ptr + row, bi.to(tl.int64))
+    tl.store(lp_ptr + row, bx - mx - tl.log(total))
+
+
+_SM_COUNT: dict = {}
+
+
+def sample(logits, inv_temp, noise, thresh, seeds, counters, num_segments: int | None = None):
+    """num_segments: programs per row (None: enough to fill the GPU when rows are few)."""
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    if B:
-        _sample_kernel[(B,)](logits, logits.stride(0), V, inv_temp, noise, thresh, seeds, counters, tok, lp,
-                             BLOCK=2048, num_warps=8)
+    if not B:
+        return tok, lp
+    BLOCK = 1024
+    if num_segments is None:
+        dev = logits.device
+        if dev not in _SM_COUNT:
+            _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        num_segments = 1 if B >= _SM_COUNT[dev] else triton.cdiv(2 * _SM_COUNT[dev], B)
+    nseg = min(16, triton.next_power_of_2(max(1, min(num_segments, triton.cdiv(V, 4 * BLOCK)))))
+    seg_len = triton.cdiv(triton.cdiv(V, nseg), 4 * BLOCK) * 4 * BLOCK
+    part = torch.empty(max(1, B * nseg * 5 if nseg > 1 else 1), dtype=torch.float32, device=logits.device)
+    _sample_kernel[(B, nseg)](logits, logits.stride(0), V, seg_len, inv_temp, noise, thresh, seeds, counters, part, tok, lp,
+                              BLOCK=BLOCK, NSEG=nseg, num_warps=4)
+    if nseg > 1:
+        _sample_merge_kernel[(B,)](part, tok, lp, NSEG=nseg, num_warps=1)
     return tok, lp

@@ -1,0 +1,6 @@
+"""The embedded engine's GPU path (paged KV cache, continuous batching, CUDA graphs).
+`polyrl.rollout.embedded.EmbeddedEngine` picks it on CUDA for supported architectures."""
+
+from polyrl.rollout.gpu.engine import GPUEngine, unsupported_reason
+
+__all__ = ["GPUEngine", "unsupported_reason"]

@@ -1,0 +1,538 @@
+"""The embedded engine's GPU path: own model forward, paged KV cache, continuous batching,
+prefix sharing, CUDA-graph decode and a fused GPU sampler, behind the RolloutEngine protocol.
+
+One generate() call:
+  1. every prompt becomes a group of its n samples, waiting in order;
+  2. admission: while slots (--rollout-batch-generate, default 256) and KV blocks allow, a
+     group is admitted with blocks for its full length reserved up front (so nothing is ever
+     preempted); its prompt is prefilled once (varlen, up to `max_prefill_tokens` per
+     forward) and the n samples share the prompt's full blocks; the partial last block is
+     copied per sample;
+  3. decode: one token for every running sequence per step (a CUDA graph replay at the
+     smallest captured batch size >= the running count, then the sampler); finished
+     sequences give their blocks and slots back at once, and waiting groups are admitted
+     into them before the next step. Step t+1 is launched before step t's tokens are read,
+     so the host's bookkeeping (stop checks, retiring rows) overlaps the GPU's work; a row
+     that finished at step t computes one extra token, which is dropped.
+
+Per-sequence state lives in slot-indexed device buffers (next token, context length, block
+table, sampling settings); running sequences always occupy slots [0, b), so a step reads
+a prefix of every buffer and a graph of batch size B reads rows [0, B) (rows past b are
+dummies that write into the reserved scratch block).
+
+Sampling is Gumbel-max with a counter-based random stream per sample (seeded from
+SamplingParams.seed and the sample's index), so results do not depend on batch
+composition, admission order or --rollout-batch-generate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from transformers import AutoTokenizer
+
+from polyrl.rollout.gpu import ops as ref_ops
+from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
+from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
+                                      spec_from_config)
+from polyrl.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class _Group:
+    """Samples [first, first + n) of prompt `index`, admitted and prefilled together."""
+    index: int
+    prompt: list[int]
+    first: int
+    n: int
+
+
+@dataclass
+class _Seq:
+    sample: int  # position in generate()'s output
+    group: _Group
+    shared: list[int]  # prompt blocks shared with the group's other samples
+    own: list[int]  # blocks this sequence alone holds
+    out: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class _Step:
+    """A launched decode step whose tokens are still on their way to the host."""
+    seqs: list[_Seq]  # the rows it computed, in row order at launch
+    buf: int  # which pinned host buffer it copies into
+    copied: torch.cuda.Event | None
+
+
+def unsupported_reason(hf_checkpoint: str) -> str | None:
+    """None when the GPU path can run this checkpoint, else why not."""
+    try:
+        cfg = load_config(hf_checkpoint)
+    except Exception as e:  # noqa: BLE001 (reported as the fallback reason)
+        return f"its config could not be read ({e})"
+    return spec_from_config(cfg)[1]
+
+
+class GPUEngine:
+    def __init__(self, hf_checkpoint: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 max_batch: int = 0, mem_fraction: float = 0.4, cuda_graph: bool = True, block_size: int = 16,
+                 max_prefill_tokens: int = 16384, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 use_triton: bool | None = None, decode_splits: int | None = None, ignore_eos: bool = False,
+                 profile: bool = False):
+        """max_batch: most sequences decoding at once (0: 256). mem_fraction: share of the
+        GPU's memory for weights + KV cache + workspace; the KV cache gets what is left
+        (num_kv_blocks overrides it, e.g. on CPU). ignore_eos: never stop on EOS (benchmarks
+        with random weights). profile: time GPU work with events (last_stats)."""
+        cfg = load_config(hf_checkpoint)
+        spec, why = spec_from_config(cfg)
+        if spec is None:
+            raise ValueError(f"{hf_checkpoint}: the GPU engine does not support this model: {why}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.dtype, self.spec = dtype, spec
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.eos_id = None if ignore_eos else self.tokenizer.eos_token_id
+        self.version = 0
+        if use_triton is None:
+            use_triton = self.is_cuda
+        if use_triton:
+            from polyrl.rollout.gpu import triton_ops
+            self.ops = triton_ops
+        else:
+            self.ops = ref_ops
+        self.cuda_graph = cuda_graph and self.is_cuda
+        self.profile = profile and self.is_cuda
+        self.block_size = block_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_batch or 256
+        self.max_len = min(spec.max_pos, max_model_len or spec.max_pos)
+
+        self.model = DenseLM(spec, self.device, dtype, self.ops)
+        self.model.load(iter_checkpoint(hf_checkpoint), strict=True)
+        cos, sin = rope_tables(cfg, spec, self.max_len, dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._blocks_from_budget(mem_fraction)
+        self.kv = KVCache(spec.layers, spec.kv_heads, spec.head_dim, num_kv_blocks, block_size, dtype, self.device,
+                          cos.to(self.device), sin.to(self.device))
+        self.alloc = BlockAllocator(num_kv_blocks)
+
+        R, W = self.max_running, -(-self.max_len // block_size)
+        dev = self.device
+        self.tokens = torch.zeros(R, dtype=torch.long, device=dev)
+        self.ctx = torch.ones(R, dtype=torch.int32, device=dev)
+        self.bt = torch.zeros(R, W, dtype=torch.int32, device=dev)
+        self.inv_temp = torch.ones(R, dtype=torch.float32, device=dev)
+        self.noise = torch.zeros(R, dtype=torch.int32, device=dev)
+        self.thresh = torch.full((R,), float("-inf"), dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(R, dtype=torch.long, device=dev)
+        self._state = (self.tokens, self.ctx, self.bt, self.inv_temp, self.noise, self.thresh, self.seeds)
+        pin = self.is_cuda
+        self.h_tok = torch.zeros(3, R, dtype=torch.long, pin_memory=pin)  # prefill, and two alternating decode steps
+        self.h_lp = torch.zeros(3, R, dtype=torch.float32, pin_memory=pin)
+        self.split_len = torch.full((1,), 1 << 30, dtype=torch.int32, device=dev)
+        self._split_val = -1
+        self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self.is_cuda else 1
+        self.decode_splits = decode_splits
+        self.buckets = [b for b in BUCKETS if b < R] + [R]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+        self.logits_buf: torch.Tensor | None = None
+        self._cpu_flat: torch.Tensor | None = None
+        self.asleep = False
+        self.running: list[_Seq] = []
+        self.last_stats: dict = {}
+        log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB), "
+                 "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30, num_kv_blocks,
+                 block_size, self.kv.nbytes / 2**30, self.cuda_graph, use_triton)
+
+    # ---- memory budget ---------------------------------------------------------------------
+    def _workspace_bytes(self) -> int:
+        s, el = self.spec, torch.empty((), dtype=self.dtype).element_size()
+        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+        prefill = self.max_prefill_tokens * (6 * s.hidden + 3 * qkv + 2 * s.heads * s.head_dim + 3 * s.inter) * el
+        logits = self.max_running * s.vocab * (2 * el + 8)  # graph logits + sampler / filter temporaries
+        return prefill + logits + 512 * 2**20
+
+    def _blocks_from_budget(self, mem_fraction: float) -> int:
+        if not self.is_cuda:
+            return 1 + 4 * self.max_running * -(-256 // self.block_size)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        s = self.spec
+        per_block = KVCache.bytes_per_block(s.layers, s.kv_heads, s.head_dim, self.block_size, self.dtype)
+        kv_bytes = mem_fraction * total - self.model.nbytes - self._workspace_bytes()
+        blocks = int(kv_bytes // per_block)
+        need = 2 + -(-self.max_len // self.block_size)
+        if blocks < min(need, 64):
+            raise RuntimeError(
+                f"--rollout-mem-fraction {mem_fraction} gives {mem_fraction * total / 2**30:.1f} GiB, but weights take "
+                f"{self.model.nbytes / 2**30:.1f} GiB and the workspace ~{self._workspace_bytes() / 2**30:.1f} GiB: no room "
+                f"for a KV cache; raise --rollout-mem-fraction or lower --rollout-batch-generate")
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if blocks * per_block > free - 256 * 2**20:
+            raise RuntimeError(
+                f"--rollout-mem-fraction {mem_fraction} asks for a {blocks * per_block / 2**30:.1f} GiB KV cache but only "
+                f"{free / 2**30:.1f} GiB of GPU memory is free; lower --rollout-mem-fraction (or offload the trainer first)")
+        return blocks
+
+    # ---- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+        if self.asleep:
+            raise RuntimeError("generate() on a sleeping engine; call wake() first")
+        sp, M = params, params.max_new_tokens
+        if M < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        for i, p in enumerate(prompts):
+            if not p or len(p) + M > self.max_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + {M} new tokens must be in [1, {self.max_len}] "
+                                 f"(the model's max positions)")
+        self._sp = sp
+        self._stop_ids = set(sp.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        self._base_seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self._filter = not sp.greedy and (0 < sp.top_k < self.spec.vocab or sp.top_p < 1.0)
+        self._results: list[Sample | None] = [None] * (len(prompts) * sp.n)
+        R = self.max_running
+        waiting = deque(_Group(i, list(p), j, min(sp.n - j, R)) for i, p in enumerate(prompts) for j in range(0, sp.n, R))
+        self.running = []
+        self._max_ctx = 0
+        self.alloc = BlockAllocator(self.alloc.num_blocks)  # nothing outlives a call (also after an exception)
+        self.ctx.fill_(1)
+        self.bt.zero_()
+        self.tokens.zero_()
+        st = self.last_stats = {"prefill_s": 0.0, "steps": 0, "graph_capture_s": 0.0, "ttft_s": [], "prefill_tokens": 0,
+                                "events": []}
+        self._t0 = time.perf_counter()
+        self._pending: _Step | None = None
+        self._nsteps = 0
+        while waiting or self.running or self._pending:
+            if waiting and self._fits(waiting[0]):
+                self._drain()
+                self._admit(waiting)
+            if not self.running:
+                if self._pending:
+                    self._drain()
+                elif waiting and not self._fits(waiting[0]):
+                    g = waiting[0]
+                    raise RuntimeError(
+                        f"prompt {g.index} ({len(g.prompt)} tokens, {g.n} samples x {M} new tokens) needs "
+                        f"{self._blocks_needed(len(g.prompt), g.n)} KV blocks but the cache has {self.alloc.num_blocks - 1}; "
+                        f"raise --rollout-mem-fraction or lower --n-samples-per-prompt / --rollout-max-response-len")
+                continue
+            # launch step t+1 before reading step t's tokens: the host's bookkeeping overlaps the GPU's work
+            # (a row that finished at step t gets one extra, discarded token)
+            launched = self._launch_step()
+            prev, self._pending = self._pending, launched
+            if prev is not None:
+                self._process(prev)
+        self._finish_stats()
+        return self._results  # type: ignore[return-value]
+
+    def _fits(self, g: _Group) -> bool:
+        return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n) <= self.alloc.num_free
+
+    def _blocks_needed(self, P: int, n: int) -> int:
+        bs = self.block_size
+        full = P // bs
+        return full + n * (-(-(P + self._sp.max_new_tokens - 1) // bs) - full)
+
+    def _admit(self, waiting: deque) -> int:
+        batch, tokens, admitted = [], 0, 0
+        free_slots = self.max_running - len(self.running)
+        free_blocks = self.alloc.num_free
+        while waiting:
+            g = waiting[0]
+            need = self._blocks_needed(len(g.prompt), g.n)
+            if g.n > free_slots or need > free_blocks:
+                break
+            if batch and tokens + len(g.prompt) > self.max_prefill_tokens:
+                self._prefill(batch)
+                batch, tokens = [], 0
+            waiting.popleft()
+            batch.append(g)
+            tokens += len(g.prompt)
+            free_slots -= g.n
+            free_blocks -= need
+            admitted += 1
+        if batch:
+            self._prefill(batch)
+        return admitted
+
+    def _prefill(self, groups: list[_Group]) -> None:
+        t = time.perf_counter()
+        ev = self._event()
+        bs, M, sp, dev = self.block_size, self._sp.max_new_tokens, self._sp, self.device
+        new: list[_Seq] = []
+        ids, slots, lens, bt_rows, seeds, ctxs = [], [], [], [], [], []
+        copy_src, copy_dst = [], []
+        for g in groups:
+            P = len(g.prompt)
+            full = P // bs
+            own_n = -(-(P + M - 1) // bs) - full
+            shared = self.alloc.allocate(full)
+            self.alloc.share(shared, g.n - 1)
+            owns = [self.alloc.allocate(own_n) for _ in range(g.n)]
+            table = torch.tensor(shared + owns[0], dtype=torch.long)
+            p = torch.arange(P)
+            slots.append(table[p // bs] * bs + p % bs)
+            ids.append(torch.tensor(g.prompt, dtype=torch.long))
+            lens.append(P)
+            if P % bs and g.n > 1:
+                copy_src += [owns[0][0]] * (g.n - 1)
+                copy_dst += [o[0] for o in owns[1:]]
+            for j in range(g.n):
+                k = g.index * sp.n + g.first + j
+                new.append(_Seq(k, g, shared, owns[j]))
+                bt_rows.append(shared + owns[j])
+                seeds.append(ref_ops.mix_seed(self._base_seed, k))
+                ctxs.append(P)
+        lens_t = torch.tensor(lens)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        last = (torch.cumsum(lens_t, 0) - 1).to(dev)
+        logits = self.model.forward(torch.cat(ids).to(dev), pos.to(dev), torch.cat(slots).to(dev), self.kv,
+                                    PrefillAttn(self.ops, lens), logits_rows=last)
+        self.kv.copy_blocks(copy_src, copy_dst)
+        rows = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups])).to(dev)
+        logits = logits[rows]
+        # sampling settings of the new rows, written into their slots [b0, b0 + N)
+        b0, N = len(self.running), len(new)
+        sl = slice(b0, b0 + N)
+        W = self.bt.shape[1]
+        bt = torch.zeros(N, W, dtype=torch.int32)
+        for r, row in enumerate(bt_rows):
+            bt[r, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        self.bt[sl] = bt.to(dev)
+        self.inv_temp[sl] = 1.0 if sp.greedy else 1.0 / sp.temperature
+        self.noise[sl] = 0 if sp.greedy else 1
+        self.seeds[sl] = torch.tensor(seeds, dtype=torch.long).to(dev)
+        counters = torch.tensor(ctxs, dtype=torch.int32).to(dev)
+        if self._filter:
+            self.thresh[sl] = ref_ops.filter_thresholds(logits, self.inv_temp[sl], sp.top_k, sp.top_p)
+        else:
+            self.thresh[sl] = float("-inf")
+        tok, lp = self.ops.sample(logits, self.inv_temp[sl], self.noise[sl], self.thresh[sl], self.seeds[sl], counters)
+        self.tokens[sl] = tok
+        self.ctx[sl] = counters + 1
+        self.running.extend(new)
+        self._max_ctx = max(self._max_ctx, max(ctxs) + 1)
+        self._record(ev, "prefill")
+        self.h_tok[0, :N].copy_(tok, non_blocking=True)
+        self.h_lp[0, :N].copy_(lp, non_blocking=True)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.last_stats["prefill_tokens"] += sum(lens)
+        now = time.perf_counter() - self._t0
+        self.last_stats["ttft_s"] += [now] * N
+        self._retire(self._consume(new, self.h_tok[0, :N].tolist(), self.h_lp[0, :N].tolist()))
+        self.last_stats["prefill_s"] += time.perf_counter() - t
+
+    def _launch_step(self) -> _Step:
+        b = len(self.running)
+        ev = self._event()
+        logits = self._run_decode(b)
+        if self._filter:
+            self.thresh[:b] = ref_ops.filter_thresholds(logits, self.inv_temp[:b], self._sp.top_k, self._sp.top_p)
+        tok, lp = self.ops.sample(logits, self.inv_temp[:b], self.noise[:b], self.thresh[:b], self.seeds[:b], self.ctx[:b])
+        self.tokens[:b] = tok
+        self.ctx[:b] += 1
+        self._max_ctx += 1
+        self._record(ev, "decode")
+        k = 1 + self._nsteps % 2  # host buffers 1 and 2 alternate (0 is the prefill's)
+        self._nsteps += 1
+        self.h_tok[k, :b].copy_(tok, non_blocking=True)
+        self.h_lp[k, :b].copy_(lp, non_blocking=True)
+        copied = None
+        if self.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self.last_stats["steps"] += 1
+        return _Step(list(self.running), k, copied)
+
+    def _process(self, step: _Step) -> None:
+        if step.copied is not None:
+            step.copied.synchronize()
+        n = len(step.seqs)
+        self._retire(self._consume(step.seqs, self.h_tok[step.buf, :n].tolist(), self.h_lp[step.buf, :n].tolist()))
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._process(step)
+
+    def _consume(self, seqs: list[_Seq], toks: list[int], lps: list[float]) -> list[tuple[_Seq, str]]:
+        """Append each live row's new token; return the sequences that finished, with why."""
+        M, stops, stop_ids = self._sp.max_new_tokens, self._sp.stop, self._stop_ids
+        done = []
+        for seq, t, lp in zip(seqs, toks, lps):
+            if seq.done:  # finished a step earlier; this was the look-ahead step's extra token
+                continue
+            seq.out.append(t)
+            seq.lps.append(lp)
+            if t in stop_ids or (stops and self._hit_stop_string(seq.out, stops)):
+                reason = "stop"
+            elif len(seq.out) >= M:
+                reason = "length"
+            else:
+                continue
+            seq.done = True
+            done.append((seq, reason))
+        return done
+
+    def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
+        tail = self.tokenizer.decode(response[-16:], skip_special_tokens=True)  # a stop string ends in the tail
+        return any(s in tail for s in stops)
+
+    def _retire(self, done: list[tuple[_Seq, str]]) -> None:
+        """Store finished samples, free their blocks, and compact the running rows to [0, b)."""
+        if not done:
+            return
+        for seq, reason in done:
+            g = seq.group
+            self._results[seq.sample] = Sample(
+                prompt_ids=list(g.prompt), response_ids=seq.out, rollout_logprobs=seq.lps, finish_reason=reason,
+                group_index=g.index, response=self.tokenizer.decode(seq.out, skip_special_tokens=True))
+            self.alloc.release(seq.shared)
+            self.alloc.release(seq.own)
+        b = len(self.running)
+        keep = [r for r, seq in enumerate(self.running) if not seq.done]
+        self.running = [self.running[r] for r in keep]
+        m = len(keep)
+        if keep != list(range(m)):
+            idx = torch.tensor(keep, device=self.device)
+            for buf in self._state:
+                buf[:m] = buf[idx]
+        self.ctx[m:b] = 1  # dummy rows: one cached token, in the scratch block
+        self.bt[m:b] = 0
+        self.tokens[m:b] = 0
+        if not self.running:
+            self._max_ctx = 0
+
+    # ---- decode forward, CUDA graphs -------------------------------------------------------
+    def _num_splits(self, b: int) -> int:
+        if self.ops is ref_ops:
+            return 1
+        if self.decode_splits is not None:
+            return self.decode_splits
+        progs = b * self.spec.kv_heads
+        if progs * 2 >= self.sm_count:
+            return 1
+        return min(16, 1 << math.ceil(math.log2(self.sm_count / progs)))
+
+    def _decode_forward(self, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = self.ctx[:b]
+        pos = (ctx - 1).long()
+        blk = self.bt[:b].gather(1, (pos // self.block_size)[:, None]).squeeze(1).long()
+        slots = blk * self.block_size + pos % self.block_size
+        attn = DecodeAttn(self.ops, self.bt[:b], ctx, self.block_size, self._num_splits(b), self.split_len)
+        return self.model.forward(self.tokens[:b], pos, slots, self.kv, attn, out=out)
+
+    def _run_decode(self, b: int) -> torch.Tensor:
+        B = next(x for x in self.buckets if x >= b) if self.cuda_graph else b
+        ns = self._num_splits(B)
+        if ns > 1:  # keep split_len * ns >= the longest context, in 64-token steps
+            want = -(-self._max_ctx // (ns * 64)) * 64
+            if want > self._split_val or 2 * want < self._split_val:
+                self._split_val = want
+                self.split_len.fill_(want)
+        if not self.cuda_graph:
+            return self._decode_forward(b)
+        g = self.graphs.get(B)
+        if g is None:
+            g = self._capture(B)
+        g.replay()
+        return self.logits_buf[:b]
+
+    def _capture(self, B: int) -> torch.cuda.CUDAGraph:
+        t = time.perf_counter()
+        if self.logits_buf is None:
+            self.logits_buf = torch.empty(self.max_running, self.spec.vocab, dtype=self.dtype, device=self.device)
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        out = self.logits_buf[:B]
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):  # warm-up: compiles the kernels, settles the allocator
+            self._decode_forward(B, out)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.graph_pool):
+            self._decode_forward(B, out)
+        self.graphs[B] = g
+        self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
+        return g
+
+    # ---- timing ------------------------------------------------------------------------------
+    def _event(self):
+        if not self.profile:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _record(self, start, kind: str) -> None:
+        if start is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.last_stats["events"].append((kind, start, e))
+
+    def _finish_stats(self) -> None:
+        st = self.last_stats
+        st["wall_s"] = time.perf_counter() - self._t0
+        st["decode_s"] = st["wall_s"] - st["prefill_s"]
+        st["tokens"] = sum(len(s.response_ids) for s in self._results)
+        ev = st.pop("events")
+        if ev:
+            torch.cuda.synchronize(self.device)
+            st["gpu_prefill_s"] = sum(a.elapsed_time(b) for k, a, b in ev if k == "prefill") / 1e3
+            st["gpu_decode_s"] = sum(a.elapsed_time(b) for k, a, b in ev if k == "decode") / 1e3
+            busy = st["gpu_prefill_s"] + st["gpu_decode_s"]
+            st["python_overhead_share"] = max(0.0, 1.0 - busy / st["wall_s"])
+            st["decode_python_overhead_share"] = max(0.0, 1.0 - st["gpu_decode_s"] / max(st["decode_s"], 1e-9))
+        ttft = st.pop("ttft_s")
+        st["ttft_first_s"], st["ttft_mean_s"] = (min(ttft), sum(ttft) / len(ttft)) if ttft else (0.0, 0.0)
+
+    # ---- weights & memory --------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """In place (same storage, so captured graphs stay valid); while asleep, into the host copy."""
+        n = self.model.load(weights, strict=False)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.version = version
+        log.debug("GPU engine weights updated to version %d (%d tensors)", version, n)
+
+    def sleep(self) -> None:
+        """Free the weights' and the KV cache's GPU memory (weights kept in pinned host memory)."""
+        if not self.is_cuda or self.asleep:
+            return
+        if self._cpu_flat is None:
+            self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
+        self._cpu_flat.copy_(self.model.flat)
+        self.model.bind(self._cpu_flat)
+        self.kv.release()
+        self.graphs.clear()  # they point at the freed buffers; recaptured after wake()
+        self.graph_pool = self.logits_buf = None
+        self.asleep = True
+        torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if not self.is_cuda or not self.asleep:
+            return
+        flat = torch.empty(self.model.numel, dtype=self.dtype, device=self.device)
+        flat.copy_(self._cpu_flat)
+        self.model.bind(flat)
+        self.kv.allocate()
+        self._split_val = -1
+        self.asleep = False
