@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import torch
@@ -41,7 +40,6 @@ def sft(cfg: Config) -> dict:
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, backend)["step"]
-    loss_fn = functools.partial(sft_loss)
     t0 = time.perf_counter()
     for step in range(start, total):
         epoch, k = divmod(step, per_epoch)
@@ -51,7 +49,7 @@ def sft(cfg: Config) -> dict:
                            {"loss_mask": [examples[i][2] for i in idx]})
         timer = Timer()
         with timer("train"):
-            m = backend.train_step(batch, loss_fn)
+            m = backend.train_step(batch, sft_loss)
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
         if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):

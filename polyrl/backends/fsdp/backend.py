@@ -124,7 +124,6 @@ class FSDPBackend:
                                            fused=self.device.type == "cuda" and not model_cfg.fsdp_cpu_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
         self.skipped_steps = 0
-        self.scaler_fp16 = model_cfg.fp16  # fp16 relies on the NaN/inf skip below instead of a loss scaler
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, path: str, *, train: bool) -> PolicyModel:
