@@ -147,22 +147,43 @@ class ContentionProbe:
     machine reports it beside its timings; more than a few percent means those timings are
     inflated (BLAS/OpenMP threads slow down many times over when cores are oversubscribed)."""
 
-    def __enter__(self):
+    def __init__(self, in_process: bool = False):
+        self.in_process = in_process  # count this process's CPU as ours (else: the children it waited for)
+
+    def _ours(self) -> float:
         import resource
+        ru = resource.getrusage(resource.RUSAGE_SELF if self.in_process else resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+
+    def __enter__(self):
         self.t0, self.busy0 = time.perf_counter(), _busy_cpu_seconds()
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.child0 = ru.ru_utime + ru.ru_stime
+        self.child0 = self._ours()
         return self
 
     def __exit__(self, *exc):
-        import resource
         self.wall = time.perf_counter() - self.t0
         busy1 = _busy_cpu_seconds()
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.child_cpu_s = ru.ru_utime + ru.ru_stime - self.child0
+        ours = self._ours()
+        self.child_cpu_s = ours - self.child0
         if busy1 is None or self.busy0 is None or self.wall <= 0:
             self.other_frac = None
         else:
             other = max(busy1 - self.busy0 - self.child_cpu_s, 0.0)
             self.other_frac = other / (self.wall * (os.cpu_count() or 1))
         return False
+
+
+def wait_for_quiet(max_seconds: float, *, busy_below: float = 0.08, window: float = 5.0) -> float | None:
+    """Block until the machine's CPUs were less than `busy_below` busy over a `window`, or
+    `max_seconds` passed. Returns the last busy share seen (None if it cannot be read)."""
+    deadline = time.monotonic() + max_seconds
+    share = None
+    while True:
+        b0, t0 = _busy_cpu_seconds(), time.perf_counter()
+        time.sleep(window)
+        b1 = _busy_cpu_seconds()
+        if b0 is None or b1 is None:
+            return None
+        share = (b1 - b0) / ((time.perf_counter() - t0) * (os.cpu_count() or 1))
+        if share < busy_below or time.monotonic() >= deadline:
+            return share

@@ -35,7 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ContentionProbe, build_model_dir, fmt, markdown_table, median, write_json  # noqa: E402
+from common import ContentionProbe, build_model_dir, wait_for_quiet, fmt, markdown_table, median, write_json  # noqa: E402
 
 FRAMEWORKS = ("polyrl", "trl", "trl-cb")
 INSTALL_HINT = "TRL is not installed: `pip install -e .[bench]` (adds trl and psutil)"
@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="run the frameworks this many times, alternating (polyrl, trl, polyrl, trl, ...); "
                         "step times pool the measured steps of all runs")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="before each run, wait up to this long for the machine's CPUs to be idle (shared machines)")
+    p.add_argument("--retry-busy", type=float, default=0.0, metavar="FRACTION",
+                   help="rerun (at most 3 times) a run during which other processes used more than this share "
+                        "of the CPUs (0 = off)")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=8, help="GRPO group size (TRL num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -79,9 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--frameworks: unknown {', '.join(bad)}; choose from {', '.join(FRAMEWORKS)}")
     per_step = a.prompts_per_step * a.samples_per_prompt
     a.micro_batch_size = min(a.micro_batch_size, per_step)
-    if per_step % a.micro_batch_size or a.micro_batch_size % a.samples_per_prompt:
-        p.error(f"--micro-batch-size {a.micro_batch_size} must divide prompts x samples ({per_step}) and be a multiple "
-                f"of --samples-per-prompt ({a.samples_per_prompt}) (TRL splits whole groups)")
+    if a.micro_batch_size < 1 or per_step % a.micro_batch_size:
+        p.error(f"--micro-batch-size {a.micro_batch_size} must divide prompts x samples ({per_step}): TRL's "
+                "gradient_accumulation_steps is their quotient")
     if a.samples_per_prompt < 2:
         p.error("--samples-per-prompt must be >= 2 (GRPO needs a group)")
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
@@ -277,9 +282,21 @@ def summarize(framework: str, results: list[dict], s: dict, prompt_tokens: list[
 
 
 def prepare(a: argparse.Namespace, work: str) -> dict:
+    """Data, model and (optionally) the SFT warm start; reused from an earlier run in the same
+    --workdir when the settings that shape them are the same."""
     import shutil
 
     from polyrl.tasks.arithmetic import write_datasets
+
+    key = {"model_shape": a.model_shape, "seed": a.seed, "digits": a.digits, "sft_warmstart_epochs": a.sft_warmstart_epochs,
+           "device": a.device}
+    marker = os.path.join(work, "prepared.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            done = json.load(f)
+        if done.get("key") == key and os.path.isdir(done["prep"]["model_dir"]):
+            print(f"reusing the prepared model and data in {work} ({done['prep']['model_dir']})")
+            return done["prep"]
 
     data = write_datasets(os.path.join(work, "data"), digits=a.digits, seed=a.seed)
     base = os.path.join(work, f"model_{a.model_shape}")
@@ -303,7 +320,9 @@ def prepare(a: argparse.Namespace, work: str) -> dict:
         subprocess.run(cmd, check=True)
         sft_s = time.perf_counter() - t
         print(f"SFT warm start done in {sft_s:.1f}s -> {model_dir} (both frameworks start here)")
-    return {"data": data, "model_dir": model_dir, "model_info": info, "sft_seconds": sft_s}
+    prep = {"data": data, "model_dir": model_dir, "model_info": info, "sft_seconds": sft_s}
+    write_json(marker, {"key": key, "prep": prep})
+    return prep
 
 
 def prompt_tokens_per_step(model_dir: str, train_path: str, prompts_per_step: int, samples: int, steps: int) -> list[int]:
@@ -358,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             "samples_per_prompt": a.samples_per_prompt, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
             "seed": a.seed, "micro_batch_size": a.micro_batch_size, "warmup": a.warmup, "steps": a.steps,
             "total_steps": a.warmup + a.steps, "reward_last_k": a.reward_last_k, "frameworks": a.framework_list,
-            "repeats": a.repeats, "digits": a.digits, "sft_warmstart_epochs": a.sft_warmstart_epochs,
+            "repeats": a.repeats, "wait_quiet": a.wait_quiet, "retry_busy": a.retry_busy, "digits": a.digits, "sft_warmstart_epochs": a.sft_warmstart_epochs,
             "model_dir": "<workdir>/model", "train_data": "<workdir>/data/train.jsonl", "run_dir": "<workdir>/<framework>"}
     if a.dry_run:
         print(json.dumps({"plan": plan, "polyrl_argv": polyrl_argv(plan), "trl_grpo_config": trl_config_kwargs(plan)}, indent=1))
@@ -401,13 +420,25 @@ def main(argv: list[str] | None = None) -> int:
             s = {**plan, "model_dir": prep["model_dir"], "train_data": prep["data"]["train"],
                  "run_dir": os.path.join(work, f"{fw}_run{rep}"), "result_path": os.path.join(work, f"{fw}_result{rep}.json")}
             specs[fw] = s
-            shutil.rmtree(s["run_dir"], ignore_errors=True)
             spec = os.path.join(work, f"{fw}_spec{rep}.json")
             write_json(spec, s)
-            print(f"--- {fw} (run {rep + 1}/{a.repeats}): {a.warmup} warm-up + {a.steps} measured steps ...", flush=True)
-            with ContentionProbe() as probe:
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", fw, "--_spec", spec],
-                                      capture_output=True, text=True)
+            for attempt in range(4 if a.retry_busy > 0 else 1):
+                if a.wait_quiet > 0:
+                    share = wait_for_quiet(a.wait_quiet)
+                    if share is not None and share >= 0.08:
+                        print(f"    machine still {share:.0%} busy after --wait-quiet {a.wait_quiet:.0f}s; running anyway")
+                shutil.rmtree(s["run_dir"], ignore_errors=True)  # polyrl appends to metrics.jsonl
+                print(f"--- {fw} (run {rep + 1}/{a.repeats}{f', retry {attempt}' if attempt else ''}): "
+                      f"{a.warmup} warm-up + {a.steps} measured steps ...", flush=True)
+                with ContentionProbe() as probe:
+                    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", fw, "--_spec", spec],
+                                          capture_output=True, text=True)
+                busy = probe.other_frac is not None and probe.other_frac > (a.retry_busy or 0.05)
+                if busy:
+                    print(f"    other processes used {probe.other_frac:.0%} of the CPUs during this run; its timings are inflated"
+                          + ("; rerunning" if a.retry_busy > 0 and attempt < 3 and proc.returncode == 0 else ""))
+                if proc.returncode != 0 or not (busy and a.retry_busy > 0):
+                    break
             if proc.returncode != 0:
                 err = (proc.stderr or proc.stdout).strip().splitlines()
                 print(f"{fw} failed (exit {proc.returncode}):\n" + "\n".join(err[-30:]), file=sys.stderr)
@@ -422,8 +453,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    done in {probe.wall:.1f}s: step {one['step_s_median']:.3f}s, reward(last {a.reward_last_k}) "
                   f"{one['reward_last_k']:.3f}{load}" + (f", polyrl parts {json.dumps({k: round(v, 3) for k, v in one['parts_median_s'].items()})}"
                                                          if "parts_median_s" in one else ""), flush=True)
-            if probe.other_frac is not None and probe.other_frac > 0.05:
-                print(f"    warning: other processes used {probe.other_frac:.0%} of the CPUs during this run; its timings are inflated")
     for fw in runnable:
         if fw not in rows_by_fw:
             rows_by_fw[fw] = summarize(fw, results[fw], specs[fw], ptoks)

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SHAPES, build_model_dir, fmt, markdown_table, median, write_json  # noqa: E402
+from common import SHAPES, ContentionProbe, build_model_dir, fmt, markdown_table, median, wait_for_quiet, write_json  # noqa: E402
 
 DEFAULT_SHAPES = {"cpu": "tiny,qwen2.5-0.5b", "cuda": "qwen2.5-0.5b,qwen2.5-1.5b"}
 
@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed pushes first")
     p.add_argument("--bucket-mib", type=int, default=512, help="InMemoryTransport bucket size (--update-weight-buffer-size)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="before each shape's timings, wait up to this long for the machine's CPUs to be idle")
     p.add_argument("--workdir", default=None, help="where the model directories go (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -102,19 +104,22 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
         return transport.push(backend.export_weights(), [engine], version=version[0])
 
     nbytes = push()
-    push_s = _timed(push, device, a.warmup, a.repeats)
 
     def export_only():
         for _, t_ in backend.export_weights():
             pass
 
-    export_s = _timed(export_only, device, a.warmup, a.repeats)
     dev = engine.device
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
     dst = torch.empty_like(src)
-    floor_s = _timed(lambda: dst.copy_(src), device, max(a.warmup, 1), a.repeats)
+    if a.wait_quiet > 0:
+        wait_for_quiet(a.wait_quiet)
+    with ContentionProbe(in_process=True) as probe:
+        push_s = _timed(push, device, a.warmup, a.repeats)
+        export_s = _timed(export_only, device, a.warmup, a.repeats)
+        floor_s = _timed(lambda: dst.copy_(src), device, max(a.warmup, 1), a.repeats)
     engine_dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
-    del backend, engine, transport, src, dst
+    backend = engine = transport = src = dst = None  # free before the next shape (the closures hold names)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -123,7 +128,7 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     return {"shape": shape, "params": info["params"], "bytes": nbytes, "engine_dtype": engine_dtype,
             "push_s": p, "export_s": median(export_s), "floor_s": f, "ratio": p / f if f > 0 else float("nan"),
             "push_gb_s": nbytes / p / 1e9, "floor_gb_s": nbytes / f / 1e9,
-            "push_s_all": push_s, "export_s_all": export_s, "floor_s_all": floor_s}
+            "push_s_all": push_s, "export_s_all": export_s, "floor_s_all": floor_s, "other_cpu_frac": probe.other_frac}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     headers = ["shape", "params", "bytes", "engine dtype", "push s", "export-only s", "copy-floor s", "push/floor",
-               "push GB/s", "floor GB/s"]
+               "push GB/s", "floor GB/s", "other CPU load"]
     body = [[r["shape"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 2**20:.1f} MiB", r["engine_dtype"],
              fmt(r["push_s"], "{:.4f}"), fmt(r["export_s"], "{:.4f}"), fmt(r["floor_s"], "{:.4f}"),
-             fmt(r["ratio"], "{:.1f}x"), fmt(r["push_gb_s"], "{:.2f}"), fmt(r["floor_gb_s"], "{:.2f}")] for r in rows]
+             fmt(r["ratio"], "{:.1f}x"), fmt(r["push_gb_s"], "{:.2f}"), fmt(r["floor_gb_s"], "{:.2f}"),
+             fmt(r["other_cpu_frac"] * 100 if r["other_cpu_frac"] is not None else None, "{:.0f}%")] for r in rows]
     print()
     table = markdown_table(headers, body)
     print(table)
