@@ -90,6 +90,8 @@ class BatchConfig:
     micro_batch_size: int = opt(8, "samples per micro-batch (ignored with --use-dynamic-batch-size)")
     use_dynamic_batch_size: bool = opt(False, "pack micro-batches by token count up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch")
+    micro_batch_layout: str = opt("auto", "auto (packed with varlen kernels, padded rows with dense attention) | packed | padded",
+                                  ("auto", "packed", "padded"))
     num_epoch: int = opt(1, "passes over the data (polyrl sft)")
 
 

@@ -43,13 +43,15 @@ def main():
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--dynamic", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layout", default="auto")
     a = ap.parse_args()
     init_distributed(a.device)
     torch.set_num_threads(1)
     from polyrl.backends.fsdp.backend import FSDPBackend
     mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload)
     oc = OptimizerConfig(lr=1e-2, clip_grad=1.0)
-    bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None)
+    bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None,
+                     micro_batch_layout=a.layout)
     be = FSDPBackend(mc, oc, bc, device=a.device, total_steps=8)
     start = load_checkpoint(a.load, be)["step"] if a.load else 0
     batch = fixed_batch()

@@ -77,8 +77,10 @@ def test_cpu_offload_matches_no_offload(tiny_model, tmp_path):
 def test_micro_batch_split_does_not_change_the_step(tiny_model, tmp_path):
     whole = run_worker(tiny_model, str(tmp_path / "w.pt"), 1, "--micro-batch-size", "8")
     split = run_worker(tiny_model, str(tmp_path / "s.pt"), 1, "--micro-batch-size", "3")
-    packed = run_worker(tiny_model, str(tmp_path / "d.pt"), 1, "--dynamic", "24")
+    dynamic = run_worker(tiny_model, str(tmp_path / "d.pt"), 1, "--dynamic", "24")
+    packed = run_worker(tiny_model, str(tmp_path / "p.pt"), 1, "--dynamic", "24", "--layout", "packed")
     assert_same(whole, split)
+    assert_same(whole, dynamic)
     assert_same(whole, packed)
 
 
@@ -90,11 +92,14 @@ def _backend(model_dir: str, **batch):
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir), OptimizerConfig(lr=1e-2), BatchConfig(**batch), device="cpu")
 
 
-def test_packed_logprobs_equal_unpadded_per_sample_forward(tiny_llama_untied):
-    """Packing 8 samples into one row (block-diagonal mask, restarted positions) gives the
-    logprobs of running each sample alone through the plain HF model; tolerance 1e-5 (fp32)."""
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_packed_logprobs_equal_unpadded_per_sample_forward(tiny_llama_untied, layout):
+    """Packing 8 samples into one row (block-diagonal mask, restarted positions), or into
+    right-padded rows, gives the logprobs of running each sample alone through the plain HF
+    model; tolerance 1e-5 (fp32)."""
     from transformers import AutoModelForCausalLM
-    be = _backend(tiny_llama_untied, micro_batch_size=8)
+    be = _backend(tiny_llama_untied, micro_batch_size=8, micro_batch_layout=layout)
+    assert be.layout == layout
     batch = fixed_batch()
     packed = be.compute_logprobs(batch, temperature=0.7)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_untied).eval()

@@ -40,44 +40,59 @@ class PolicyModel(nn.Module):
                 with_entropy: bool = False, **attn_kwargs):
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=False, **attn_kwargs).last_hidden_state[0]
-        hidden = hidden.index_select(0, gather_idx)
+                      use_cache=False, **attn_kwargs).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
                                 with_entropy=with_entropy, compiled=self.compiled)
 
 
-def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, device, dtype):
-    """Concatenate samples into one row with per-sequence position ids and a block-diagonal
-    causal mask, so no token attends across a sequence boundary.
+def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, device, dtype, layout: str = "packed"):
+    """Lay a micro-batch out for one forward.
 
-    Returns input_ids [1, L], position_ids [1, L], mask (None for varlen kernels), gather_idx
-    [R] (positions whose next token is a response token), targets [R], seq_ids [R], and the
-    cu_seqlens kwargs varlen kernels read instead of a mask.
+    packed: one row, per-sequence position ids, and either cu_seqlens for a varlen kernel or a
+    block-diagonal causal mask, so no token attends across a sequence boundary.
+    padded: one right-padded row per sample with a 2D padding mask; for dense attention
+    (sdpa/eager) this is cheaper than a packed row, whose mask is quadratic in the row length.
+
+    Returns input_ids [B, L], position_ids [B, L], mask (None for varlen kernels), gather_idx
+    [R] (flat positions whose next token is a response token), targets [R], seq_ids [R], and
+    the cu_seqlens kwargs varlen kernels read instead of a mask.
     """
-    ids = torch.cat(input_ids).to(device)
     lens = [int(x.numel()) for x in input_ids]
-    pos = torch.cat([torch.arange(l) for l in lens]).to(device)
+    width = max(lens) if layout == "padded" else sum(lens)
     gather, seq = [], []
     off = 0
     for i, (l, p) in enumerate(zip(lens, prompt_lens)):
         gather.append(torch.arange(off + p - 1, off + l - 1))
         seq.append(torch.full((l - p,), i, dtype=torch.long))
-        off += l
+        off += width if layout == "padded" else l
     gather_idx = torch.cat(gather).to(device)
+    seq_ids = torch.cat(seq).to(device)
+    if layout == "padded":
+        ids = torch.zeros(len(lens), width, dtype=torch.long)
+        mask = torch.zeros(len(lens), width, dtype=torch.long)
+        for i, x in enumerate(input_ids):
+            ids[i, :lens[i]] = x
+            mask[i, :lens[i]] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = torch.arange(width, device=device).expand(len(lens), -1)
+        return ids, pos, mask, gather_idx, ids.view(-1)[gather_idx + 1], seq_ids, {}
+    ids = torch.cat(input_ids).to(device)
+    pos = torch.cat([torch.arange(l) for l in lens]).to(device)
     targets = ids[gather_idx + 1]
     mask, varlen = None, {}
     if attn_impl in ("varlen", "flash_attention_2", "flash_attention_3"):
         cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
-    elif attn_impl in ("sdpa", "eager"):
+    else:
         seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
         allowed = (seg[:, None] == seg[None, :]) & torch.ones(off, off, dtype=torch.bool, device=device).tril()
-        if attn_impl == "sdpa":
-            mask = allowed[None, None]
-        else:  # eager adds the mask to the scores
+        if attn_impl == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(off, off, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    return ids[None], pos[None], mask, gather_idx, targets, torch.cat(seq).to(device), varlen
+        else:
+            mask = allowed[None, None]
+    return ids[None], pos[None], mask, gather_idx, targets, seq_ids, varlen
 
 
 def _lr_lambda(o: OptimizerConfig, total_steps: int):
@@ -115,6 +130,9 @@ class FSDPBackend:
             self.dtype = torch.float32
         from polyrl.backends.fsdp.attention import resolve
         self.attn_impl = resolve(model_cfg.attn_implementation, self.device.type)
+        self.layout = batch_cfg.micro_batch_layout
+        if self.layout == "auto":  # varlen kernels read boundaries for free; dense attention prefers short rows
+            self.layout = "packed" if self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3") else "padded"
         torch.manual_seed(seed)
         self.model = self._build(model_cfg.hf_checkpoint, train=True)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
@@ -145,8 +163,15 @@ class FSDPBackend:
             apply_compile(lm)
         root = PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=self.mcfg.compile)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
-        apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
+        # One CPU rank in FP32 has nothing to shard, cast or offload: FSDP2's hooks and DTensor
+        # dispatch would be pure overhead there (~15% of a tiny model's step). DCP checkpoints of
+        # the plain module load into sharded ones and back, so resumes across world sizes still work.
+        sharded = not (dist.get_world_size() == 1 and self.device.type == "cpu" and self.dtype == torch.float32 and not offload)
+        if sharded:
+            apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
         root.to_empty(device="cpu" if offload else self.device)
+        if not sharded and getattr(lm.config, "tie_word_embeddings", False):
+            lm.tie_weights()  # to_empty re-creates parameters one module at a time, which unties them
         set_model_state_dict(root, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for name, buf in lm.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in the state dict
             if self.dp_rank == 0:
@@ -173,7 +198,8 @@ class FSDPBackend:
             mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1])
         else:
             mb = batch.select(idx)
-        ids, pos, mask, gidx, tgt, seq, varlen = pack(mb.input_ids, mb.prompt_lens, self.attn_impl, self.device, self.dtype)
+        ids, pos, mask, gidx, tgt, seq, varlen = pack(mb.input_ids, mb.prompt_lens, self.attn_impl, self.device, self.dtype,
+                                                      self.layout)
         logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
         return mb, logp, ent, seq
 
@@ -185,7 +211,8 @@ class FSDPBackend:
             _, logp, _, _ = self._forward(m, batch, idx, temperature, False)
             for i, part in zip(idx, logp.float().cpu().split(batch.select(idx).response_lens)):
                 out[i] = part
-        m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
+        if hasattr(m, "reshard"):
+            m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
         return out  # type: ignore[return-value]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
