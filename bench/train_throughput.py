@@ -57,7 +57,7 @@ def make_model(shape: str, path: str) -> None:
 
     from polyrl.tasks.arithmetic import build_tokenizer
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init is slow on CPU for 1.5B
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     m.save_pretrained(path)
     build_tokenizer(path)
@@ -107,17 +107,20 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = functools.partial(rl_loss, s=LossSettings())
     times, flops = [], []
-    torch.cuda.reset_peak_memory_stats()
+    cuda = a.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(a.warmup + a.steps):
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
         prof = None
         if a.profile and step == a.warmup and rank == 0:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         be.train_step(batch, loss_fn, with_entropy=True)
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
@@ -129,11 +132,11 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     del be
     t = statistics.median(times)
     f = statistics.median(flops)
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
     return {"shape": shape, "backend": a.train_backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
-            "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "device": name}
+            "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None, "device": name}
 
 
 def main(argv=None) -> int:
@@ -158,7 +161,8 @@ def main(argv=None) -> int:
                     rows.append(run_one(a, shape, model_dir, tokens, variant))
                 except torch.OutOfMemoryError:
                     rows.append({"shape": shape, "variant": variant, "tokens_per_gpu": tokens, "gpus": dist.get_world_size(), "error": "OOM"})
-                torch.cuda.empty_cache()
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
                 if dist.get_rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-SCRIPTS = ["compare_trl.py", "weight_sync.py"]
+SCRIPTS = ["compare_trl.py", "weight_sync.py", "train_throughput.py"]
 # Runs a script with `import trl` (and torch, for --help) made to fail, as on a machine without them.
 NO_TRL = ("import sys, runpy; sys.modules['trl'] = None; sys.modules['torch'] = None; "
           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -80,3 +80,15 @@ def test_weight_sync_parse_args():
     assert ws.main(["--dry-run", "--model-shapes", "tiny"]) == 0
     with pytest.raises(SystemExit):
         ws.parse_args(["--model-shapes", "gpt2"])
+
+
+def test_rollout_throughput_help_without_torch():
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "rollout_throughput.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+def test_train_throughput_parse_args():
+    a = load("train_throughput.py").parse_args(["--model-shape", "tiny", "--tokens", "512", "1024", "--variants", "base,compile"])
+    assert a.model_shape == ["tiny"] and a.tokens == [512, 1024] and a.variants.split(",") == ["base", "compile"]
