@@ -17,7 +17,8 @@ from polyrl.tasks.arithmetic import build_model, write_datasets
 def polyrl(*args: str) -> None:
     cmd = [sys.executable, "-m", "polyrl", *args]
     print("$ polyrl " + " ".join(args), flush=True)
-    subprocess.run(cmd, check=True)
+    quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}  # no per-load progress bars
+    subprocess.run(cmd, check=True, env={**os.environ, **quiet})
 
 
 def main(argv: list[str] | None = None) -> int:
