@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()  # no rank tears the group down while another still has traffic in flight
             dist.destroy_process_group()
     return 0
 

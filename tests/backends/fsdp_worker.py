@@ -68,6 +68,7 @@ def main():
     weights = {n: t.float().cpu().clone() for n, t in be.export_weights()}
     if rk == 0:
         torch.save({"losses": losses, "weights": weights}, a.out)
+    dist.barrier()  # no rank tears gloo down while another still has traffic in flight
     dist.destroy_process_group()
 
 

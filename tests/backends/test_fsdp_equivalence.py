@@ -27,6 +27,10 @@ def run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, model, out, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode != 0 and "terminate called without an active exception" in res.stderr:
+        # gloo's teardown on a loaded 2-core machine occasionally aborts a rank at exit, after the
+        # work is done; one retry tells that apart from a real failure, which repeats
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 

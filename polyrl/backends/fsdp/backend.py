@@ -191,7 +191,11 @@ class FSDPBackend:
         k = torch.tensor(len(plan_micro_batches(lens, **kw)) if lens else 1)
         if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
             dist.all_reduce(k, op=dist.ReduceOp.MAX)
-        return plan_micro_batches(lens, num_micro_batches=int(k), **kw)
+        plans = plan_micro_batches(lens, num_micro_batches=int(k), **kw)
+        if self.layout == "padded" and not dyn:  # similar lengths share a micro-batch: less padding
+            order = sorted(range(len(lens)), key=lambda i: lens[i])
+            plans = [sorted(order[i] for i in p) for p in plans]
+        return plans
 
     def _forward(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float, with_entropy: bool):
         if not idx:  # this rank has no samples for this micro-batch: run a 2-token dummy for the collectives
