@@ -12,7 +12,7 @@ from polyrl import runtime as rt
 from polyrl.algorithms.advantages import compute_advantages
 from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
-from polyrl.config import Config
+from polyrl.config import Config, ConfigError
 from polyrl.metrics import MetricsLogger, Timer
 from polyrl.rewards import RewardManager
 from polyrl.weight_sync import InMemoryTransport
@@ -30,6 +30,9 @@ def loss_settings(cfg: Config) -> LossSettings:
 def train(cfg: Config) -> dict:
     device, d = rt.setup(cfg)
     r, a = cfg.rollout, cfg.algorithm
+    if r.rollout_batch_size % d.world:
+        raise ConfigError(f"--rollout-batch-size {r.rollout_batch_size} must be a multiple of the {d.world} ranks "
+                          "(each rank samples whole prompt groups)")
     tok = rt.load_tokenizer(cfg)
     dataset = rt.prompt_dataset(cfg, tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle)
     eval_set = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data, shuffle=False) if cfg.data.eval_prompt_data else None
@@ -46,7 +49,8 @@ def train(cfg: Config) -> dict:
     start = 0
     if cfg.checkpoint.load:
         state = load_checkpoint(cfg.checkpoint.load, backend)
-        start, _ = state["step"], dataset.load_state_dict(state["data"])
+        start = state["step"]
+        dataset.load_state_dict(state["data"])
         transport.push(backend.export_weights(), [engine], version=start)  # the engine must sample from the resumed policy
     if eval_set is not None and cfg.log.eval_interval and start == 0:  # the curve starts from the initial policy
         logger.log(0, rt.evaluate(cfg, engine, eval_set, rewards, d))
@@ -90,9 +94,9 @@ def train(cfg: Config) -> dict:
             backend.offload()
             engine.wake()
             transport.push(backend.export_weights(), [engine], version=step + 1)
-        n_resp, n_tok = d.sum([len(samples), sum(lens)])
+        n_resp, n_tok, n_trunc = d.sum([len(samples), sum(lens), sum(s.finish_reason == "length" for s in samples)])
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": dataset.num_dropped,
-                  "truncated_frac": d.sum([sum(s.finish_reason == "length" for s in samples)])[0] / max(n_resp, 1),
+                  "truncated_frac": n_trunc / max(n_resp, 1),
                   "tokens_per_s": n_tok / max(timer.times["rollout"], 1e-9), **{f"time/{k}": v for k, v in timer.times.items()}})
         if eval_set is not None and cfg.log.eval_interval and ((step + 1) % cfg.log.eval_interval == 0 or step + 1 == r.num_rollout):
             m.update(rt.evaluate(cfg, engine, eval_set, rewards, d))

@@ -46,6 +46,9 @@ class Dist:
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share (groups of one prompt stay on one rank)."""
+        if len(items) % self.world:
+            raise ValueError(f"{len(items)} items do not split evenly over {self.world} ranks; make --rollout-batch-size "
+                             f"(and --global-batch-size for sft) a multiple of the number of ranks")
         per = len(items) // self.world
         return items[self.rank * per:(self.rank + 1) * per]
 

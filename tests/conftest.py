@@ -25,6 +25,13 @@ def make_model_dir(path, arch: str = "qwen2", layers: int = 2, hidden: int = 64,
     return str(path)
 
 
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int, pad_id: int) -> list[int]:
+    """transformers' greedy continuation, cut after the first EOS (the reference for engine tests)."""
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,
+                         pad_token_id=pad_id)[0, len(prompt_ids):].tolist()
+    return out[: out.index(eos_id) + 1] if eos_id in out else out
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Qwen2-style, tied embeddings, 2 layers, hidden 64."""

@@ -81,6 +81,3 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_size: int | None = Non
             return [sorted(b) for b in bins]
         k += 1
 
-
-def count_micro_batches(lengths: list[int], *, micro_batch_size: int | None, max_tokens: int | None) -> int:
-    return len(plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens))

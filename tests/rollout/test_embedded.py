@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import hf_greedy
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.types import SamplingParams
 
@@ -42,11 +43,7 @@ def test_greedy_equals_transformers_generate(tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     out = e.generate(prompts(e), SamplingParams(temperature=0.0, max_new_tokens=6))
     for p, s in zip(prompts(e), out):
-        g = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=e.tokenizer.eos_token_id,
-                         pad_token_id=e.pad_id)[0, len(p):].tolist()
-        if e.tokenizer.eos_token_id in g:
-            g = g[: g.index(e.tokenizer.eos_token_id) + 1]
-        assert s.response_ids == g
+        assert s.response_ids == hf_greedy(ref, p, 6, e.tokenizer.eos_token_id, e.pad_id)
 
 
 def test_logprobs_match_a_plain_forward_at_the_sampling_temperature(tiny_model):

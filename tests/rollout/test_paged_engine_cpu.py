@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import hf_greedy
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.gpu.engine import GPUEngine, unsupported_reason
@@ -58,11 +59,7 @@ def test_greedy_and_logprobs_match_transformers(model_dir):
     out = e.generate(prompts(e), SamplingParams(temperature=0.0, max_new_tokens=10))
     assert len({tuple(s.response_ids) for s in out}) > 1  # not a degenerate model
     for p, s in zip(prompts(e), out):
-        g = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=e.tokenizer.eos_token_id,
-                        pad_token_id=e.pad_id)[0, len(p):].tolist()
-        if e.tokenizer.eos_token_id in g:
-            g = g[:g.index(e.tokenizer.eos_token_id) + 1]
-        assert s.response_ids == g
+        assert s.response_ids == hf_greedy(hf, p, 10, e.tokenizer.eos_token_id, e.pad_id)
         lp = hf_logprobs(hf, s).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(s.rollout_logprobs, dtype=torch.float64), lp, atol=1e-5, rtol=0)  # the sampler works in fp32, like sampling.py
 

@@ -221,8 +221,7 @@ class FSDPBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         self.model.train()
-        mask_key = "loss_mask"
-        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields[mask_key])), float(len(batch))], dtype=torch.float64)
+        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields["loss_mask"])), float(len(batch))], dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(local)
         num_tokens, num_seqs = float(local[0]), float(local[1])
