@@ -144,10 +144,20 @@ class ModelConfig:
     compile: bool = opt(False, "torch.compile each decoder layer")
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
+    fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
     fsdp_cpu_offload: bool = opt(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU")
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs/entropy from hidden states")
+
+    def dtype(self, device_type: str):
+        """Params/compute dtype: --fp16 / --bf16 / --fp32, else BF16 on GPU and FP32 on CPU."""
+        import torch
+        if self.fp16:
+            return torch.float16
+        if self.fp32:
+            return torch.float32
+        return torch.bfloat16 if (self.bf16 or device_type == "cuda") else torch.float32
 
 
 @dataclass
@@ -338,8 +348,8 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
     if not 0 < r.rollout_top_p <= 1:
         raise ConfigError(f"--rollout-top-p must be in (0, 1] (got {r.rollout_top_p})")
-    if cfg.model.fp16 and cfg.model.bf16:
-        raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
+    if sum((cfg.model.fp16, cfg.model.bf16, cfg.model.fp32)) > 1:
+        raise ConfigError("--fp16, --bf16 and --fp32 are exclusive; pick one")
     if command == "train" and not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
         raise ConfigError("a reward is required: --rm-type {math,gsm8k,exact,arithmetic} or --custom-rm-path module:function")
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:

@@ -78,7 +78,7 @@ def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool)
 
 def build_engine(cfg: Config, device: str):
     cls = load_engine_class(cfg.rollout.rollout_engine)
-    dtype = torch.float16 if cfg.model.fp16 else torch.bfloat16 if (cfg.model.bf16 or device == "cuda") else torch.float32
+    dtype = cfg.model.dtype(device)
     r = cfg.rollout
     return cls(cfg.model.hf_checkpoint, device=device, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
                max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,

@@ -41,7 +41,7 @@ def test_yaml_sets_fields_and_flags_override(tmp_path):
     (["--eps-clip-c", "0.9"], "--eps-clip-c must be > 1"),
     (["--use-kl-loss"], "--kl-loss-coef"),
     (["--use-dynamic-batch-size"], "--max-tokens-per-gpu"),
-    (["--fp16", "--bf16"], "--fp16 and --bf16"),
+    (["--fp16", "--bf16"], "--fp16, --bf16 and --fp32"),
     (["--group-rm"], "--group-rm"),
 ])
 def test_invalid_combinations_name_the_flags(argv, needle, tiny_model, arith_data, capsys):

@@ -47,10 +47,12 @@ def register() -> str:
     return NAME
 
 
-def resolve(requested: str, device_type: str) -> str:
-    """`auto` picks varlen on CUDA when PyTorch has it, sdpa (with a block-diagonal mask) otherwise."""
+def resolve(requested: str, device_type: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`auto` picks varlen on CUDA when PyTorch has it (half precision: flash kernels), sdpa
+    (with a block-diagonal mask) otherwise."""
     if requested == "auto":
-        requested = NAME if device_type == "cuda" and available() else "sdpa"
+        half = dtype in (torch.bfloat16, torch.float16)
+        requested = NAME if device_type == "cuda" and half and available() else "sdpa"
     if requested == NAME:
         if not available():
             raise ValueError("--attn-implementation varlen needs CUDA and torch.nn.attention.varlen (PyTorch >= 2.10)")

@@ -122,14 +122,9 @@ class FSDPBackend:
         self.dims = ParallelDims.from_world()
         self.dp_rank = dist.get_rank()
         self.mesh = self.dims.build_dp_mesh(self.device.type)
-        if model_cfg.fp16:
-            self.dtype = torch.float16
-        elif model_cfg.bf16 or self.device.type == "cuda":
-            self.dtype = torch.bfloat16
-        else:
-            self.dtype = torch.float32
+        self.dtype = model_cfg.dtype(self.device.type)
         from polyrl.backends.fsdp.attention import resolve
-        self.attn_impl = resolve(model_cfg.attn_implementation, self.device.type)
+        self.attn_impl = resolve(model_cfg.attn_implementation, self.device.type, self.dtype)
         self.layout = batch_cfg.micro_batch_layout
         if self.layout == "auto":  # varlen kernels read boundaries for free; dense attention prefers short rows
             self.layout = "packed" if self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3") else "padded"

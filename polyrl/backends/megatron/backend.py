@@ -83,7 +83,7 @@ class MegatronBackend:
         self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,
                                             mg.num_layers_per_virtual_pipeline_stage)
         mm.init_parallel_state(self.dims, self.vpp, seed)
-        self.dtype = torch.float16 if model_cfg.fp16 else torch.bfloat16
+        self.dtype = model_cfg.dtype("cuda")
         self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype)
         self.ddp_config = mm.ddp_config(mg)
         if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
@@ -108,7 +108,8 @@ class MegatronBackend:
         if train:
             return mm.wrap_chunks(chunks, config, self.ddp_config)
         from megatron.core.transformer.module import Float16Module
-        out = [Float16Module(config, c) for c in chunks]
+        half = config.bf16 or config.fp16
+        out = [Float16Module(config, c) if half else c for c in chunks]
         for m in out:
             m.eval().requires_grad_(False)
         return out

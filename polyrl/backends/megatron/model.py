@@ -176,6 +176,9 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         sequence_parallel=sp,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
         variable_seq_lengths=True,  # packed micro-batches differ in length: p2p exchanges shapes
+        # Megatron-LM's choice: the interleaved (virtual stage) schedule overlaps p2p with compute
+        # through separate sends / receives; the plain 1F1B schedule batches them
+        overlap_p2p_comm=bool(vpp), batch_p2p_comm=not vpp,
         transformer_impl="local", perform_initialization=False,  # every weight comes from the HF checkpoint
         recompute_granularity=mg.recompute_granularity, recompute_method=mg.recompute_method,
         recompute_num_layers=mg.recompute_num_layers,

@@ -235,7 +235,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: floa
     same-sequence causal mask. O(Tq * Tk) memory: tests and non-flash devices only."""
     mask = (plan.q_seq[:, None] == plan.k_seq[None, :]) & (plan.k_pos[None, :] <= plan.q_pos[:, None])
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask[None], scale=scale)
+                                         attn_mask=mask[None], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
 
 

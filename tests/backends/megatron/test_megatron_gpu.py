@@ -62,6 +62,16 @@ def refs(tmp_path_factory):
     return models, ref
 
 
+@pytest.fixture(scope="module")
+def refs32(refs, tmp_path_factory):
+    """FP32 FSDP references for the same models: layouts must then match to ~1e-6."""
+    models, _ = refs
+    d = tmp_path_factory.mktemp("mg32")
+    ref = ",".join(str(d / f"ref32_{os.path.basename(m)}.pt") for m in models.split(","))
+    _run(["fsdp-ref", models, ref, "--fp32"])
+    return models, ref
+
+
 def _assert_ok(results: list[dict], expect: int) -> None:
     checked = [r for r in results if "ok" in r]
     assert len(checked) >= expect, results
@@ -78,6 +88,24 @@ def test_varlen_attention_matches_dense():
 def test_tp1_parity_export_grad_all_families(refs):
     models, ref = refs
     _assert_ok(_run(["layouts", "--models", models, "--refs", ref, "--layouts", "tp=1"], nproc=1), 12)
+
+
+@pytest.mark.gpu
+def test_fp32_tp1_parity_all_families(refs32):
+    """In FP32 the bf16 rounding shifts vanish: every family matches FSDP to FP32_LOGP_TOL."""
+    models, ref = refs32
+    _assert_ok(_run(["layouts", "--models", models, "--refs", ref, "--layouts", "tp=1", "--checks", "logprobs,grad",
+                     "--fp32"], nproc=1), 8)
+
+
+@pytest.mark.multigpu
+def test_fp32_two_gpu_layouts(refs32):
+    _need(2)
+    models, ref = refs32
+    _assert_ok(_run(["layouts", "--models", models, "--refs", ref, "--layouts", "tp=2;pp=2;cp=2",
+                     "--checks", "logprobs,grad", "--fp32"], nproc=2), 24)
+    _assert_ok(_run(["layouts", "--models", models.split(",")[3], "--refs", ref.split(",")[3], "--layouts", "ep=2",
+                     "--checks", "logprobs,grad", "--fp32"], nproc=2), 2)
 
 
 @pytest.mark.gpu
