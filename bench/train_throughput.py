@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa")
+    p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
+                   "(megatron: base, ac = full recompute; compile does not apply)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per log-prob chunk")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
     p.add_argument("--out", default=None, help="append JSON rows here")
@@ -102,7 +103,15 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     mc = ModelConfig(hf_checkpoint=model_dir, compile="compile" in variant, gradient_checkpointing="ac" in variant,
                      attn_implementation="sdpa" if variant == "sdpa" else "auto", logprob_chunk_size=a.chunk)
     bc = BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=tokens)
-    be = load_backend_class(a.train_backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device, total_steps=a.steps + a.warmup)
+    extra = {}
+    if a.train_backend == "megatron":  # TP=1; `ac` = megatron's full recompute of every layer
+        from polyrl.config import MegatronConfig
+        ac = "ac" in variant
+        extra["megatron_cfg"] = MegatronConfig(recompute_granularity="full" if ac else None,
+                                               recompute_method="uniform" if ac else None,
+                                               recompute_num_layers=1 if ac else None)
+    be = load_backend_class(a.train_backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device,
+                                             total_steps=a.steps + a.warmup, **extra)
     n_params, geo = matmul_params(model_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = functools.partial(rl_loss, s=LossSettings())
@@ -159,8 +168,11 @@ def main(argv=None) -> int:
             for variant in a.variants.split(","):
                 try:
                     rows.append(run_one(a, shape, model_dir, tokens, variant))
-                except torch.OutOfMemoryError:
-                    rows.append({"shape": shape, "variant": variant, "tokens_per_gpu": tokens, "gpus": dist.get_world_size(), "error": "OOM"})
+                except torch.OutOfMemoryError as e:
+                    rows.append({"shape": shape, "backend": a.train_backend, "variant": variant, "tokens_per_gpu": tokens,
+                                 "gpus": dist.get_world_size(), "error": "OOM"})
+                    if dist.get_rank() == 0:
+                        print(f"OOM: {str(e).splitlines()[0][:300]}", flush=True)
                 if a.device == "cuda":
                     torch.cuda.empty_cache()
                 if dist.get_rank() == 0:

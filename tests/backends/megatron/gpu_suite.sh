@@ -37,23 +37,35 @@ elif [ "$KIND" = 1gpu-final ]; then  # checkpoint / Megatron-FSDP export fixes, 
   run grpo_cli 150 $TR 1 -m polyrl train $G --hf-checkpoint $W/ar --num-rollout 2 --run-dir $W/run1 --save $W/ck1
   wait
   run grpo_cli_resume 120 $TR 1 -m polyrl train $G --hf-checkpoint $W/ar --num-rollout 3 --run-dir $W/run2 --load $W/ck1
-else  # 4 GPUs: single-GPU checks side by side, then 2-GPU layouts in pairs, then 4-GPU layouts
+else  # 4 GPUs: `make test-gpu` on GPUs 2,3 (its 1- and 2-GPU checks) beside two chains of 4-GPU jobs
   D=$W/m/llama,$W/m/qwen2,$W/m/qwen3; DR=$W/r_llama.pt,$W/r_qwen2.pt,$W/r_qwen3.pt
-  wait  # fsdp_ref ran before; the two 1-GPU checks share GPUs with the 2-GPU layout pairs
-  CUDA_VISIBLE_DEVICES=0 run attention 60 python3 $H attention &
-  CUDA_VISIBLE_DEVICES=1 run resume_tp1 120 $TR 1 $H resume --model $W/m/qwen3 --save-layout tp=1 --load-layout tp=1 &
-  CUDA_VISIBLE_DEVICES=2 run layouts_tp1 200 $TR 1 $H layouts --models $M --refs $R --layouts "tp=1" &
-  CUDA_VISIBLE_DEVICES=0,1 run layouts_2gpu_dense 200 $TR 2 $H layouts --models $D --refs $DR --layouts "tp=2;pp=2;cp=2;tp=2,sp=1" &
-  CUDA_VISIBLE_DEVICES=2,3 run layouts_2gpu_moe 200 $TR 2 $H layouts --models $W/m/qwen3_moe --refs $W/r_qwen3_moe.pt --layouts "ep=2;tp=2;pp=2;cp=2" &
-  wait
-  run layouts_4gpu_dense 200 $TR 4 $H layouts --models $D --refs $DR --layouts "tp=2,pp=2;tp=2,cp=2;pp=2,vpp=1"
-  run layouts_4gpu_moe 150 $TR 4 $H layouts --models $W/m/qwen3_moe --refs $W/r_qwen3_moe.pt --layouts "ep=4;tp=2,pp=2;ep=2,tp=2"
-  run resume_tp2pp2_to_tp1pp2 150 $TR 4 $H resume --model $W/m/qwen3 --save-layout tp=2,pp=2 --load-layout tp=1,pp=2
-  run sft_fsdp_dp4 150 $TR 4 $H sft-fsdp --model $W/m/qwen2
+  D32=$W/r32_llama.pt,$W/r32_qwen2.pt,$W/r32_qwen3.pt
+  ( CUDA_VISIBLE_DEVICES=2,3 POLYRL_RESULTS_LOG=$P/results_test_gpu_2gpu.jsonl PYTEST_ADDOPTS="--durations=30" \
+      timeout 520 make test-gpu > "$P/test_gpu_2gpu.log" 2>&1; echo "make test-gpu (2 GPUs) rc=$?" >> "$P/stages.txt" ) &
   GP="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
-  run grpo_tp2pp2 150 $TR 4 -m polyrl train $G --hf-checkpoint $W/ar $GP --rollout-batch-size 8 --num-rollout 2 --run-dir $W/run4 --save $W/ck4
-  run grpo_resume_tp1pp2 150 $TR 4 -m polyrl train $G --hf-checkpoint $W/ar --pipeline-model-parallel-size 2 --rollout-batch-size 8 --num-rollout 3 --run-dir $W/run5 --load $W/ck4
-  run layouts_4gpu_vpp_sp 120 $TR 4 $H layouts --models $W/m/llama --refs $W/r_llama.pt --layouts "tp=2,pp=2,vpp=1,sp=1"  # hung in train_step once
+  (  # chain 3, GPU 0: GRPO through the CLI on one GPU, then its resume from the dist-checkpoint;
+    CUDA_VISIBLE_DEVICES=0 run grpo_cli 150 $TR 1 -m polyrl train $G --hf-checkpoint $W/ar --num-rollout 2 --run-dir $W/run1 --save $W/ck1
+    CUDA_VISIBLE_DEVICES=0 run grpo_cli_resume 120 $TR 1 -m polyrl train $G --hf-checkpoint $W/ar --num-rollout 3 --run-dir $W/run2 --load $W/ck1
+    # then the virtual-pipeline + TP layouts, one launch each (a stuck rank dumps its stack after 60 s and exits):
+    # Megatron-LM's overlapped p2p (polyrl's default with VPP), without SP, and the batched p2p that hung before
+    export POLYRL_HANG_DUMP=60
+    run vpp_tp2pp2_sp 100 $TR 4 $H layouts --models $W/m/llama --refs $W/r_llama.pt --layouts "tp=2,pp=2,vpp=1,sp=1"
+    run vpp_tp2pp2 100 $TR 4 $H layouts --models $W/m/llama --refs $W/r_llama.pt --layouts "tp=2,pp=2,vpp=1"
+    run vpp_tp2pp2_sp_batchp2p 100 $TR 4 $H layouts --models $W/m/llama --refs $W/r_llama.pt --layouts "tp=2,pp=2,vpp=1,sp=1,p2p=batch"
+  ) &
+  (  # chain 1: bf16 dense layouts, re-sharding resume, GRPO at TP2xPP2 resumed at TP1xPP2
+    run layouts_4gpu_dense 240 $TR 4 $H layouts --models $D --refs $DR --layouts "tp=2,pp=2;tp=2,cp=2;pp=2,vpp=1"
+    run resume_tp2pp2_to_tp1pp2 150 $TR 4 $H resume --model $W/m/qwen3 --save-layout tp=2,pp=2 --load-layout tp=1,pp=2
+    run grpo_tp2pp2 150 $TR 4 -m polyrl train $G --hf-checkpoint $W/ar $GP --rollout-batch-size 8 --num-rollout 2 --run-dir $W/run4 --save $W/ck4
+    run grpo_resume_tp1pp2 150 $TR 4 -m polyrl train $G --hf-checkpoint $W/ar --pipeline-model-parallel-size 2 --rollout-batch-size 8 --num-rollout 3 --run-dir $W/run5 --load $W/ck4
+  ) &
+  run fsdp_ref32 150 python3 $H fsdp-ref $M $W/r32_llama.pt,$W/r32_qwen2.pt,$W/r32_qwen3.pt,$W/r32_qwen3_moe.pt --fp32
+  (  # chain 2: MoE layouts, FP32 parity, Megatron-FSDP DP=4
+    run layouts_4gpu_moe 180 $TR 4 $H layouts --models $W/m/qwen3_moe --refs $W/r_qwen3_moe.pt --layouts "ep=4;tp=2,pp=2;ep=2,tp=2"
+    run layouts_4gpu_fp32 200 $TR 4 $H layouts --fp32 --checks logprobs,grad --models $D,$W/m/qwen3_moe --refs $D32,$W/r32_qwen3_moe.pt --layouts "tp=2,pp=2;tp=2,cp=2;pp=2,vpp=1"
+    run sft_fsdp_dp4 150 $TR 4 $H sft-fsdp --model $W/m/qwen2
+  ) &
+  wait
 fi
 for r in run1 run2 run4 run5; do cp $W/$r/metrics.jsonl "$L/grpo_$r.jsonl" 2>/dev/null; done
 [ -n "${3:-}" ] && tar czf "$3/logs.tgz" -C "$L" .

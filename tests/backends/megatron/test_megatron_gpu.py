@@ -32,8 +32,8 @@ def _need(n: int) -> None:
         pytest.skip("megatron-core 0.19 needs Python >= 3.12")
     try:
         import megatron.core  # noqa: F401
-    except ImportError:
-        pytest.skip("megatron-core is not installed (pip install -e .[megatron])")
+    except ImportError as e:
+        pytest.skip(f"megatron-core is not importable ({e}); pip install -e .[megatron]")
     if _gpus() < n:
         pytest.skip(f"needs {n} CUDA GPU(s), {_gpus()} visible")
 
@@ -44,6 +44,10 @@ def _run(args: list[str], nproc: int = 0, timeout: int = 600) -> list[dict]:
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc else []) + [HARNESS] + args
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if os.environ.get("POLYRL_RESULTS_LOG"):  # keep the measured numbers of a `make test-gpu` run
+        with open(os.environ["POLYRL_RESULTS_LOG"], "a") as f:
+            for r in results:
+                f.write(json.dumps(dict(r, argv=args, nproc=nproc)) + "\n")
     assert p.returncode == 0 or results, p.stdout[-3000:] + p.stderr[-3000:]
     errors = [r for r in results if r.get("check") == "error"]
     assert not errors, errors
