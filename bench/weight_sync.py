@@ -86,16 +86,27 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
 
     model_dir = os.path.join(work, shape)
     t = time.perf_counter()
-    info = build_model_dir(model_dir, shape, seed=a.seed)
-    print(f"{shape}: {info['params'] / 1e6:.1f}M params, built in {time.perf_counter() - t:.1f}s", flush=True)
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        with torch.device("cuda"):  # random init on the GPU: CPU init of 1.5B parameters takes tens of seconds
+            info = build_model_dir(model_dir, shape, seed=a.seed)
+        torch.cuda.empty_cache()
+    else:
+        info = build_model_dir(model_dir, shape, seed=a.seed)
+    build_s = time.perf_counter() - t
+    print(f"{shape}: {info['params'] / 1e6:.1f}M params, built in {build_s:.1f}s", flush=True)
     cfg = Config()
     cfg.model.hf_checkpoint = model_dir
     cfg.model.update_weight_buffer_size = a.bucket_mib * 2**20
     cfg.cluster.device = a.device
     cfg.cluster.seed = a.seed
     device, _ = rt.setup(cfg)
+    t = time.perf_counter()
     backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
     engine = rt.build_engine(cfg, device)
+    setup_s = time.perf_counter() - t
+    print(f"{shape}: backend ({type(backend).__name__}) and engine ({type(engine).__name__}) built in {setup_s:.1f}s",
+          flush=True)
     transport = InMemoryTransport(cfg.model.update_weight_buffer_size)
     version = [0]
 
@@ -118,14 +129,17 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
         push_s = _timed(push, device, a.warmup, a.repeats)
         export_s = _timed(export_only, device, a.warmup, a.repeats)
         floor_s = _timed(lambda: dst.copy_(src), device, max(a.warmup, 1), a.repeats)
-    engine_dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
+    engine_dtype = str(engine.dtype).replace("torch.", "")  # the GPU engine's model is a flat buffer, not an nn.Module
+    engine_kind = type(engine).__name__
+    peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     backend = engine = transport = src = dst = None  # free before the next shape (the closures hold names)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     shutil.rmtree(model_dir, ignore_errors=True)
     p, f = median(push_s), median(floor_s)
-    return {"shape": shape, "params": info["params"], "bytes": nbytes, "engine_dtype": engine_dtype,
+    return {"shape": shape, "params": info["params"], "bytes": nbytes, "engine_dtype": engine_dtype, "engine": engine_kind,
+            "build_s": build_s, "setup_s": setup_s, "peak_gpu_mib": peak_gpu_mib,
             "push_s": p, "export_s": median(export_s), "floor_s": f, "ratio": p / f if f > 0 else float("nan"),
             "push_gb_s": nbytes / p / 1e9, "floor_gb_s": nbytes / f / 1e9,
             "push_s_all": push_s, "export_s_all": export_s, "floor_s_all": floor_s, "other_cpu_frac": probe.other_frac}
@@ -143,10 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = a.workdir or tempfile.mkdtemp(prefix="polyrl_weight_sync_")
     os.makedirs(work, exist_ok=True)
-    rows = []
+    rows, t0 = [], time.perf_counter()
+    meta = {"device": a.device, "torch": torch.__version__,
+            "command": " ".join(["bench/weight_sync.py", *(argv if argv is not None else sys.argv[1:])])}
     try:
         for shape in a.shapes:
-            rows.append(bench_shape(shape, a, work))
+            try:
+                rows.append(bench_shape(shape, a, work))
+            except Exception as e:  # keep the other shapes' rows
+                import traceback
+                traceback.print_exc()
+                rows.append({"shape": shape, "error": f"{type(e).__name__}: {e}".splitlines()[0][:500]})
+            gc.collect()  # outside the except block: its traceback no longer holds the failed shape's tensors
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+            print(f"{shape}: done at {time.perf_counter() - t0:.1f}s", flush=True)
+            if a.out:  # after every shape: a kill keeps what was measured
+                write_json(a.out, {**meta, "rows": rows, "complete": False})
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -155,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     headers = ["shape", "params", "bytes", "engine dtype", "push s", "export-only s", "copy-floor s", "push/floor",
                "push GB/s", "floor GB/s", "other CPU load"]
-    body = [[r["shape"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 2**20:.1f} MiB", r["engine_dtype"],
+    body = [[r["shape"], "failed: " + r["error"]] + [""] * (len(headers) - 2) if "error" in r else
+            [r["shape"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 2**20:.1f} MiB", r["engine_dtype"],
              fmt(r["push_s"], "{:.4f}"), fmt(r["export_s"], "{:.4f}"), fmt(r["floor_s"], "{:.4f}"),
              fmt(r["ratio"], "{:.1f}x"), fmt(r["push_gb_s"], "{:.2f}"), fmt(r["floor_gb_s"], "{:.2f}"),
              fmt(r["other_cpu_frac"] * 100 if r["other_cpu_frac"] is not None else None, "{:.0f}%")] for r in rows]
@@ -164,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if a.out:
         import platform
-        write_json(a.out, {"device": a.device, "rows": rows, "table": table, "torch": torch.__version__,
-                           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                           "command": " ".join(["bench/weight_sync.py", *(argv if argv is not None else sys.argv[1:])])})
+        machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
+        if a.device == "cuda":
+            machine["gpu"] = torch.cuda.get_device_name(0)
+        write_json(a.out, {**meta, "rows": rows, "table": table, "machine": machine, "complete": True,
+                           "elapsed_s": time.perf_counter() - t0})
         print(f"\nwrote {a.out}")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

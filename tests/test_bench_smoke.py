@@ -92,3 +92,25 @@ def test_rollout_throughput_help_without_torch():
 def test_train_throughput_parse_args():
     a = load("train_throughput.py").parse_args(["--model-shape", "tiny", "--tokens", "512", "1024", "--variants", "base,compile"])
     assert a.model_shape == ["tiny"] and a.tokens == [512, 1024] and a.variants.split(",") == ["base", "compile"]
+
+
+def test_compare_trl_budgets_and_trl_steps():
+    ct = load("compare_trl.py")
+    assert ct.parse_budgets("polyrl=90,trl=180") == {"polyrl": 90.0, "trl": 180.0}
+    assert ct.parse_budgets("120,trl-cb=60") == {"*": 120.0, "trl-cb": 60.0}
+    a = ct.parse_args(["--device", "cuda", "--steps", "8", "--warmup", "2", "--trl-steps", "2", "--trl-warmup", "1",
+                       "--row-budget", "polyrl=90,trl=180", "--deadline", "430"])
+    assert a.framework_list == ["polyrl", "trl", "trl-cb"] and a.budgets == {"polyrl": 90.0, "trl": 180.0}
+    assert ct.parse_args(["--device", "cpu"]).framework_list == ["polyrl", "trl"]
+    plan = {"warmup": 2, "steps": 8, "total_steps": 10, "trl_warmup": 1, "trl_steps": 2}
+    assert ct.framework_plan(plan, "trl-cb")["total_steps"] == 3 and ct.framework_plan(plan, "polyrl")["total_steps"] == 10
+    for bad in (["--row-budget", "vllm=5"], ["--row-budget", "trl=x"], ["--trl-steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            ct.parse_args(bad)
+        assert e.value.code == 2
+    # a run stopped by its budget before any measured step reports its warm-up steps, marked
+    res = {"steps": [{"step": 1, "step_s": 60.0, "gen_s": 50.0, "completion_tokens": 1000.0, "reward": 0.0}],
+           "stopped": "row budget: stopped after step 1 of 3", "peak_gpu_mib": 1.0}
+    row = ct.summarize("trl", [res], {"warmup": 1, "reward_last_k": 5}, [100])
+    assert row["warmup_in_median"] and row["step_s_median"] == 60.0 and row["stopped"].startswith("row budget")
+    assert abs(row["trained_tokens_per_s"] - 1100.0 / 60.0) < 1e-9

@@ -124,10 +124,19 @@ class FSDPBackend:
         self.mesh = self.dims.build_dp_mesh(self.device.type)
         self.dtype = model_cfg.dtype(self.device.type)
         from polyrl.backends.fsdp.attention import resolve
-        self.attn_impl = resolve(model_cfg.attn_implementation, self.device.type, self.dtype)
+        # linear-attention (recurrent) layers, e.g. Qwen3-Next's gated DeltaNet: HF's torch path carries
+        # state across a packed row, so these models take padded rows with dense attention
+        recurrent = "linear_attention" in (getattr(AutoConfig.from_pretrained(model_cfg.hf_checkpoint), "layer_types",
+                                                   None) or ())
+        requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+        self.attn_impl = resolve(requested, self.device.type, self.dtype)
         self.layout = batch_cfg.micro_batch_layout
+        if recurrent and self.layout == "packed":
+            raise ValueError("--micro-batch-layout packed: this model has linear-attention (recurrent) layers, whose "
+                             "HF implementation carries state across packed sequences; use padded or auto")
         if self.layout == "auto":  # varlen kernels read boundaries for free; dense attention prefers short rows
-            self.layout = "packed" if self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3") else "padded"
+            varlen = self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3")
+            self.layout = "packed" if varlen and not recurrent else "padded"
         torch.manual_seed(seed)
         self.model = self._build(model_cfg.hf_checkpoint, train=True)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None

@@ -21,6 +21,14 @@ module and its tests run on any machine. Target: megatron-core 0.19 `GPTModel` b
     output_layer.weight                                 [V_pad, H]  absent when tied, except on a
                                                         last PP stage that is not also the first
 
+Families marked `mixers` (Qwen3-Next) keep their token mixer as the HF module itself, run by
+`hf_wrap.py` inside megatron's layer; its parameters keep their HF names under the wrapper:
+
+    decoder.layers.{l}.self_attention.hf.{rest}  <->  model.layers.{l}.{linear_attn|self_attn}.{rest}
+
+(copied 1:1, replicated over TP). Qwen3-Next's RMSNorms compute x_norm * (1 + w): the weight is
+stored as is and megatron's `layernorm_zero_centered_gamma` tells polyrl's norm to add the 1.
+
 The Transformer-Engine spec names things differently (norms fused into
 `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, grouped experts as
 `experts.linear_fc1.weight{i}`); this bridge covers the local spec only.
@@ -51,6 +59,9 @@ class _Family:
     qkv_bias: bool  # q/k/v projections carry biases (megatron add_qkv_bias)
     qk_norm: bool  # per-head RMSNorm on q and k (megatron qk_layernorm)
     moe: bool
+    # HF layer type -> HF attribute of the token mixer that hf_wrap.py runs as is (empty: megatron's attention)
+    mixers: tuple[tuple[str, str], ...] = ()
+    zero_centered_norm: bool = False  # RMSNorm output x_norm * (1 + w) (megatron layernorm_zero_centered_gamma)
 
 
 FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between supported decoders
@@ -58,6 +69,9 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
     "qwen2": _Family(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2ForCausalLM (Qwen2, Qwen2.5)
     "qwen3": _Family(qkv_bias=False, qk_norm=True, moe=False),  # Qwen3ForCausalLM
     "qwen3_moe": _Family(qkv_bias=False, qk_norm=True, moe=True),  # Qwen3MoeForCausalLM
+    # Qwen3NextForCausalLM, dense layers only: gated DeltaNet and gated full attention run as HF modules
+    "qwen3_next": _Family(qkv_bias=False, qk_norm=False, moe=False, zero_centered_norm=True,
+                          mixers=(("linear_attention", "linear_attn"), ("full_attention", "self_attn"))),
 }
 
 
@@ -68,7 +82,7 @@ def _family(cfg: Any) -> _Family:
             f"megatron bridge: unsupported model_type {getattr(cfg, 'model_type', None)!r} "
             f"(architectures={getattr(cfg, 'architectures', None)}); supported model types: "
             f"{sorted(FAMILIES)} (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-            "Qwen3MoeForCausalLM)"
+            "Qwen3MoeForCausalLM, Qwen3NextForCausalLM with dense layers)"
         )
     # Variants the name map cannot express: refuse rather than build a silently different model.
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
@@ -77,7 +91,26 @@ def _family(cfg: Any) -> _Family:
         raise ValueError("megatron bridge: sliding-window attention layers are not supported")
     if cfg.hidden_act != "silu":
         raise ValueError(f"megatron bridge: hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+    if cfg.model_type == "qwen3_next":
+        sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])
+                  and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0]
+        if sparse:  # routed experts + a sigmoid-gated shared expert: no megatron mapping here yet
+            raise ValueError(f"megatron bridge: Qwen3-Next sparse MoE layers {sparse} are not supported; only dense "
+                             "layers (mlp_only_layers listing every layer, or num_experts=0)")
+        unknown = set(cfg.layer_types) - {t for t, _ in fam.mixers}
+        if unknown:
+            raise ValueError(f"megatron bridge: Qwen3-Next layer types {sorted(unknown)} are not supported")
     return fam
+
+
+def wrapped_mixer(cfg: Any, layer: int) -> str | None:
+    """HF attribute (`linear_attn`, `self_attn`) of global layer `layer`'s token mixer when that
+    mixer runs as the HF module itself (hf_wrap.py); None for megatron's own attention."""
+    fam = _family(cfg)
+    if not fam.mixers:
+        return None
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return dict(fam.mixers)[types[layer]]
 
 
 def _head_dim(cfg: Any) -> int:
@@ -135,6 +168,7 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
         hidden_dropout=0.0,  # HF decoders have no residual dropout
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0)),
         init_method_std=cfg.initializer_range,
+        layernorm_zero_centered_gamma=fam.zero_centered_norm,
     )
     if fam.moe:
         aux = bool(getattr(cfg, "output_router_logits", False))  # HF only adds aux loss when set
@@ -175,6 +209,9 @@ def gpt_model_kwargs(
         rotary_base=rope["rope_theta"],
         share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
     )
+    if _family(cfg).mixers:  # the wrapped HF attention applies its own (partial) RoPE
+        kw.update(position_embedding_type="none")
+        return kw
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
         # megatron exposes only the factor; the rest is hard-coded to the Llama 3.1 values.
@@ -223,6 +260,8 @@ _COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.wei
 
 
 def _tp_kind(mcore_name: str) -> str | None:
+    if ".self_attention.hf." in mcore_name:
+        return None  # a wrapped HF module is replicated over TP (hf_wrap.py)
     if mcore_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return "glu"  # column parallel, gate and up split separately (megatron stride=2)
     if mcore_name.endswith(_COLUMN_PARALLEL):
@@ -291,26 +330,29 @@ _Rule = tuple[str, tuple[str, ...], str]  # kind: copy | qkv | glu | vocab
 
 
 def _layer_rules(
-    cfg: Any, fam: _Family, layer: int, local: int, experts: Iterable[tuple[int, int]]
+    cfg: Any, fam: _Family, layer: int, local: int, experts: Iterable[tuple[int, int]],
+    hf_names: Iterable[str] = (),
 ) -> list[_Rule]:
-    """Rules for global HF layer `layer` stored as megatron layer `local`; experts: (local, global)."""
+    """Rules for global HF layer `layer` stored as megatron layer `local`; experts: (local, global).
+    hf_names: the checkpoint's tensor names, from which a wrapped HF mixer's parameters are listed."""
     m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
     a, sa = m + "self_attention.", h + "self_attn."
-    rules: list[_Rule] = [
-        (m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy"),
-        (a + "linear_qkv.weight", tuple(f"{sa}{p}_proj.weight" for p in "qkv"), "qkv"),
-    ]
-    if fam.qkv_bias:
-        rules.append((a + "linear_qkv.bias", tuple(f"{sa}{p}_proj.bias" for p in "qkv"), "qkv"))
-    if fam.qk_norm:
-        rules += [
-            (a + "q_layernorm.weight", (sa + "q_norm.weight",), "copy"),
-            (a + "k_layernorm.weight", (sa + "k_norm.weight",), "copy"),
-        ]
-    rules += [
-        (a + "linear_proj.weight", (sa + "o_proj.weight",), "copy"),
-        (m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"),
-    ]
+    rules: list[_Rule] = [(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy")]
+    mixer = wrapped_mixer(cfg, layer)
+    if mixer is not None:  # the HF module's own parameters, renamed under the wrapper, 1:1
+        hp = f"{h}{mixer}."
+        rules += [(f"{a}hf.{n[len(hp):]}", (n,), "copy") for n in hf_names if n.startswith(hp)]
+    else:
+        rules.append((a + "linear_qkv.weight", tuple(f"{sa}{p}_proj.weight" for p in "qkv"), "qkv"))
+        if fam.qkv_bias:
+            rules.append((a + "linear_qkv.bias", tuple(f"{sa}{p}_proj.bias" for p in "qkv"), "qkv"))
+        if fam.qk_norm:
+            rules += [
+                (a + "q_layernorm.weight", (sa + "q_norm.weight",), "copy"),
+                (a + "k_layernorm.weight", (sa + "k_norm.weight",), "copy"),
+            ]
+        rules.append((a + "linear_proj.weight", (sa + "o_proj.weight",), "copy"))
+    rules.append((m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"))
     if is_moe_layer(cfg, layer):
         rules.append((m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy"))
         for i, e in experts:
@@ -381,8 +423,9 @@ def hf_to_mcore(
     rules: list[_Rule] = []
     if first:
         rules.append(("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+    names = list(hf_state) if fam.mixers else []  # names only: a lazy checkpoint reads no tensor here
     for local, layer in enumerate(layer_range):
-        rules += _layer_rules(cfg, fam, layer, local, experts)
+        rules += _layer_rules(cfg, fam, layer, local, experts, names)
     if last:
         rules.append(("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
         if not cfg.tie_word_embeddings:
@@ -414,6 +457,7 @@ _GLOBAL_RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "output_layer.weight": (("lm_head.weight",), "vocab"),
 }
 _MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MC_WRAPPED = re.compile(r"self_attention\.hf\.(.+)")
 _MC_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
 
@@ -452,7 +496,10 @@ def mcore_to_hf(
             local, layer = int(m[1]), int(m[1]) + layer_offset
             expert = _MC_EXPERT.fullmatch(m[2])
             experts = [(int(expert[1]), int(expert[1]) + expert_offset)] if expert else []
-            rule = next((r for r in _layer_rules(cfg, fam, layer, local, experts) if r[0] == name), None)
+            wrapped = _MC_WRAPPED.fullmatch(m[2])
+            mixer = wrapped_mixer(cfg, layer) if wrapped else None
+            hf_name = [f"model.layers.{layer}.{mixer}.{wrapped[1]}"] if mixer else []
+            rule = next((r for r in _layer_rules(cfg, fam, layer, local, experts, hf_name) if r[0] == name), None)
             if rule is None:
                 raise ValueError(f"mcore_to_hf: unknown megatron parameter {name!r} ({cfg.model_type})")
             _, hf_names, kind = rule

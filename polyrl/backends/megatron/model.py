@@ -65,17 +65,23 @@ class HFRMSNorm(torch.nn.Module):
     """RMSNorm computed as the HF decoders compute it (fp32 statistics, cast, then the weight),
     so logits match the FSDP backend closely. Megatron's torch-norm wrapper refuses sequence
     parallelism; this one marks its weight `sequence_parallel` so finalize_model_grads sums its
-    gradient over TP when the activations it sees are sequence-sharded."""
+    gradient over TP when the activations it sees are sequence-sharded. With
+    `layernorm_zero_centered_gamma` (Qwen3-Next) it computes HF's x_norm * (1 + w) in fp32 and then
+    casts, as Qwen3NextRMSNorm does; the stored weight stays HF's."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.eps = eps
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -136,11 +142,16 @@ def _patch_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=sub)
 
 
-def layer_spec(config: TransformerConfig, vp_stage: int | None):
+def layer_spec(config: TransformerConfig, vp_stage: int | None, hf_config=None):
     """megatron's local GPT block spec (dense and MoE layers per moe_layer_freq) with the norms
-    and core attention swapped through the ModuleSpec mechanism."""
+    and core attention swapped through the ModuleSpec mechanism. Model types whose bridge family
+    names HF mixers (Qwen3-Next) get their HF token mixers wrapped instead (hf_wrap.py)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
-    return dataclasses.replace(block, layer_specs=[_patch_layer_spec(s) for s in block.layer_specs], layer_norm=HFRMSNorm)
+    specs = [_patch_layer_spec(s) for s in block.layer_specs]
+    if hf_config is not None and bridge.FAMILIES[hf_config.model_type].mixers:
+        from polyrl.backends.megatron import hf_wrap
+        specs = hf_wrap.wrap_layer_specs(specs, hf_config)
+    return dataclasses.replace(block, layer_specs=specs, layer_norm=HFRMSNorm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +221,7 @@ def build_chunks(config: TransformerConfig, hf_config, dims: ParallelDims, vpp: 
         if provider is not None:
             m = provider(config, hf_config, pre_process=pre, post_process=post, vp_stage=vp)
         else:
-            m = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp), pre_process=pre,
+            m = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp, hf_config), pre_process=pre,
                          post_process=post, parallel_output=True, vp_stage=vp,
                          **bridge.gpt_model_kwargs(hf_config, dims.tp))
         chunks.append(m.cuda(torch.cuda.current_device()))

@@ -7,6 +7,7 @@
         --layouts "tp=2;pp=2;cp=2;tp=2,pp=2,vpp=1" [--checks logprobs,export,grad]
     torchrun ... harness.py resume MODEL_DIR --save-layout tp=2,pp=2 --load-layout tp=1,pp=2
     torchrun ... harness.py sft-fsdp MODEL_DIR [--layout ...]
+    torchrun ... harness.py hf-wrap OUT_DIR --layouts "tp=1;pp=2;tp=2,sp=1"   (Qwen3-Next, hf_wrap.py)
 Results: `RESULT {json}` lines on stdout (rank 0).
 """
 
@@ -90,6 +91,41 @@ def build_models(out: str) -> dict[str, str]:
         model.save_pretrained(d)
         made[fam] = d
     return made
+
+
+def build_qwen3_next(out: str) -> str:
+    """Tiny Qwen3-Next for HF module wrapping (hf_wrap.py): gated DeltaNet and gated full attention
+    (partial RoPE) alternate; dense MLPs everywhere (mlp_only_layers = every layer). Every weight is
+    random; the zero-centered norms (output x_norm * (1 + w)) around 0, the gated DeltaNet norm
+    (plain x_norm * w) around 1."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1, 2, 3], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+            elif "lm_head" in name:
+                p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
+            elif "embed_tokens" in name:
+                p.normal_(std=1.0)
+            else:
+                p.normal_(std=1.0 / math.sqrt(p[0].numel()))
+    d = os.path.join(out, "qwen3_next")
+    model.save_pretrained(d)
+    return d
 
 
 def fixed_batch(n: int = 8, vocab: int = 250, seed: int = 0) -> TrainBatch:
@@ -340,6 +376,47 @@ def mode_attention(a) -> None:
         emit(check="varlen_vs_dense_attention", cp=cp, max_rel=worst, ok=worst < 0.02)
 
 
+def mode_hf_wrap(a) -> None:
+    """Qwen3-Next through HF module wrapping (polyrl/backends/megatron/hf_wrap.py), one launch:
+    build the tiny model (OUT_DIR/qwen3_next), FSDP reference, then every --layouts entry through
+    check_layout (log-prob parity, exact export round trip, grad-norm parity; tolerances as for the
+    other families: LOGP_TOL / GRAD_TOL in BF16, FP32_* with --fp32), then, with 2+ ranks, that
+    --context-parallel-size 2 is refused by name.
+
+    The FSDP reference runs padded rows with SDPA: on a packed row HF's gated DeltaNet (its torch
+    fallback, without flash-linear-attention) ignores the cu_seqlens boundaries and carries state
+    from one sequence into the next."""
+    init_distributed("cuda")
+    model_dir = os.path.join(a.arg1, "qwen3_next")
+    if dist.get_rank() == 0:
+        build_qwen3_next(a.arg1)
+    dist.barrier()
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, attn_implementation="sdpa"),
+                     OptimizerConfig(lr=1e-3, clip_grad=1.0),
+                     BatchConfig(micro_batch_size=3, micro_batch_layout="padded"), device="cuda", total_steps=10)
+    batch = fixed_batch()
+    logp = gather_all(be.compute_logprobs(my_share(batch)))
+    m = be.train_step(my_share(batch), RL, with_entropy=True)
+    ref = {"logp": logp, "grad_norm": m["grad_norm"], "loss": m["loss"]}
+    emit(check="fsdp_ref", model=model_dir, grad_norm=m["grad_norm"], loss=m["loss"], layout="padded+sdpa")
+    del be
+    torch.cuda.empty_cache()
+    for text in a.layouts.split(";"):
+        try:
+            check_layout(model_dir, ref, text, set(a.checks.split(",")))
+        except Exception as e:
+            emit(check="error", model=model_dir, layout=text, error=f"{type(e).__name__}: {e}"[:2000],
+                 tb=traceback.format_exc()[-3000:])
+    if dist.get_world_size() >= 2:
+        try:
+            make_backend(model_dir, parse_layout("cp=2"))
+            err = ""
+        except ValueError as e:
+            err = str(e)
+        emit(check="hf_wrap_refuses_cp", error=err[:300], ok="--context-parallel-size" in err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -371,6 +448,8 @@ def main() -> None:
         mode_sft_fsdp(a)
     elif a.mode == "attention":
         mode_attention(a)
+    elif a.mode == "hf-wrap":
+        mode_hf_wrap(a)
     else:
         raise SystemExit(f"unknown mode {a.mode}")
     if dist.is_initialized():
