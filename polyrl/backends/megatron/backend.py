@@ -464,6 +464,7 @@ class MegatronBackend:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
+                _keep_adam_step_on_load(opt)
         sd = self._sharded_state(is_loading=True)
         if self.ddp_config.use_megatron_fsdp:
             import torch.distributed.checkpoint as dcp
@@ -500,6 +501,25 @@ class MegatronBackend:
 
     def onload(self) -> None:
         pass
+
+
+def _keep_adam_step_on_load(opt) -> None:
+    """megatron-core 0.19 + torch AdamW (no Apex / TE): loading a `fully_reshardable` optimizer
+    state restores Adam's `step` from the param groups, then copies every tensor of each
+    parameter's state from the checkpoint, where `step` was left out on purpose, and fails
+    with KeyError('step'). Hand it the already-restored step for that copy (a no-op)."""
+    if not hasattr(opt, "_set_main_param_and_optimizer_states") or "_set_main_param_and_optimizer_states" in vars(opt):
+        return
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
+        if isinstance(step, torch.Tensor) and "step" not in tensors:
+            tensors = {**tensors, "step": step}
+        return original(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

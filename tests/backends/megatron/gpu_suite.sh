@@ -40,8 +40,8 @@ elif [ "$KIND" = 1gpu-final ]; then  # checkpoint / Megatron-FSDP export fixes, 
 else  # 4 GPUs: `make test-gpu` on GPUs 2,3 (its 1- and 2-GPU checks) beside two chains of 4-GPU jobs
   D=$W/m/llama,$W/m/qwen2,$W/m/qwen3; DR=$W/r_llama.pt,$W/r_qwen2.pt,$W/r_qwen3.pt
   D32=$W/r32_llama.pt,$W/r32_qwen2.pt,$W/r32_qwen3.pt
-  ( CUDA_VISIBLE_DEVICES=2,3 POLYRL_RESULTS_LOG=$P/results_test_gpu_2gpu.jsonl PYTEST_ADDOPTS="--durations=30" \
-      timeout 520 make test-gpu > "$P/test_gpu_2gpu.log" 2>&1; echo "make test-gpu (2 GPUs) rc=$?" >> "$P/stages.txt" ) &
+  ( CUDA_VISIBLE_DEVICES=2,3 POLYRL_RESULTS_LOG=$P/results_test_gpu_2gpu.jsonl PYTEST_ADDOPTS="-v -n 3 --durations=30" \
+      timeout 540 make test-gpu > "$P/test_gpu_2gpu.log" 2>&1; echo "make test-gpu (2 GPUs) rc=$?" >> "$P/stages.txt" ) &
   GP="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
   (  # chain 3, GPU 0: GRPO through the CLI on one GPU, then its resume from the dist-checkpoint;
     CUDA_VISIBLE_DEVICES=0 run grpo_cli 150 $TR 1 -m polyrl train $G --hf-checkpoint $W/ar --num-rollout 2 --run-dir $W/run1 --save $W/ck1
