@@ -292,12 +292,19 @@ def _weight_diff(before: dict, after: dict) -> dict:
     return dict(sorted(out.items())[:8])
 
 
+def shared_tmpdir(prefix: str) -> str:
+    """One directory for every rank (rank 0 makes it): checkpoints are written collectively."""
+    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def mode_resume(a) -> None:
     """Train 2 steps at --save-layout, checkpoint, train 2 more; rebuild at --load-layout, load,
     train the same 2 more: losses must match (exact layout: bitwise weights after load)."""
     from polyrl.checkpoint import load_checkpoint, save_checkpoint
     init_distributed("cuda")
-    root = a.ckpt or tempfile.mkdtemp(prefix="mg_resume_")
+    root = a.ckpt or shared_tmpdir("mg_resume_")
     be = make_backend(a.model, parse_layout(a.save_layout))
     _train(be, 2)
     before = {k: v.cpu() for k, v in be.export_weights()}
@@ -328,7 +335,7 @@ def mode_sft_fsdp(a) -> None:
             be = make_backend(a.model, parse_layout(a.layout + extra))
             curves[name] = _train(be, 5, loss=sft_loss, with_entropy=False)
             if name == "megatron_fsdp":
-                root = a.ckpt or tempfile.mkdtemp(prefix="mg_fsdp_")
+                root = a.ckpt or shared_tmpdir("mg_fsdp_")
                 before = {k: v.cpu() for k, v in be.export_weights()}
                 save_checkpoint(root, 5, be, {"step": 5})
                 nxt = _train(be, 1, loss=sft_loss, with_entropy=False)
@@ -436,6 +443,9 @@ def main() -> None:
     a = ap.parse_args()
     global FP32
     FP32 = a.fp32
+    if HANG_DUMP and a.mode != "layouts":  # (layouts arm it per layout)
+        import faulthandler
+        faulthandler.dump_traceback_later(HANG_DUMP, exit=True)
     if a.mode == "models":
         print(json.dumps(build_models(a.arg1)))
     elif a.mode == "fsdp-ref":

@@ -41,7 +41,7 @@ def _need(n: int) -> None:
 def _run(args: list[str], nproc: int = 0, timeout: int = 600) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc else []) + [HARNESS] + args
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []) + [HARNESS] + args
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if os.environ.get("POLYRL_RESULTS_LOG"):  # keep the measured numbers of a `make test-gpu` run
