@@ -96,6 +96,9 @@ class MegatronBackend:
         self.skipped_steps = 0
         self._set_lr()
         self._fused_experts = self._hf_uses_fused_experts()
+        from polyrl.backends.megatron import bridge
+        self._wrapped_layers = any(bridge.wrapped_mixer(self.hf_config, i) is not None
+                                   for i in range(self.hf_config.num_hidden_layers))
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, path: str, *, train: bool) -> list:
@@ -419,6 +422,9 @@ class MegatronBackend:
         return {"distrib_optim_sharding_type": "fsdp_dtensor" if self.ddp_config.use_megatron_fsdp
                 else "fully_reshardable",  # model-space layout: loads onto other TP / PP / DP degrees
                 "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                # HF-wrapped mixers differ per layer (DeltaNet vs attention): one key per layer,
+                # not megatron's stacked [num_layers, ...] tensors
+                "non_homogeneous_layers": self._wrapped_layers,
                 "dp_cp_group": self.ps.get_data_parallel_group(with_context_parallel=True)}
 
     def _sharded_state(self, is_loading: bool) -> dict:

@@ -324,6 +324,21 @@ def mode_resume(a) -> None:
          sched_step=be2.sched_step)
 
 
+def _report_dtensor_keys(be) -> None:
+    """DCP's uneven-DTensor save runs one collective per DTensor key: every rank must hold the
+    same keys. Report keys that only some ranks have (e.g. no Adam state for an empty shard)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import filter_unflattened_state_dict
+    from torch.distributed.tensor import DTensor
+    sd = be._sharded_state(is_loading=False)
+    keys = sorted(str(k) for k in filter_unflattened_state_dict(sd, visit_condition=lambda x: isinstance(x, DTensor)))
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, keys)
+    union = set().union(*map(set, per_rank))
+    partial = sorted(k for k in union if not all(k in set(p) for p in per_rank))
+    emit(check="fsdp_dtensor_keys", counts=[len(p) for p in per_rank], keys_on_some_ranks_only=len(partial),
+         examples=partial[:6], ok=not partial)
+
+
 def mode_sft_fsdp(a) -> None:
     """Megatron-FSDP vs plain DDP (distributed optimizer): 5 SFT steps on a fixed batch, then a
     DCP save / load round trip of the Megatron-FSDP state."""
@@ -335,6 +350,7 @@ def mode_sft_fsdp(a) -> None:
             be = make_backend(a.model, parse_layout(a.layout + extra))
             curves[name] = _train(be, 5, loss=sft_loss, with_entropy=False)
             if name == "megatron_fsdp":
+                _report_dtensor_keys(be)
                 root = a.ckpt or shared_tmpdir("mg_fsdp_")
                 before = {k: v.cpu() for k, v in be.export_weights()}
                 save_checkpoint(root, 5, be, {"step": 5})
