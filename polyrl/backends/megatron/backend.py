@@ -443,9 +443,27 @@ class MegatronBackend:
         sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
         return sd
 
+    def _fill_empty_shard_states(self) -> None:
+        """Megatron-FSDP: a parameter whose local shard is empty on this rank never gets Adam state
+        here, but DCP's uneven-DTensor save / load runs one collective per key on every rank (with
+        DP=2 on the tiny test model the ranks held 56 vs 74 keys and the save hung). Give such
+        parameters empty state so every rank holds the same keys."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            steps = [st["step"] for st in inner.state.values() if "step" in st]
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if getattr(p, "_local_tensor", p).numel() == 0 and not inner.state.get(p):
+                        inner.state[p] = {"step": steps[0].clone() if steps else torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
     def save(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
         os.makedirs(ckpt, exist_ok=True)
+        if self.ddp_config.use_megatron_fsdp:
+            self._fill_empty_shard_states()
         sd = self._sharded_state(is_loading=False)
         if self.ddp_config.use_megatron_fsdp:  # Megatron-FSDP: PyTorch DCP over its DTensors
             import torch.distributed.checkpoint as dcp
@@ -471,6 +489,8 @@ class MegatronBackend:
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
                 _keep_adam_step_on_load(opt)
+        else:
+            self._fill_empty_shard_states()
         sd = self._sharded_state(is_loading=True)
         if self.ddp_config.use_megatron_fsdp:
             import torch.distributed.checkpoint as dcp

@@ -156,13 +156,19 @@ def test_four_gpu_resume_reshards_and_fsdp_dp4(refs):
 
 @pytest.mark.gpu
 def test_hf_wrap_qwen3_next(tmp_path):
-    """Qwen3-Next with its HF mixers wrapped (hf_wrap.py): BF16 log-prob parity with FSDP, exact
-    export round trip and grad-norm parity at TP=1 (and, with 2 GPUs, DP=2, PP=2, TP=2, TP=2+SP, and
+    """Qwen3-Next with its HF mixers wrapped (hf_wrap.py): log-prob parity with FSDP, exact export
+    round trip and grad-norm parity at TP=1 (and, with 2 GPUs, PP=2, TP=2 and TP=2+SP in FP32, and
     context parallelism refused by name); then an exact same-layout checkpoint resume (the wrapped
     parameters' sharded_state_dict)."""
     _need(1)
     n = 2 if _gpus() >= 2 else 1
-    layouts = "tp=1;pp=2;tp=2;tp=2,sp=1" if n == 2 else "tp=1"
-    _assert_ok(_run(["hf-wrap", str(tmp_path), "--layouts", layouts], nproc=n), 3 * len(layouts.split(";")) + (n > 1))
+    # BF16 at TP=1 / PP=2 (same arithmetic as FSDP); TP=2 in FP32: in BF16 the gated DeltaNet's
+    # grad norm moves 3.1% at TP=2 (rounding: FP32 TP=2 matches to 2e-7, bench/RESULTS.md)
+    layouts = "tp=1;pp=2" if n == 2 else "tp=1"
+    _assert_ok(_run(["hf-wrap", str(tmp_path / "bf16"), "--layouts", layouts], nproc=n),
+               3 * len(layouts.split(";")) + (n > 1))
+    if n == 2:
+        _assert_ok(_run(["hf-wrap", str(tmp_path / "fp32"), "--layouts", "tp=2;tp=2,sp=1", "--fp32"], nproc=2), 6)
+    tmp_path = tmp_path / "bf16"
     _assert_ok(_run(["resume", "--model", str(tmp_path / "qwen3_next"), "--save-layout", "tp=1",
                      "--load-layout", "tp=1"], nproc=1), 1)
