@@ -23,7 +23,9 @@ Parameters. `self.hf` is the HF module, so its parameters keep their HF names un
 (`decoder.layers.N.self_attention.hf.in_proj_qkvz.weight`) and the bridge maps them 1:1 to
 `model.layers.N.linear_attn.in_proj_qkvz.weight`. HFMixer is a plain torch module: megatron's
 default `sharded_state_dict` (MegatronModule -> `sharded_state_dict_default`) writes a non-megatron
-child's tensors as replicated over TP and DP, which is what they are.
+child's tensors as replicated over TP and DP, which is what they are. Layers differ (DeltaNet vs
+attention parameters), so the backend checkpoints such models with one key per layer
+(megatron's `non_homogeneous_layers`) instead of stacking layers into one tensor per name.
 
 Limits.
   - Tensor parallelism: the HF module is replicated on every TP rank, not split. TP > 1 is correct
