@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (polyrl --use-kl-loss --kl-loss-coef; TRL beta)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="both frameworks: auto = BF16 compute on GPU, FP32 on CPU; bf16 on CPU = FP32 weights with "
+                        "BF16 matmuls (polyrl --bf16, TRL bf16=True autocast), fast on CPUs with AMX")
     p.add_argument("--polyrl-args", default="", metavar="'FLAGS'",
                    help="extra `polyrl train` flags appended to polyrl's command line, e.g. '--rollout-mem-fraction 0.2' "
                         "(default: none, polyrl's defaults)")
@@ -175,6 +178,10 @@ def polyrl_argv(s: dict) -> list[str]:
             "--loss-agg-mode", "token-mean", "--advantage-estimator", "grpo", "--no-rollout-shuffle",
             "--seed", str(s["seed"]), "--rollout-seed", str(s["seed"]), "--device", s["device"],
             "--run-dir", s["run_dir"], "--quiet"]
+    if s.get("precision", "auto") == "bf16":
+        argv += ["--bf16"]
+    elif s.get("precision", "auto") == "fp32":
+        argv += ["--fp32"]
     if s["beta"] > 0:
         argv += ["--use-kl-loss", "--kl-loss-coef", str(s["beta"]), "--kl-loss-type", "k3"]
     if s.get("polyrl_args"):
@@ -186,6 +193,7 @@ def polyrl_argv(s: dict) -> list[str]:
 def trl_config_kwargs(s: dict, continuous_batching: bool = False, cb_field: str | None = None) -> dict:
     per_step = s["prompts_per_step"] * s["samples_per_prompt"]
     cuda = s["device"] == "cuda"
+    bf16 = {"auto": cuda, "bf16": True, "fp32": False}[s.get("precision", "auto")]
     kw = dict(
         output_dir=s["run_dir"], seed=s["seed"], max_steps=s["total_steps"],
         per_device_train_batch_size=s["micro_batch_size"], gradient_accumulation_steps=per_step // s["micro_batch_size"],
@@ -194,7 +202,7 @@ def trl_config_kwargs(s: dict, continuous_batching: bool = False, cb_field: str 
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         beta=s["beta"], epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
         use_vllm=False, gradient_checkpointing=False, shuffle_dataset=False,
-        bf16=cuda, fp16=False, use_cpu=not cuda, model_init_kwargs={"dtype": "float32"},
+        bf16=bf16, fp16=False, use_cpu=not cuda, model_init_kwargs={"dtype": "float32"},
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0, remove_unused_columns=False,
     )
@@ -624,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": a.seed, "micro_batch_size": a.micro_batch_size, "warmup": a.warmup, "steps": a.steps,
             "total_steps": a.warmup + a.steps, "trl_warmup": a.trl_warmup, "trl_steps": a.trl_steps,
             "reward_last_k": a.reward_last_k, "frameworks": a.framework_list, "row_budget_s": a.budgets,
-            "deadline_s": a.deadline, "kill_grace_s": a.kill_grace, "polyrl_args": a.polyrl_args,
+            "deadline_s": a.deadline, "kill_grace_s": a.kill_grace, "polyrl_args": a.polyrl_args, "precision": a.precision,
             "repeats": a.repeats, "wait_quiet": a.wait_quiet, "retry_busy": a.retry_busy, "digits": a.digits, "sft_warmstart_epochs": a.sft_warmstart_epochs,
             "model_dir": "<workdir>/model", "train_data": "<workdir>/data/train.jsonl", "run_dir": "<workdir>/<framework>"}
     if a.dry_run:

@@ -80,7 +80,8 @@ def train(cfg: Config) -> dict:
                 kl = torch.cat(batch.token_fields["old_logprobs"]) - torch.cat(batch.token_fields["ref_logprobs"])
             adv = compute_advantages(a.advantage_estimator, torch.tensor([s.reward for s in samples]), seq_ids,
                                      group_size=r.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization,
-                                     kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]))
+                                     kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]),
+                                     reduce=d.sum)
             batch.token_fields["advantages"] = list(adv.split(lens))
             per_rank = len(samples) // n_minibatches
             for k in range(n_minibatches):

@@ -59,29 +59,40 @@ def _discounted_returns(token_rewards: torch.Tensor, seq_ids: torch.Tensor, gamm
     return returns
 
 
-def _whiten(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    sel = x if mask is None else x[mask.bool()]
-    if sel.numel() < 2:
-        return x - sel.mean() if sel.numel() else x
-    return (x - sel.mean()) / (sel.std() + EPS)
+def _whiten(x: torch.Tensor, mask: torch.Tensor | None, reduce: Callable | None = None) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the (masked) tokens; `reduce` sums [count, sum, sum of squares]
+    over data-parallel ranks so every rank whitens with the global batch statistics."""
+    sel = (x if mask is None else x[mask.bool()]).double()
+    stats = torch.stack([torch.tensor(float(sel.numel()), dtype=torch.float64), sel.sum(), (sel * sel).sum()])
+    if reduce is not None:
+        stats = torch.as_tensor(reduce(stats.tolist()), dtype=torch.float64)
+    n, total, squares = stats.tolist()
+    if n == 0:
+        return x
+    mean = total / n
+    if n < 2:
+        return x - mean
+    var = max(squares - n * mean * mean, 0.0) / (n - 1)  # unbiased, as torch.std
+    return ((x.double() - mean) / (var ** 0.5 + EPS)).to(x.dtype)
 
 
-def reinforce_plus_plus(rewards, seq_ids, *, kl=None, kl_coef=0.0, gamma=1.0, loss_mask=None, **_) -> torch.Tensor:
+def reinforce_plus_plus(rewards, seq_ids, *, kl=None, kl_coef=0.0, gamma=1.0, loss_mask=None, reduce=None,
+                        **_) -> torch.Tensor:
     """REINFORCE++: token rewards = -kl_coef * kl_t, plus the sequence reward on the last
-    token; discounted returns; whitened over the whole batch. kl: [T] or None. -> [T]"""
+    token; discounted returns; whitened over the whole (global, with `reduce`) batch. kl: [T] or None. -> [T]"""
     token_rewards = torch.zeros(seq_ids.numel(), dtype=torch.float32)
     if kl is not None and kl_coef:
         token_rewards -= kl_coef * (kl.float() if loss_mask is None else kl.float() * loss_mask.float())  # no KL on untrained (e.g. tool) tokens
     last = torch.ones_like(seq_ids, dtype=torch.bool)
     last[:-1] = seq_ids[1:] != seq_ids[:-1]
     token_rewards[last] += rewards.float()[seq_ids[last]]
-    return _whiten(_discounted_returns(token_rewards, seq_ids, gamma), loss_mask)
+    return _whiten(_discounted_returns(token_rewards, seq_ids, gamma), loss_mask, reduce)
 
 
-def reinforce_plus_plus_baseline(rewards, seq_ids, *, group_size, loss_mask=None, **_) -> torch.Tensor:
-    """REINFORCE++-baseline: group-mean baseline, then whitened over the batch. -> [T]"""
+def reinforce_plus_plus_baseline(rewards, seq_ids, *, group_size, loss_mask=None, reduce=None, **_) -> torch.Tensor:
+    """REINFORCE++-baseline: group-mean baseline, then whitened over the (global) batch. -> [T]"""
     adv = group_baseline(rewards, group_size, normalize_std=False)[seq_ids]
-    return _whiten(adv, loss_mask)
+    return _whiten(adv, loss_mask, reduce)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {

@@ -183,3 +183,31 @@ def test_compute_advantages_unknown_name():
     with pytest.raises(ValueError, match="--advantage-estimator") as e:
         compute_advantages("ppo_gae", REWARDS, SEQ_IDS, group_size=4)
     assert "ppo_gae" in str(e.value) and "grpo" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_pp_whitening_is_global_across_ranks(name):
+    """Two data-parallel shards whitened with summed statistics (what the loop's `reduce` does over
+    ranks) give exactly the advantages of the whole batch on one rank."""
+    rewards = torch.tensor([1.0, 0.0, 2.0, 0.5, 3.0, 1.0, 0.0, 2.5])
+    lens = [3, 2, 4, 1, 2, 5, 3, 2]
+    mask = torch.cat([torch.tensor([1.0] * (n - 1) + [1.0 if i % 3 else 0.0]) for i, n in enumerate(lens)])
+    kw = dict(group_size=2, kl=torch.linspace(0, 1, sum(lens)), kl_coef=0.1, gamma=0.9)
+    whole = compute_advantages(name, rewards, seq_ids_for(lens), loss_mask=mask, **kw)
+    halves = [(slice(0, 4), slice(0, sum(lens[:4]))), (slice(4, 8), slice(sum(lens[:4]), sum(lens)))]
+
+    def shard_stats(r, t):  # the statistics each rank would contribute
+        adv = compute_advantages(name, rewards[r], seq_ids_for(lens[r]), loss_mask=mask[t],
+                                 **dict(kw, kl=kw["kl"][t]), reduce=lambda v: captured.append(v) or v)
+        return adv
+
+    captured: list = []
+    for r, t in halves:
+        shard_stats(r, t)
+    total = [sum(c[i] for c in captured) for i in range(3)]
+    parts = [compute_advantages(name, rewards[r], seq_ids_for(lens[r]), loss_mask=mask[t], **dict(kw, kl=kw["kl"][t]),
+                                reduce=lambda v: total) for r, t in halves]
+    assert_close(torch.cat(parts), whole)
+    alone = compute_advantages(name, rewards[4:], seq_ids_for(lens[4:]), loss_mask=mask[halves[1][1]],
+                               **dict(kw, kl=kw["kl"][halves[1][1]]))
+    assert not torch.allclose(alone, whole[halves[1][1]])  # per-rank whitening would differ
