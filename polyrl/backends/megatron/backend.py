@@ -444,20 +444,7 @@ class MegatronBackend:
         return sd
 
     def _fill_empty_shard_states(self) -> None:
-        """Megatron-FSDP: a parameter whose local shard is empty on this rank never gets Adam state
-        here, but DCP's uneven-DTensor save / load runs one collective per key on every rank (with
-        DP=2 on the tiny test model the ranks held 56 vs 74 keys and the save hung). Give such
-        parameters empty state so every rank holds the same keys."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            if inner is None:
-                continue
-            steps = [st["step"] for st in inner.state.values() if "step" in st]
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if getattr(p, "_local_tensor", p).numel() == 0 and not inner.state.get(p):
-                        inner.state[p] = {"step": steps[0].clone() if steps else torch.tensor(0.0),
-                                          "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        fill_empty_shard_states(self.optimizer)
 
     def save(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
@@ -527,6 +514,24 @@ class MegatronBackend:
 
     def onload(self) -> None:
         pass
+
+
+def fill_empty_shard_states(optimizer) -> None:
+    """Megatron-FSDP: a parameter whose local shard is empty on this rank never gets Adam state
+    here, but DCP's uneven-DTensor save / load runs one collective per key on every rank (with
+    DP=2 on the tiny test model the ranks held 56 vs 74 keys and the save hung). Give such
+    parameters empty state so every rank holds the same keys. `optimizer`: megatron's (chained)
+    optimizer, whose members wrap a torch optimizer as `.optimizer`."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        steps = [st["step"] for st in inner.state.values() if "step" in st]
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if getattr(p, "_local_tensor", p).numel() == 0 and not inner.state.get(p):
+                    inner.state[p] = {"step": steps[0].clone() if steps else torch.tensor(0.0),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _keep_adam_step_on_load(opt) -> None:

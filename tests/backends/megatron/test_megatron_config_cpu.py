@@ -49,3 +49,26 @@ def test_megatron_core_is_not_imported_by_polyrl():
             "polyrl.backends.megatron.bridge; print(any(m.startswith('megatron') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_empty_shard_params_get_state_so_every_rank_saves_the_same_keys():
+    """Megatron-FSDP DCP saves one collective per optimizer-state key: a rank whose shard of a
+    parameter is empty (no grad, so no Adam state) must still hold that key (CPU, plain torch Adam)."""
+    import types
+
+    import torch
+
+    from polyrl.backends.megatron.backend import fill_empty_shard_states
+
+    full, empty = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(0))
+    adam = torch.optim.Adam([full, empty], lr=0.1)
+    full.grad = torch.ones(4)
+    adam.step()  # Adam state for `full` only, as on a rank that holds no elements of `empty`
+    assert empty not in adam.state
+    before = {k: v.clone() for k, v in adam.state[full].items()}
+    fill_empty_shard_states(types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=adam)]))
+    assert set(adam.state[empty]) == set(adam.state[full]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert adam.state[empty]["exp_avg"].numel() == 0 and float(adam.state[empty]["step"]) == 1.0
+    assert all(torch.equal(before[k], adam.state[full][k]) for k in before)  # real state untouched
+    full.grad = torch.ones(4)
+    adam.step()  # the filled state does not disturb the next step
