@@ -72,3 +72,38 @@ def test_empty_shard_params_get_state_so_every_rank_saves_the_same_keys():
     assert all(torch.equal(before[k], adam.state[full][k]) for k in before)  # real state untouched
     full.grad = torch.ones(4)
     adam.step()  # the filled state does not disturb the next step
+
+
+def test_adam_step_is_kept_when_loading_a_fully_reshardable_state():
+    """megatron-core 0.19 copies every tensor of a parameter's torch-Adam state from the checkpoint,
+    where `step` is left out, and raised KeyError('step'); the shim hands it the restored step."""
+    import torch
+
+    from polyrl.backends.megatron.backend import _keep_adam_step_on_load
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    adam = torch.optim.Adam([p], lr=0.1)
+    adam.state[p] = {"step": torch.tensor(7.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+
+    class DistOpt:  # the shape of megatron's DistributedOptimizer method (copies dst <- tensors[key])
+        def __init__(self):
+            self.optimizer, self.model_param_group_index_map = adam, {"model_param": (0, 0)}
+
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            group, order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group]["params"][order]
+            dst = {"param": main, **{k: v for k, v in self.optimizer.state[main].items() if isinstance(v, torch.Tensor)}}
+            for key in dst:
+                dst[key].data.copy_(tensors[key])
+
+    opt = DistOpt()
+    loaded = {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)}
+    with pytest.raises(KeyError):
+        opt._set_main_param_and_optimizer_states("model_param", loaded)
+    _keep_adam_step_on_load(opt)
+    opt._set_main_param_and_optimizer_states("model_param", loaded)
+    assert torch.equal(p.data, torch.ones(3)) and float(adam.state[p]["exp_avg_sq"][0]) == 3.0
+    assert float(adam.state[p]["step"]) == 7.0
+    # the shim is idempotent: a second call does not wrap twice
+    _keep_adam_step_on_load(opt)
+    opt._set_main_param_and_optimizer_states("model_param", loaded)
