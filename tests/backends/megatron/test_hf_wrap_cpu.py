@@ -160,3 +160,28 @@ def test_megatron_layout_matches_hf_model_per_sequence(qwen3_next):
     first = LENS[0]
     torch.testing.assert_close(leaky[:first], ref[:first], rtol=1e-4, atol=1e-4)
     assert (leaky[first:] - ref[first:]).abs().max() > 1e-1
+
+
+def test_fsdp_backend_uses_padded_rows_for_recurrent_layers(qwen3_next):
+    """HF's torch gated-DeltaNet path ignores packed-sequence boundaries, so the FSDP backend lays
+    such models out as padded rows (and refuses --micro-batch-layout packed by name); its log-probs
+    then equal a per-sequence HF forward."""
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    from polyrl.types import TrainBatch
+
+    d, _, model = qwen3_next
+    init_distributed("cpu")
+    with pytest.raises(ValueError, match="--micro-batch-layout packed"):
+        FSDPBackend(ModelConfig(hf_checkpoint=d), OptimizerConfig(), BatchConfig(micro_batch_layout="packed"), device="cpu")
+    be = FSDPBackend(ModelConfig(hf_checkpoint=d), OptimizerConfig(), BatchConfig(micro_batch_size=3), device="cpu")
+    assert (be.layout, be.attn_impl) == ("padded", "sdpa")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 250, (n,), generator=g) for n in (9, 4, 30)]
+    plens = [3, 2, 10]
+    got = be.compute_logprobs(TrainBatch(ids, plens, {}))
+    for x, p, lp in zip(ids, plens, got):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(x[None]).logits[0].float(), -1)[p - 1:-1].gather(-1, x[p:, None])[:, 0]
+        torch.testing.assert_close(lp, ref, atol=1e-4, rtol=1e-4)
