@@ -443,14 +443,11 @@ class MegatronBackend:
         sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
         return sd
 
-    def _fill_empty_shard_states(self) -> None:
-        fill_empty_shard_states(self.optimizer)
-
     def save(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
         os.makedirs(ckpt, exist_ok=True)
         if self.ddp_config.use_megatron_fsdp:
-            self._fill_empty_shard_states()
+            fill_empty_shard_states(self.optimizer)
         sd = self._sharded_state(is_loading=False)
         if self.ddp_config.use_megatron_fsdp:  # Megatron-FSDP: PyTorch DCP over its DTensors
             import torch.distributed.checkpoint as dcp
@@ -477,7 +474,7 @@ class MegatronBackend:
                     opt._init_optimizer_states_with_dummy_values()
                 _keep_adam_step_on_load(opt)
         else:
-            self._fill_empty_shard_states()
+            fill_empty_shard_states(self.optimizer)
         sd = self._sharded_state(is_loading=True)
         if self.ddp_config.use_megatron_fsdp:
             import torch.distributed.checkpoint as dcp

@@ -165,6 +165,7 @@ def parse_layout(text: str) -> MegatronConfig:
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
         if k == "p2p":  # schedule p2p mode, applied after construction (make_backend)
+            m._p2p = v
             continue
         key = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
                "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
@@ -216,8 +217,6 @@ def hf_reference_weights(model_dir: str, backend) -> dict[str, torch.Tensor]:
 
 def check_layout(model_dir: str, ref: dict, text: str, checks: set[str]) -> None:
     layout = parse_layout(text)
-    if "p2p=" in text:
-        layout._p2p = text.split("p2p=")[1].split(",")[0]
     t0 = time.time()
     if HANG_DUMP:  # a stuck collective: every rank prints where it waits, then exits
         import faulthandler
@@ -330,7 +329,8 @@ def _report_dtensor_keys(be) -> None:
     Adam state (without it: 56 vs 74 keys at DP=2 and a hung save)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import filter_unflattened_state_dict
     from torch.distributed.tensor import DTensor
-    be._fill_empty_shard_states()
+    from polyrl.backends.megatron.backend import fill_empty_shard_states
+    fill_empty_shard_states(be.optimizer)
     sd = be._sharded_state(is_loading=False)
     keys = sorted(str(k) for k in filter_unflattened_state_dict(sd, visit_condition=lambda x: isinstance(x, DTensor)))
     per_rank: list = [None] * dist.get_world_size()
