@@ -494,6 +494,7 @@ class MegatronBackend:
                 for i, m in enumerate(self.ref_model):
                     self.mm.unwrap(m).load_state_dict(loaded[f"ref{i}"])
             self.optimizer.load_state_dict(loaded["optimizer"])
+        untie_adam_steps(self.optimizer)
         rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"),
                            weights_only=False)
@@ -529,6 +530,22 @@ def fill_empty_shard_states(optimizer) -> None:
                 if getattr(p, "_local_tensor", p).numel() == 0 and not inner.state.get(p):
                     inner.state[p] = {"step": steps[0].clone() if steps else torch.tensor(0.0),
                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def untie_adam_steps(optimizer) -> None:
+    """megatron-core 0.19 without Apex / TE: DistributedOptimizer.load_state_dict hands every
+    parameter's Adam state the *same* `step` tensor; torch AdamW then adds 1 to it once per
+    parameter, so after a resume the bias correction runs as if hundreds of steps had passed
+    (the second loss after resume moved 0.27%). Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        seen: set[int] = set()
+        for st in (inner.state.values() if inner is not None else ()):
+            step = st.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    st["step"] = step.clone()
+                seen.add(id(st["step"]))
 
 
 def _keep_adam_step_on_load(opt) -> None:

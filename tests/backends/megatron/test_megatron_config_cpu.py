@@ -107,3 +107,42 @@ def test_adam_step_is_kept_when_loading_a_fully_reshardable_state():
     # the shim is idempotent: a second call does not wrap twice
     _keep_adam_step_on_load(opt)
     opt._set_main_param_and_optimizer_states("model_param", loaded)
+
+
+def test_adam_steps_shared_by_megatron_load_are_untied():
+    """megatron-core 0.19 (no Apex / TE) loads one `step` tensor into every parameter's Adam state;
+    torch AdamW then advances it once per parameter. After the untie each parameter counts alone,
+    and the next update equals the one an optimizer that never went through a checkpoint makes."""
+    import types
+
+    import torch
+
+    from polyrl.backends.megatron.backend import untie_adam_steps
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    grads = [[torch.randn(4) for _ in ps] for _ in range(3)]
+
+    def step(opt, params, g):
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        opt.step()
+
+    ref = torch.optim.AdamW(twin, lr=0.1)
+    adam = torch.optim.AdamW(ps, lr=0.1)
+    for g in grads[:2]:
+        step(ref, twin, g)
+        step(adam, ps, g)
+    sd = adam.state_dict()
+    shared = torch.tensor(2.0)
+    for st in sd["state"].values():  # what DistributedOptimizer.load_state_dict does
+        st["step"] = shared
+    adam.load_state_dict(sd)
+    assert len({id(st["step"]) for st in adam.state.values()}) == 1
+    untie_adam_steps(types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=adam)]))
+    step(ref, twin, grads[2])
+    step(adam, ps, grads[2])
+    assert [float(st["step"]) for st in adam.state.values()] == [3.0, 3.0, 3.0]
+    for p, q in zip(ps, twin):
+        assert torch.equal(p, q)
