@@ -124,7 +124,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
         prof = None
         if a.profile and step == a.warmup and rank == 0:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                          with_stack=True)
             prof.__enter__()
         sync()
         t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
         dt = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+            print_profile(prof, dt)
         f = 6 * n_params * sum(lens) + 6 * geo["layers"] * geo["heads"] * geo["head_dim"] * sum(l * l for l in lens)
         if step >= a.warmup:
             times.append(dt)
@@ -146,6 +147,19 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     return {"shape": shape, "backend": a.train_backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None, "device": name}
+
+
+def print_profile(prof, step_s: float) -> None:
+    """Top kernels by GPU time, top ops by host time, and the Python lines that launch the most
+    host time: a step whose GPU busy time is far below its wall time is launch (CPU) bound."""
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka) / 1e6
+    print(f"step {step_s:.3f} s, GPU busy {busy:.3f} s ({busy / step_s:.0%}), ops launched "
+          f"{sum(e.count for e in ka if e.key.startswith('aten::'))}", flush=True)
+    print(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60), flush=True)
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
+    print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60,
+                                                       max_src_column_width=110), flush=True)
 
 
 def main(argv=None) -> int:

@@ -231,13 +231,8 @@ def test_config_kwargs():
     assert config_to_mcore_kwargs(_make("qwen2")[0])["add_qkv_bias"]
     mk = gpt_model_kwargs(cfg, tp_size=2)
     assert mk["vocab_size"] == 256 and mk["share_embeddings_and_output_weights"]
-    assert mk["rotary_base"] == cfg.rope_parameters["rope_theta"]
-    llama3 = dict(
-        rope_type="llama3", rope_theta=5e5, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    )
-    mk = gpt_model_kwargs(LlamaConfig(**COMMON, rope_parameters=llama3))
-    assert mk["rope_scaling"] and mk["rope_scaling_factor"] == 32.0
+    # RoPE is applied by polyrl's core attention from the HF rotary module (any rope type), not megatron
+    assert mk["position_embedding_type"] == "none"
 
 
 # --------------------------------------------------------------------------------------------

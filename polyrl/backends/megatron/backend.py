@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.megatron import compat
 from polyrl.backends.parallel_dims import ParallelDims
 from polyrl.config import BatchConfig, MegatronConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -96,9 +97,14 @@ class MegatronBackend:
         self.skipped_steps = 0
         self._set_lr()
         self._fused_experts = self._hf_uses_fused_experts()
-        from polyrl.backends.megatron import bridge
+        from polyrl.backends.megatron import bridge, thd
         self._wrapped_layers = any(bridge.wrapped_mixer(self.hf_config, i) is not None
                                    for i in range(self.hf_config.num_hidden_layers))
+        # polyrl's core attention applies RoPE when the model leaves it out (bridge-built models);
+        # HF-wrapped mixers and a custom provider's own RoPE need none from us
+        no_pos = all(getattr(mm.unwrap(c), "position_embedding_type", None) == "none" for c in self.model)
+        mixers = getattr(bridge.FAMILIES.get(self.hf_config.model_type), "mixers", None)
+        self._rope = thd.PackedRope(self.hf_config, self.dtype, self.device) if no_pos and not mixers else None
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, path: str, *, train: bool) -> list:
@@ -198,7 +204,7 @@ class MegatronBackend:
 
         def forward_step(data_iterator, chunk):
             item = next(data_iterator)
-            ids, pos, psp = mm.packed_inputs(item.pb, cp_group)
+            ids, pos, psp = mm.packed_inputs(item.pb, cp_group, self._rope)
             ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
                                  with_entropy)
             out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=mm.logprob_head,
@@ -447,7 +453,7 @@ class MegatronBackend:
         ckpt = os.path.join(path, "dcp")
         os.makedirs(ckpt, exist_ok=True)
         if self.ddp_config.use_megatron_fsdp:
-            fill_empty_shard_states(self.optimizer)
+            compat.fill_empty_shard_states(self.optimizer)
         sd = self._sharded_state(is_loading=False)
         if self.ddp_config.use_megatron_fsdp:  # Megatron-FSDP: PyTorch DCP over its DTensors
             import torch.distributed.checkpoint as dcp
@@ -472,9 +478,9 @@ class MegatronBackend:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
-                _keep_adam_step_on_load(opt)
+                compat.keep_adam_step_on_load(opt)
         else:
-            fill_empty_shard_states(self.optimizer)
+            compat.fill_empty_shard_states(self.optimizer)
         sd = self._sharded_state(is_loading=True)
         if self.ddp_config.use_megatron_fsdp:
             import torch.distributed.checkpoint as dcp
@@ -494,7 +500,8 @@ class MegatronBackend:
                 for i, m in enumerate(self.ref_model):
                     self.mm.unwrap(m).load_state_dict(loaded[f"ref{i}"])
             self.optimizer.load_state_dict(loaded["optimizer"])
-        untie_adam_steps(self.optimizer)
+        compat.untie_adam_steps(self.optimizer)
+        compat.use_fused_adam(self.optimizer)
         rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"),
                            weights_only=False)
@@ -512,59 +519,6 @@ class MegatronBackend:
 
     def onload(self) -> None:
         pass
-
-
-def fill_empty_shard_states(optimizer) -> None:
-    """Megatron-FSDP: a parameter whose local shard is empty on this rank never gets Adam state
-    here, but DCP's uneven-DTensor save / load runs one collective per key on every rank (with
-    DP=2 on the tiny test model the ranks held 56 vs 74 keys and the save hung). Give such
-    parameters empty state so every rank holds the same keys. `optimizer`: megatron's (chained)
-    optimizer, whose members wrap a torch optimizer as `.optimizer`."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        steps = [st["step"] for st in inner.state.values() if "step" in st]
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if getattr(p, "_local_tensor", p).numel() == 0 and not inner.state.get(p):
-                    inner.state[p] = {"step": steps[0].clone() if steps else torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-
-
-def untie_adam_steps(optimizer) -> None:
-    """megatron-core 0.19 without Apex / TE: DistributedOptimizer.load_state_dict hands every
-    parameter's Adam state the *same* `step` tensor; torch AdamW then adds 1 to it once per
-    parameter, so after a resume the bias correction runs as if hundreds of steps had passed
-    (the second loss after resume moved 0.27%). Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        seen: set[int] = set()
-        for st in (inner.state.values() if inner is not None else ()):
-            step = st.get("step")
-            if isinstance(step, torch.Tensor):
-                if id(step) in seen:
-                    st["step"] = step.clone()
-                seen.add(id(st["step"]))
-
-
-def _keep_adam_step_on_load(opt) -> None:
-    """megatron-core 0.19 + torch AdamW (no Apex / TE): loading a `fully_reshardable` optimizer
-    state restores Adam's `step` from the param groups, then copies every tensor of each
-    parameter's state from the checkpoint, where `step` was left out on purpose, and fails
-    with KeyError('step'). Hand it the already-restored step for that copy (a no-op)."""
-    if not hasattr(opt, "_set_main_param_and_optimizer_states") or "_set_main_param_and_optimizer_states" in vars(opt):
-        return
-    original = opt._set_main_param_and_optimizer_states
-
-    def set_states(model_param, tensors):
-        group, order = opt.model_param_group_index_map[model_param]
-        step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
-        if isinstance(step, torch.Tensor) and "step" not in tensors:
-            tensors = {**tensors, "step": step}
-        return original(model_param, tensors)
-
-    opt._set_main_param_and_optimizer_states = set_states
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

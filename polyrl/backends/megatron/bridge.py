@@ -133,21 +133,13 @@ def is_moe_layer(cfg: Any, layer: int) -> bool:
     )
 
 
-def _rope_parameters(cfg: Any) -> dict:
-    # transformers>=5 keeps rope settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
-    rope = getattr(cfg, "rope_parameters", None)
-    if rope is None:
-        rope = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
-    return rope
-
-
 # ---------------------------------------------------------------------------------------------
 # Config mapping
 
 
 def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
-    """`TransformerConfig(**kwargs)` fields for this HF config. Model-level settings (vocab, RoPE
-    base, tied embeddings) are `GPTModel` arguments in megatron: see `gpt_model_kwargs`. Dtypes,
+    """`TransformerConfig(**kwargs)` fields for this HF config. Model-level settings (vocab, tied
+    embeddings, position embedding) are `GPTModel` arguments in megatron: see `gpt_model_kwargs`. Dtypes,
     parallel sizes and recompute are the backend's business and are left out."""
     cfg, fam = hf_config, _family(hf_config)
     kw: dict[str, Any] = dict(
@@ -164,7 +156,6 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
         add_bias_linear=False,
         add_qkv_bias=fam.qkv_bias,
         qk_layernorm=fam.qk_norm,
-        rotary_interleaved=False,  # HF rotate_half == megatron's non-interleaved layout
         hidden_dropout=0.0,  # HF decoders have no residual dropout
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0)),
         init_method_std=cfg.initializer_range,
@@ -200,28 +191,14 @@ def gpt_model_kwargs(
     """`GPTModel(config, transformer_layer_spec, **kwargs)` arguments for this HF config."""
     cfg = hf_config
     _family(cfg)
-    rope = _rope_parameters(cfg)
-    kw: dict[str, Any] = dict(
+    return dict(
         vocab_size=padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=rope["rope_theta"],
+        # RoPE is not megatron's: polyrl's core attention applies the HF model's own rotary tables
+        # (thd.PackedRope; HF-wrapped attention applies its own), for every HF rope type
+        position_embedding_type="none",
         share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
     )
-    if _family(cfg).mixers:  # the wrapped HF attention applies its own (partial) RoPE
-        kw.update(position_embedding_type="none")
-        return kw
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        # megatron exposes only the factor; the rest is hard-coded to the Llama 3.1 values.
-        fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-        if any(rope.get(k) != v for k, v in fixed.items()):
-            raise ValueError(f"megatron bridge: llama3 rope scaling must use {fixed}, got {rope}")
-        kw.update(rope_scaling=True, rope_scaling_factor=rope["factor"])
-    elif rope_type != "default":
-        raise ValueError(f"megatron bridge: rope_type {rope_type!r} is not supported")
-    return kw
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from polyrl.backends.megatron import bridge, thd
+from polyrl.backends.megatron import bridge, compat, thd
 from polyrl.backends.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class HFQKNorm(HFRMSNorm):
 @dataclass
 class VarlenPackedSeqParams(PackedSeqParams):
     attn_plan: Any = None  # thd.AttnPlan of this rank's micro-batch, built once per forward
+    rope: Any = None  # (cos, sin) [T_local, 1, r] from thd.PackedRope, or None (the model applies its own)
 
 
 class VarlenCoreAttention(MegatronModule):
@@ -123,6 +124,9 @@ class VarlenCoreAttention(MegatronModule):
         plan = getattr(packed_seq_params, "attn_plan", None)
         if plan is None:
             raise ValueError("VarlenCoreAttention needs packed (THD) inputs built by polyrl.backends.megatron.thd.pack_thd")
+        if packed_seq_params.rope is not None:  # this rank's tokens, before K/V are gathered over CP
+            cos, sin = packed_seq_params.rope
+            query, key = thd.apply_rope(query, cos, sin), thd.apply_rope(key, cos, sin)
         k = thd.all_gather_seq(key, self.cp_group)
         v = thd.all_gather_seq(value, self.cp_group)
         out = thd.varlen_attention(query, k, v, plan, self.scale, impl=self.impl)
@@ -338,6 +342,8 @@ def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool):
     opt = get_megatron_optimizer(cfg, model)
     for c in model:
         unwrap(c).config.grad_scale_func = opt.scale_loss
+    compat.use_foreach_grad_kernels()
+    compat.use_fused_adam(opt)
     return opt
 
 
@@ -345,10 +351,12 @@ def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool):
 # Forward inputs and the log-prob head
 
 
-def packed_inputs(pb: thd.PackedBatch, cp_group) -> tuple[torch.Tensor, torch.Tensor, VarlenPackedSeqParams]:
+def packed_inputs(pb: thd.PackedBatch, cp_group, rope: thd.PackedRope | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, VarlenPackedSeqParams]:
     cu = pb.cu_seqlens
     psp = VarlenPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=pb.max_seqlen,
-                                max_seqlen_kv=pb.max_seqlen, cp_group=cp_group, attn_plan=pb.plan)
+                                max_seqlen_kv=pb.max_seqlen, cp_group=cp_group, attn_plan=pb.plan,
+                                rope=rope.tables(pb.position_ids) if rope is not None else None)
     return pb.input_ids[None], pb.position_ids[None], psp
 
 

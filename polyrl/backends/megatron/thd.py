@@ -14,6 +14,7 @@ token see one.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -228,6 +229,40 @@ def _varlen_causal(q, k, v, plan: AttnPlan, scale: float):
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}  # the API moved between releases
     return fn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **kw)
+
+
+def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of packed tokens t [T, h, d] with per-token tables cos / sin [T, 1, r]
+    (r <= d: partial rotary leaves the last d - r channels alone), HF's non-interleaved
+    rotate-half form, in t's dtype as the HF decoders compute it. Tables come from each token's
+    position inside its sequence, so packing needs no per-sequence loop (and no host sync)."""
+    r = cos.shape[-1]
+    x = t[..., :r]
+    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if r == t.shape[-1] else torch.cat((out, t[..., r:]), dim=-1)
+
+
+class PackedRope:
+    """RoPE tables for a packed micro-batch, made once per forward by the HF model's own rotary
+    module (so every HF rope type, its attention scaling and partial rotary come with it) from
+    each token's position inside its sequence; VarlenCoreAttention applies them to q and k.
+    megatron-core's RoPE without Transformer Engine loops over the packed sequences in every
+    layer with two host syncs per call, which left the GPU idle between layers; megatron's own
+    RoPE is therefore off for these models (bridge: position_embedding_type "none")."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device):
+        mod = importlib.import_module(f"transformers.models.{hf_config.model_type}.modeling_{hf_config.model_type}")
+        name = type(hf_config).__name__.removesuffix("Config") + "RotaryEmbedding"
+        cls = getattr(mod, name, None) or next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))
+        self.rotary = cls(hf_config).to(device)  # fp32 buffers; not a megatron submodule, never cast
+        self.dtype = dtype
+
+    def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """position_ids [T] (inside each sequence) -> cos, sin [T, 1, r] in the model's dtype."""
+        x = torch.empty(0, dtype=self.dtype, device=position_ids.device)
+        cos, sin = self.rotary(x, position_ids[None])
+        return cos[0, :, None, :], sin[0, :, None, :]
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: float) -> Tensor:

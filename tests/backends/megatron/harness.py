@@ -339,7 +339,7 @@ def _report_dtensor_keys(be) -> None:
     Adam state (without it: 56 vs 74 keys at DP=2 and a hung save)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import filter_unflattened_state_dict
     from torch.distributed.tensor import DTensor
-    from polyrl.backends.megatron.backend import fill_empty_shard_states
+    from polyrl.backends.megatron.compat import fill_empty_shard_states
     fill_empty_shard_states(be.optimizer)
     sd = be._sharded_state(is_loading=False)
     keys = sorted(str(k) for k in filter_unflattened_state_dict(sd, visit_condition=lambda x: isinstance(x, DTensor)))

@@ -58,7 +58,7 @@ def test_empty_shard_params_get_state_so_every_rank_saves_the_same_keys():
 
     import torch
 
-    from polyrl.backends.megatron.backend import fill_empty_shard_states
+    from polyrl.backends.megatron.compat import fill_empty_shard_states
 
     full, empty = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(0))
     adam = torch.optim.Adam([full, empty], lr=0.1)
@@ -79,7 +79,7 @@ def test_adam_step_is_kept_when_loading_a_fully_reshardable_state():
     where `step` is left out, and raised KeyError('step'); the shim hands it the restored step."""
     import torch
 
-    from polyrl.backends.megatron.backend import _keep_adam_step_on_load
+    from polyrl.backends.megatron.compat import keep_adam_step_on_load
 
     p = torch.nn.Parameter(torch.zeros(3))
     adam = torch.optim.Adam([p], lr=0.1)
@@ -100,12 +100,12 @@ def test_adam_step_is_kept_when_loading_a_fully_reshardable_state():
     loaded = {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)}
     with pytest.raises(KeyError):
         opt._set_main_param_and_optimizer_states("model_param", loaded)
-    _keep_adam_step_on_load(opt)
+    keep_adam_step_on_load(opt)
     opt._set_main_param_and_optimizer_states("model_param", loaded)
     assert torch.equal(p.data, torch.ones(3)) and float(adam.state[p]["exp_avg_sq"][0]) == 3.0
     assert float(adam.state[p]["step"]) == 7.0
     # the shim is idempotent: a second call does not wrap twice
-    _keep_adam_step_on_load(opt)
+    keep_adam_step_on_load(opt)
     opt._set_main_param_and_optimizer_states("model_param", loaded)
 
 
@@ -117,7 +117,7 @@ def test_adam_steps_shared_by_megatron_load_are_untied():
 
     import torch
 
-    from polyrl.backends.megatron.backend import untie_adam_steps
+    from polyrl.backends.megatron.compat import untie_adam_steps
 
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
@@ -146,3 +146,25 @@ def test_adam_steps_shared_by_megatron_load_are_untied():
     assert [float(st["step"]) for st in adam.state.values()] == [3.0, 3.0, 3.0]
     for p, q in zip(ps, twin):
         assert torch.equal(p, q)
+
+
+def test_foreach_grad_kernels_match_the_per_tensor_fallbacks():
+    """The multi-tensor stand-ins for Apex's amp_C (grad norm, clip scaling) compute what
+    megatron-core's per-tensor fallbacks compute: the L2 norm of all tensors together, and
+    dst = src * scale (in place when src is dst)."""
+    import torch
+
+    from polyrl.backends.megatron.compat import foreach_l2_norm, foreach_scale
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g) for n in (7, 1, 300)] + [torch.zeros(0)]
+    norm, _ = foreach_l2_norm(2048 * 32, None, [ts], False)
+    want = torch.linalg.vector_norm(torch.stack([t.norm() for t in ts]))  # megatron: norm of per-tensor norms
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], want, rtol=1e-6, atol=0)
+    src = [t.clone() for t in ts]
+    dst = [torch.empty_like(t) for t in ts]
+    foreach_scale(0, None, [src, dst], 0.25)
+    assert all(torch.equal(d, s * 0.25) for d, s in zip(dst, src))
+    foreach_scale(0, None, [src, src], 0.5)  # clipping scales the grads in place
+    assert all(torch.equal(s, t * 0.5) for s, t in zip(src, ts))

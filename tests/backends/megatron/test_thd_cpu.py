@@ -133,3 +133,41 @@ def test_vocab_parallel_logprobs_match_full_vocab(world, vocab):
         torch.testing.assert_close(wg[:n], wg_ref[r * per:r * per + n], atol=1e-4, rtol=1e-4)
         assert torch.count_nonzero(wg[n:]) == 0  # padding rows get no gradient
 
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0},
+                                  {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                                  {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}])
+def test_packed_rope_matches_hf_per_sequence(cp, rope):
+    """PackedRope + apply_rope on this CP rank's packed tokens == HF's rotary embedding and
+    apply_rotary_pos_emb run on each sequence alone (positions 0..L-1), for plain, scaled
+    (llama3) and partial RoPE: packing and the CP split change nothing."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      rope_parameters=dict(rope))
+    ids, plens = _samples(n=4, seed=3)
+    h, d = 4, 16
+    g = torch.Generator().manual_seed(0)
+    per_seq = [torch.randn(int(x.numel()), h, d, generator=g) for x in ids]
+    hf_rot = LlamaRotaryEmbedding(cfg)
+    ref = []
+    for q in per_seq:
+        cos, sin = hf_rot(q, torch.arange(q.shape[0])[None])
+        ref.append(apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos, sin)[0][0].transpose(0, 1))
+    rope_tables = thd.PackedRope(cfg, torch.float32, torch.device("cpu"))
+    for r in range(cp):
+        pb = thd.pack_thd(ids, plens, cp_size=cp, cp_rank=r)
+        lens = (pb.cu_seqlens[1:] - pb.cu_seqlens[:-1]).tolist()
+        padded = torch.cat([torch.cat([q, q.new_zeros(L - q.shape[0], h, d)]) for q, L in zip(per_seq, lens)])
+        want = torch.cat([torch.cat([o, o.new_zeros(L - o.shape[0], h, d)]) for o, L in zip(ref, lens)])
+        local = torch.cat([torch.arange(s, s + n) for s, n in thd.local_chunks(lens, cp, r)])
+        cos, sin = rope_tables.tables(pb.position_ids)
+        got = thd.apply_rope(padded[local], cos, sin)
+        real = torch.cat([torch.arange(s, s + n) for s, n in zip(pb.cu_seqlens[:-1].tolist(),
+                                                                 [int(x.numel()) for x in ids])])
+        keep = torch.isin(local, real)
+        torch.testing.assert_close(got[keep], want[local][keep], rtol=0, atol=1e-6)
