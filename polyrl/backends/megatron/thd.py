@@ -14,6 +14,7 @@ token see one.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -222,13 +223,21 @@ def _varlen_fn():
     return varlen_attn
 
 
-def _varlen_causal(q, k, v, plan: AttnPlan, scale: float):
+@functools.cache
+def _varlen_params() -> frozenset[str]:
     import inspect
 
     fn = _varlen_fn()
-    params = inspect.signature(fn).parameters
+    return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+
+
+def _varlen_causal(q, k, v, plan: AttnPlan, scale: float):
+    """k, v may have fewer heads than q only where varlen_attn takes `enable_gqa` (torch >= 2.12)."""
+    params = _varlen_params()
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}  # the API moved between releases
-    return fn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **kw)
+    if k.shape[1] != q.shape[1]:
+        kw["enable_gqa"] = True
+    return _varlen_fn()(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **kw)
 
 
 def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -277,13 +286,14 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: floa
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: float, *,
                      impl: str = "auto") -> Tensor:
     """Causal attention of this rank's packed queries q [Tq, hq, d] over the CP-gathered keys and
-    values k, v [cp * Tq, hkv, d] (GQA heads are repeated here). Returns [Tq, hq, d].
+    values k, v [cp * Tq, hkv, d] (GQA: the kernel shares K/V heads where torch lets it, else they
+    are repeated here). Returns [Tq, hq, d].
     impl: auto (flash varlen on CUDA bf16/fp16, else dense) | varlen | dense."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if impl == "auto":
         impl = "varlen" if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn()) else "dense"
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and impl == "varlen" and "enable_gqa" not in _varlen_params():  # dense SDPA and newer kernels share K/V heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)
     return _varlen_causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan, scale)
