@@ -16,6 +16,7 @@ for fwd+bwd). MFU = achieved FLOP/s / dense BF16 peak (989 TFLOP/s for H100 SXM 
 from __future__ import annotations
 
 import argparse
+import gc
 import functools
 import json
 import os
@@ -139,14 +140,19 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
         if step >= a.warmup:
             times.append(dt)
             flops.append(f)
+    state = torch.cuda.memory_allocated() if cuda else 0  # between steps: weights, grads, optimizer state
     del be
+    gc.collect()  # megatron's DDP hooks and config callbacks hold the model in reference cycles:
+    # without a collection the next row of this process starts with the last one's weights and
+    # optimizer state still on the GPU (measured: 26 GiB left over, and false OOMs)
     t = statistics.median(times)
     f = statistics.median(flops)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
     return {"shape": shape, "backend": a.train_backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
-            "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None, "device": name}
+            "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+            "state_mem_gib": round(state / 2**30, 1) if cuda else None, "device": name}
 
 
 def print_profile(prof, step_s: float) -> None:
@@ -192,7 +198,7 @@ def main(argv=None) -> int:
                 if dist.get_rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
-        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"]
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "state_mem_gib"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
