@@ -12,7 +12,16 @@ imports megatron-core at module level, so every shim is tested on CPU
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
+
+
+def inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained) optimizer: each member wraps one as `.optimizer`."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "optimizer", None) is not None:
+            yield opt.optimizer
 
 
 def fill_empty_shard_states(optimizer) -> None:
@@ -21,10 +30,7 @@ def fill_empty_shard_states(optimizer) -> None:
     DP=2 on the tiny test model the ranks held 56 vs 74 keys and the save hung). Give such
     parameters empty state so every rank holds the same keys. `optimizer`: megatron's (chained)
     optimizer, whose members wrap a torch optimizer as `.optimizer`."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
+    for inner in inner_optimizers(optimizer):
         steps = [st["step"] for st in inner.state.values() if "step" in st]
         for group in inner.param_groups:
             for p in group["params"]:
@@ -38,10 +44,9 @@ def untie_adam_steps(optimizer) -> None:
     parameter's Adam state the *same* `step` tensor; torch AdamW then adds 1 to it once per
     parameter, so after a resume the bias correction runs as if hundreds of steps had passed
     (the second loss after resume moved 0.27%). Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         seen: set[int] = set()
-        for st in (inner.state.values() if inner is not None else ()):
+        for st in inner.state.values():
             step = st.get("step")
             if isinstance(step, torch.Tensor):
                 if id(step) in seen:
@@ -105,8 +110,7 @@ def use_fused_adam(optimizer) -> None:
     per step on a 1.5B model on an H100 against 16 ms fused (the FSDP backend's). Switch plain-
     tensor CUDA param groups to the fused kernel (its `step` counters live on the device); again
     after a checkpoint load, whose param groups come from the file."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         params = [p for g in inner.param_groups for p in g["params"]]

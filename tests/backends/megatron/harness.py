@@ -329,8 +329,8 @@ def mode_resume(a) -> None:
 
 def adam_steps(be) -> set[float]:
     """Every Adam `step` the backend's optimizer holds (one value when the state is sound)."""
-    opts = getattr(be.optimizer, "chained_optimizers", [be.optimizer])
-    return {float(st["step"]) for o in opts for st in getattr(o, "optimizer", o).state.values() if "step" in st}
+    from polyrl.backends.megatron.compat import inner_optimizers
+    return {float(st["step"]) for o in inner_optimizers(be.optimizer) for st in o.state.values() if "step" in st}
 
 
 def _report_dtensor_keys(be) -> None:
