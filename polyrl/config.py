@@ -37,6 +37,7 @@ def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None 
 
 
 TRAIN_BACKENDS = ("fsdp", "megatron")
+ROLLOUT_ENGINES = ("embedded", "server", "sglang")
 ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
@@ -74,7 +75,8 @@ class RolloutConfig:
     rollout_seed: int = opt(42, "seed of the sampler (per step: seed + step)")
     num_rollout: int = opt(10, "number of RL steps")
     eval_temperature: float = opt(0.0, "sampling temperature for evaluation (0 = greedy)")
-    rollout_engine: str = opt("embedded", "rollout engine", ("embedded",))
+    rollout_engine: str = opt("embedded", "rollout engine: embedded (in the trainer process) | server (launched `polyrl serve` "
+                                          "processes) | sglang (launched `python -m sglang.launch_server`)", ROLLOUT_ENGINES)
     rollout_batch_generate: int = opt(0, "max sequences per generate call on the embedded engine (0 = all at once; "
                                           "on its GPU path: max sequences decoding at once, 0 = 256)")
     rollout_gpu_engine: bool = opt(True, "on CUDA, run Llama/Qwen2/Qwen3 on the embedded engine's GPU path (paged KV cache, "
@@ -82,6 +84,47 @@ class RolloutConfig:
     rollout_mem_fraction: float = opt(0.4, "share of GPU memory the embedded GPU engine holds (weights + KV cache + "
                                            "workspace); the KV cache gets what is left")
     rollout_cuda_graph: bool = opt(True, "embedded GPU engine: decode steps replay CUDA graphs captured per batch size")
+
+
+@dataclass
+class EnginesConfig:
+    """Rollout engines as separate HTTP servers (--rollout-engine server|sglang, or --rollout-external)."""
+
+    rollout_num_engines: int | None = opt(None, "engine servers to launch (default: --rollout-num-gpus / "
+                                                "--rollout-num-gpus-per-engine, else 1)")
+    rollout_num_gpus: int | None = opt(None, "GPUs for rollout engines in total (slime's name)")
+    rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine server (SGLang: its tensor parallel size)")
+    rollout_external: bool = opt(False, "attach to running servers (--rollout-external-engine-addrs); polyrl never stops them")
+    rollout_external_engine_addrs: list[str] = opt([], "URLs (or host:port) of running SGLang / polyrl serve servers")
+    use_sglang_router: bool = opt(False, "run the real sglang-router in front of the engines (pip install sglang-router); "
+                                         "without it polyrl spreads requests itself (least outstanding requests)")
+    sglang_router_policy: str = opt("cache_aware", "sglang-router --policy",
+                                    ("random", "round_robin", "cache_aware", "power_of_two"))
+    weight_sync: str = opt("auto", "how weights reach the engines: auto (tensor for embedded, distributed for servers) | "
+                                   "tensor (same process) | distributed (process group: NCCL on GPU, gloo on CPU) | disk",
+                           ("auto", "tensor", "distributed", "disk"))
+    check_weight_update_equal: bool = opt(False, "after each sync read every weight back from every engine and fail on a mismatch")
+    use_fault_tolerance: bool = opt(False, "re-send the requests of a dead or hung engine to the others and restart it "
+                                           "(launched engines); without it a dead engine stops the run")
+    rollout_health_check_interval: float = opt(5.0, "seconds between health checks of engine servers")
+    rollout_request_timeout: float = opt(600.0, "seconds one /generate request may take before its engine counts as hung")
+    rollout_engine_startup_timeout: float = opt(300.0, "seconds to wait for a launched engine's /health")
+    rollout_engine_log_dir: str | None = opt(None, "engine server logs (default: RUN_DIR/engines)")
+    sglang_args: list[str] = opt([], "extra server flags: every --sglang-X VALUE on the command line reaches "
+                                     "sglang.launch_server as --X VALUE", flag="--sglang-extra-args")
+
+
+@dataclass
+class ServerConfig:
+    """`polyrl serve` (and the servers `polyrl train` launches)."""
+
+    host: str = opt("127.0.0.1", "address to bind (loopback by default; a non-loopback address needs --api-key)")
+    port: int = opt(30000, "port to bind (0 = any free port, printed at start-up)")
+    api_key: str | None = opt(None, "Bearer key every endpoint but /health requires (polyrl train passes it to the "
+                                    "engines it launches and uses it for external ones)")
+    max_request_bytes: int = opt(64 * 1024**2, "largest request body accepted")
+    max_running_requests: int = opt(1024, "requests queued or running at once; more get 503")
+    batch_wait_ms: float = opt(2.0, "how long the batcher waits for more requests before starting a batch")
 
 
 @dataclass
@@ -204,6 +247,8 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -215,7 +260,8 @@ class Config:
 
 
 SECTION_TITLES = {
-    "cluster": "cluster / backend", "data": "data", "rollout": "rollout", "batch": "batching",
+    "cluster": "cluster / backend", "data": "data", "rollout": "rollout",
+    "engines": "rollout engine servers", "server": "server (polyrl serve)", "batch": "batching",
     "algorithm": "algorithm", "reward": "reward", "optimizer": "optimizer", "model": "model / backend",
     "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend",
 }

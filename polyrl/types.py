@@ -16,6 +16,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS
     n: int = 1  # samples per prompt
     seed: int | None = None
+    # one seed per prompt (overrides `seed`): what an HTTP client sends as SGLang's `sampling_seed`, so a sample
+    # depends on (prompt seed, sample index) only, never on which server or batch produced it
+    prompt_seeds: list[int] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,8 @@ from typing import Iterable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from polyrl.rollout.sampling import sample_tokens
+from polyrl.rollout.gpu import ops
+from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,25 +49,24 @@ class EmbeddedEngine:
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
-        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        # (prompt index, prompt, sample seed): each sample draws from its own counter-based stream (the GPU path's
+        # scheme), so a sample does not depend on the batch it ran in, nor on which server ran it
+        flat = [(i, p, sample_seed(params, base, i, j)) for i, p in enumerate(prompts) for j in range(params.n)]
         step = self.max_batch or len(flat)
         out: list[Sample] = []
         for s in range(0, len(flat), step):
-            out.extend(self._generate_batch(flat[s:s + step], params, gen))
+            out.extend(self._generate_batch(flat[s:s + step], params))
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, flat: list[tuple[int, list[int]]], sp: SamplingParams, gen) -> list[Sample]:
+    def _generate_batch(self, flat: list[tuple[int, list[int], int]], sp: SamplingParams) -> list[Sample]:
         B = len(flat)
-        lens = [len(p) for _, p in flat]
+        lens = [len(p) for _, p, _ in flat]
         P = max(lens)
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         attn = torch.zeros(B, P, dtype=torch.long)
-        for r, (_, p) in enumerate(flat):  # left padding keeps every row's next token at the end
+        for r, (_, p, _) in enumerate(flat):  # left padding keeps every row's next token at the end
             ids[r, P - len(p):] = torch.tensor(p)
             attn[r, P - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
@@ -75,6 +75,11 @@ class EmbeddedEngine:
         if self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         stop_t = torch.tensor(sorted(stop_ids), device=self.device, dtype=torch.long)
+        seeds = torch.tensor([sd for _, _, sd in flat], dtype=torch.long, device=self.device)
+        inv_temp = torch.full((B,), 1.0 if sp.greedy else 1.0 / sp.temperature, device=self.device)
+        noise = torch.full((B,), 0 if sp.greedy else 1, dtype=torch.long, device=self.device)
+        counters = torch.tensor(lens, dtype=torch.long, device=self.device)  # the position being sampled
+        filtered = not sp.greedy and (0 < sp.top_k < logits_dim(self.model) or sp.top_p < 1.0)
 
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
@@ -85,7 +90,9 @@ class EmbeddedEngine:
         logps: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
         for t in range(sp.max_new_tokens):
-            tok, lp = sample_tokens(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, generator=gen)
+            thresh = (ops.filter_thresholds(logits, inv_temp, sp.top_k, sp.top_p) if filtered
+                      else torch.full_like(inv_temp, float("-inf")))
+            tok, lp = ops.sample(logits, inv_temp, noise, thresh, seeds, counters)
             done = torch.isin(tok, stop_t)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
             for j, r in enumerate(rows.tolist()):
@@ -103,14 +110,16 @@ class EmbeddedEngine:
                 kt = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(kt)
                 rows, tok, attn, next_pos = rows[kt.cpu()], tok[kt], attn[kt], next_pos[kt]
+                seeds, inv_temp, noise, counters = seeds[kt], inv_temp[kt], noise[kt], counters[kt]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
+            counters = counters + 1
         return [
             Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
                    group_index=g, response=self.tokenizer.decode(responses[r], skip_special_tokens=True))
-            for r, (g, p) in enumerate(flat)
+            for r, (g, p, _) in enumerate(flat)
         ]
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
@@ -139,3 +148,7 @@ class EmbeddedEngine:
     def wake(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
+
+
+def logits_dim(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]

@@ -21,7 +21,7 @@ a prefix of every buffer and a graph of batch size B reads rows [0, B) (rows pas
 dummies that write into the reserved scratch block).
 
 Sampling is Gumbel-max with a counter-based random stream per sample (seeded from
-SamplingParams.seed and the sample's index), so results do not depend on batch
+the prompt's seed and the sample's index: polyrl.rollout.sampling.sample_seed), so results do not depend on batch
 composition, admission order or --rollout-batch-generate.
 """
 
@@ -41,6 +41,7 @@ from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
                                       spec_from_config)
+from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -297,7 +298,7 @@ class GPUEngine:
                 k = g.index * sp.n + g.first + j
                 new.append(_Seq(k, g, shared, owns[j]))
                 bt_rows.append(shared + owns[j])
-                seeds.append(ref_ops.mix_seed(self._base_seed, k))
+                seeds.append(sample_seed(sp, self._base_seed, g.index, g.first + j))
                 ctxs.append(P)
         lens_t = torch.tensor(lens)
         pos = torch.cat([torch.arange(n) for n in lens])

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, H] -> (rmsnorm(residual + x) [T, H], residual + x [T, H])."""
@@ -153,11 +154,3 @@ def filter_thresholds(logits: torch.Tensor, inv_temp: torch.Tensor, top_k: int, 
         n_keep = keep.sum(-1).clamp(min=1)
         thr = torch.maximum(thr, xs.gather(-1, (n_keep - 1)[:, None]).squeeze(-1))
     return thr
-
-
-def mix_seed(base: int, index: int) -> int:
-    """splitmix64 of (base, index): independent per-sample streams from one user seed."""
-    z = (base * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
