@@ -78,11 +78,15 @@ def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool)
 
 def build_engine(cfg: Config, device: str):
     cls = load_engine_class(cfg.rollout.rollout_engine)
-    dtype = cfg.model.dtype(device)
+    return cls(cfg.model.hf_checkpoint, device=device, dtype=cfg.model.dtype(device), attn_implementation=cfg.model.attn_implementation,
+               **embedded_engine_kwargs(cfg))
+
+
+def embedded_engine_kwargs(cfg: Config) -> dict:
+    """The embedded engine's settings (also what `polyrl serve` runs)."""
     r = cfg.rollout
-    return cls(cfg.model.hf_checkpoint, device=device, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
-               max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
-               cuda_graph=r.rollout_cuda_graph)
+    return dict(max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
+                cuda_graph=r.rollout_cuda_graph)
 
 
 def load_tokenizer(cfg: Config):
