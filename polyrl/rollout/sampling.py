@@ -20,5 +20,9 @@ def prompt_seed(params, base: int, i: int) -> int:
 
 
 def sample_seed(params, base: int, i: int, j: int) -> int:
-    """Seed of sample j of prompt i: a counter-based stream per sample, the same on every engine."""
-    return mix_seed(prompt_seed(params, base, i), j)
+    """Seed of sample j of prompt i: a counter-based stream per sample, the same on every engine.
+    Sample 0 uses the prompt's seed itself, so one request with n samples and seed s gives the same
+    samples as n single requests seeded sample_seed(s, j) (what a client sends to SGLang, whose
+    n > 1 copies would share one seed)."""
+    s = prompt_seed(params, base, i)
+    return s if j == 0 else mix_seed(s, j)
