@@ -34,6 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sglang_passthrough(extras: list[str]) -> list[str]:
+    """Unknown `--sglang-X [VALUE ...]` tokens become SGLang server flags `--X [VALUE ...]`; anything else unknown is an error."""
+    out: list[str] = []
+    for tok in extras:
+        if tok.startswith("--sglang-"):
+            out.append("--" + tok[len("--sglang-"):])
+        elif out and not tok.startswith("--"):
+            out.append(tok)  # a value of the flag before it
+        else:
+            raise ConfigError(f"unrecognized argument {tok!r} (see --help; --sglang-X flags pass through to SGLang)")
+    return out
+
+
 def _check_backend_available(cfg) -> None:
     if cfg.cluster.train_backend == "megatron":
         from polyrl.backends.megatron.backend import require_megatron
@@ -44,18 +57,18 @@ def run_eval(cfg) -> dict:
     from polyrl import runtime as rt
     from polyrl.checkpoint import load_checkpoint
     from polyrl.rewards import RewardManager
-    from polyrl.weight_sync import InMemoryTransport
 
     device, d = rt.setup(cfg)
     engine = rt.build_engine(cfg, device)
     if cfg.checkpoint.load:
         backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
         load_checkpoint(cfg.checkpoint.load, backend)
-        InMemoryTransport().push(backend.export_weights(), [engine], version=0)
+        rt.build_transport(cfg, device).push(backend.export_weights(), [engine], version=0)
     tok = engine.tokenizer
     ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
     rewards = RewardManager(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.group_rm)
     result = rt.evaluate(cfg, engine, ds, rewards, d)
+    engine.close()
     if d.is_main:
         os.makedirs(cfg.log.run_dir, exist_ok=True)
         with open(os.path.join(cfg.log.run_dir, "eval.json"), "w") as f:
@@ -75,7 +88,10 @@ def run_export(cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras and args.command not in ("train", "eval"):
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "plot":
         from polyrl.metrics import plot_run
         try:
@@ -86,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from polyrl.checkpoint import CheckpointError
     from polyrl.data import DataError
+    from polyrl.rollout.http_engine import EngineDeadError
     try:
         cfg = config_from_args(args)
+        cfg.engines.sglang_args += _sglang_passthrough(extras)
         validate(cfg, args.command)
         if args.command == "export-hf" and not (cfg.checkpoint.load and cfg.checkpoint.save_hf):
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
@@ -104,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_export(cfg)
             out = {}
+    except EngineDeadError as e:
+        print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import types
 import typing
@@ -404,10 +405,44 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
     if c.train_backend == "megatron":
         _validate_megatron(cfg.megatron)
+    if command in ("train", "eval"):
+        _validate_engines(cfg)
     if c.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+
+
+def _validate_engines(cfg: Config) -> None:
+    e, r = cfg.engines, cfg.rollout
+    if e.rollout_external and not e.rollout_external_engine_addrs:
+        raise ConfigError("--rollout-external needs --rollout-external-engine-addrs URL [URL ...] (running SGLang or polyrl serve servers)")
+    if e.rollout_external_engine_addrs and not e.rollout_external:
+        raise ConfigError("--rollout-external-engine-addrs is given without --rollout-external; add it to attach to those servers")
+    in_process = r.rollout_engine == "embedded" and not e.rollout_external
+    if in_process and e.weight_sync in ("distributed", "disk"):
+        raise ConfigError(f"--weight-sync {e.weight_sync} needs engine servers (--rollout-engine server|sglang or "
+                          "--rollout-external); the embedded engine takes tensors in process (--weight-sync tensor)")
+    if not in_process and e.weight_sync == "tensor":
+        raise ConfigError("--weight-sync tensor moves tensors inside the trainer's process; engine servers take "
+                          "--weight-sync distributed (a process group) or disk")
+    if in_process and (e.use_sglang_router or e.sglang_args):
+        raise ConfigError("--use-sglang-router and --sglang-* flags apply to engine servers (--rollout-engine server|sglang "
+                          "or --rollout-external)")
+    if e.sglang_args and r.rollout_engine != "sglang":
+        raise ConfigError(f"{' '.join(a for a in e.sglang_args if a.startswith('--'))}: --sglang-* flags pass through "
+                          "to SGLang servers that polyrl launches (--rollout-engine sglang)")
+    for flag, v, lo in (("--rollout-num-engines", e.rollout_num_engines, 1), ("--rollout-num-gpus", e.rollout_num_gpus, 1),
+                        ("--rollout-num-gpus-per-engine", e.rollout_num_gpus_per_engine, 1)):
+        if v is not None and v < lo:
+            raise ConfigError(f"{flag} must be >= {lo} (got {v})")
+    for flag, v in (("--rollout-health-check-interval", e.rollout_health_check_interval),
+                    ("--rollout-request-timeout", e.rollout_request_timeout),
+                    ("--rollout-engine-startup-timeout", e.rollout_engine_startup_timeout)):
+        if not v > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds (got {v})")
+    if e.use_sglang_router and importlib.util.find_spec("sglang_router") is None:
+        raise ConfigError("--use-sglang-router needs the sglang-router package: pip install sglang-router")
 
 
 def _validate_megatron(m: MegatronConfig) -> None:

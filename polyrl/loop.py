@@ -15,7 +15,6 @@ from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
 from polyrl.metrics import MetricsLogger, Timer
 from polyrl.rewards import RewardManager
-from polyrl.weight_sync import InMemoryTransport
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -42,7 +41,7 @@ def train(cfg: Config) -> dict:
     backend = rt.build_backend(cfg, device, total_steps=r.num_rollout * n_minibatches, need_ref=need_ref)
     engine = rt.build_engine(cfg, device)
     rewards = RewardManager(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.group_rm)
-    transport = InMemoryTransport(cfg.model.update_weight_buffer_size)
+    transport = rt.build_transport(cfg, device)
     logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
                            quiet=cfg.log.quiet, enabled=d.is_main, title="polyrl train")
     loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))
@@ -96,6 +95,7 @@ def train(cfg: Config) -> dict:
             engine.wake()
             transport.push(backend.export_weights(), [engine], version=step + 1)
         n_resp, n_tok, n_trunc = d.sum([len(samples), sum(lens), sum(s.finish_reason == "length" for s in samples)])
+        m.update(engine.stats())
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": dataset.num_dropped,
                   "truncated_frac": n_trunc / max(n_resp, 1),
                   "tokens_per_s": n_tok / max(timer.times["rollout"], 1e-9), **{f"time/{k}": v for k, v in timer.times.items()}})
@@ -106,6 +106,7 @@ def train(cfg: Config) -> dict:
             save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "data": dataset.state_dict(),
                                                                     "config": dataclasses.asdict(cfg)})
     logger.close()
+    engine.close()  # launched servers stop here (and at exit, on an error)
     if cfg.checkpoint.save_hf:
         backend.save_hf(cfg.checkpoint.save_hf, tok)
     return {"steps": r.num_rollout - start, "wall_seconds": time.perf_counter() - t_run, "last": m if r.num_rollout > start else {}}

@@ -77,9 +77,33 @@ def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool)
 
 
 def build_engine(cfg: Config, device: str):
-    cls = load_engine_class(cfg.rollout.rollout_engine)
-    return cls(cfg.model.hf_checkpoint, device=device, dtype=cfg.model.dtype(device), attn_implementation=cfg.model.attn_implementation,
-               **embedded_engine_kwargs(cfg))
+    """The one engine object the loop talks to: in this process, or N servers behind a client."""
+    name = "external" if cfg.engines.rollout_external else cfg.rollout.rollout_engine
+    return load_engine_class(name).from_config(cfg, device)
+
+
+def weight_sync_mode(cfg: Config) -> str:
+    mode = cfg.engines.weight_sync
+    if mode == "auto":
+        return "tensor" if engine_in_process(cfg) else "distributed"
+    return mode
+
+
+def engine_in_process(cfg: Config) -> bool:
+    return cfg.rollout.rollout_engine == "embedded" and not cfg.engines.rollout_external
+
+
+def build_transport(cfg: Config, device: str):
+    """How the HF-named stream reaches the engine: decided once, here (config.validate checked the pairing)."""
+    from polyrl.weight_sync import InMemoryTransport
+    mode, bucket = weight_sync_mode(cfg), cfg.model.update_weight_buffer_size
+    if mode == "tensor":
+        return InMemoryTransport(bucket)
+    if mode == "distributed":
+        from polyrl.weight_sync.distributed import DistributedTransport
+        return DistributedTransport(bucket, device=device, check_equal=cfg.engines.check_weight_update_equal)
+    from polyrl.weight_sync.distributed import DiskTransport
+    return DiskTransport(bucket, check_equal=cfg.engines.check_weight_update_equal)
 
 
 def embedded_engine_kwargs(cfg: Config) -> dict:

@@ -9,8 +9,11 @@ import torch
 
 from polyrl.types import Sample, SamplingParams
 
-ENGINES = {
+ENGINES = {  # --rollout-engine (and "external" for --rollout-external) -> class with from_config(cfg, device)
     "embedded": "polyrl.rollout.embedded:EmbeddedEngine",
+    "server": "polyrl.rollout.http_engine:HTTPEngine",
+    "sglang": "polyrl.rollout.http_engine:HTTPEngine",
+    "external": "polyrl.rollout.http_engine:HTTPEngine",
 }
 
 
@@ -22,9 +25,26 @@ class RolloutEngine(Protocol):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load an HF-named stream in place; `version` is the trainer step it came from."""
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """Give the GPU to the trainer (colocated placement); a no-op where nothing is shared."""
 
     def wake(self) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call (e.g. retries, restarts of engine servers), logged with the step."""
+
+    def close(self) -> None:
+        """Stop what the engine started (launched servers, router); idempotent."""
+
+
+class InProcessEngine:
+    """What an engine in the trainer's process has nothing to say about."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def load_engine_class(name: str):

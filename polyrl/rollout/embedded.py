@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from polyrl.rollout.base import InProcessEngine
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
@@ -17,7 +18,7 @@ from polyrl.types import Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(InProcessEngine):
     def __new__(cls, hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, **kw):
         """On CUDA, Llama / Qwen2 / Qwen3 checkpoints get the GPU path (polyrl.rollout.gpu: paged
         KV cache, continuous batching, CUDA graphs); anything else, and every CPU run, this one."""
@@ -30,6 +31,12 @@ class EmbeddedEngine:
             log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
                         device, hf_checkpoint, why)
         return super().__new__(cls)
+
+    @classmethod
+    def from_config(cls, cfg, device: str):
+        from polyrl.runtime import embedded_engine_kwargs
+        return cls(cfg.model.hf_checkpoint, device=device, dtype=cfg.model.dtype(device),
+                   attn_implementation=cfg.model.attn_implementation, **embedded_engine_kwargs(cfg))
 
     def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", max_batch: int = 0, gpu_engine: bool = True,

@@ -37,6 +37,7 @@ from typing import Iterable
 import torch
 from transformers import AutoTokenizer
 
+from polyrl.rollout.base import InProcessEngine
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
@@ -86,7 +87,7 @@ def unsupported_reason(hf_checkpoint: str) -> str | None:
     return spec_from_config(cfg)[1]
 
 
-class GPUEngine:
+class GPUEngine(InProcessEngine):
     def __init__(self, hf_checkpoint: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                  max_batch: int = 0, mem_fraction: float = 0.4, cuda_graph: bool = True, block_size: int = 16,
                  max_prefill_tokens: int = 16384, num_kv_blocks: int | None = None, max_model_len: int | None = None,

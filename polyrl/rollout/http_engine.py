@@ -1,0 +1,460 @@
+"""One RolloutEngine over N SGLang-compatible HTTP servers: `polyrl serve` or SGLang processes
+that polyrl launches (`--rollout-engine server|sglang`), or running servers it attaches to
+(`--rollout-external --rollout-external-engine-addrs ...`), optionally behind the real
+sglang-router (`--use-sglang-router`).
+
+To the loop this is one engine (`generate`, `sleep`, `wake`, `stats`); balancing, health
+checks, retries and restarts live here. Weights reach the servers through a transport
+(polyrl.weight_sync.distributed), which asks this object where to send them
+(`weight_sync_urls`, `membership`) and tells it what they now hold (`weights_pushed`).
+
+Sampling is reproducible across servers: every prompt carries its own `sampling_seed`
+(polyrl.rollout.sampling), so a sample does not depend on which server ran it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import importlib.util
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from polyrl.config import Config
+from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
+from polyrl.rollout.sampling import prompt_seed, sample_seed
+from polyrl.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+SGLANG_HINT = ("--rollout-engine sglang needs SGLang in this Python environment: pip install 'sglang[all]' "
+               "(it pins its own torch and CUDA kernels); or use --rollout-engine server (polyrl serve), or attach to "
+               "running SGLang servers with --rollout-external --rollout-external-engine-addrs URL ...")
+
+
+class EngineDeadError(RuntimeError):
+    """An engine server died or stopped answering and fault tolerance is off (or nothing is left to retry on)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGKILL to the server when the trainer dies, also by kill -9 (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: atexit and close() still stop the servers on a normal or Ctrl-C exit
+        pass
+
+
+@dataclass
+class Server:
+    index: int
+    url: str
+    cmd: list[str] | None = None  # None: external, never started or stopped by us
+    env: dict | None = None
+    log_path: str | None = None
+    proc: subprocess.Popen | None = None
+    alive: bool = True
+    version: int | None = 0  # weight version it holds; None: unknown (restarted, waits for the next sync)
+    outstanding: int = 0
+    failures: int = 0
+    restarting: bool = False
+    log_tail: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        where = f", log {self.log_path}" if self.log_path else ""
+        return f"engine {self.index} ({self.url}{where})"
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def tail(self, n: int = 15) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+
+def _dtype_flags(cfg: Config) -> list[str]:
+    m = cfg.model
+    return ["--fp16"] if m.fp16 else ["--bf16"] if m.bf16 else ["--fp32"] if m.fp32 else []
+
+
+def server_command(cfg: Config, kind: str, port: int, device: str) -> list[str]:
+    """argv of one launched engine server."""
+    e, s = cfg.engines, cfg.server
+    key = ["--api-key", s.api_key] if s.api_key else []
+    if kind == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise ImportError(SGLANG_HINT)
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_checkpoint,
+                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
+                "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction), *key, *e.sglang_args]
+    r = cfg.rollout
+    return [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", cfg.model.hf_checkpoint, "--host", "127.0.0.1",
+            "--port", str(port), "--device", device, "--seed", str(cfg.cluster.seed),
+            "--rollout-mem-fraction", str(r.rollout_mem_fraction), "--rollout-batch-generate", str(r.rollout_batch_generate),
+            "--attn-implementation", cfg.model.attn_implementation,
+            *([] if r.rollout_gpu_engine else ["--no-rollout-gpu-engine"]),
+            *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg), *key]
+
+
+def num_engines(cfg: Config) -> int:
+    e = cfg.engines
+    if e.rollout_num_engines:
+        return e.rollout_num_engines
+    if e.rollout_num_gpus:
+        return max(1, e.rollout_num_gpus // e.rollout_num_gpus_per_engine)
+    return 1
+
+
+def plan_gpus(n_engines: int, per_engine: int, trainer_gpus: int, visible: int) -> tuple[list[list[int]], bool]:
+    """GPU ids of each engine and whether they share the trainer's GPUs. Disaggregated when the GPUs
+    past the trainer's hold every engine; colocated (engine k on trainer GPU k, wrapping) otherwise."""
+    if visible >= trainer_gpus + n_engines * per_engine:
+        return [list(range(trainer_gpus + k * per_engine, trainer_gpus + (k + 1) * per_engine))
+                for k in range(n_engines)], False
+    if per_engine > trainer_gpus:
+        raise ValueError(f"--rollout-num-gpus-per-engine {per_engine} needs {per_engine} GPUs but {visible} are visible")
+    return [[(k * per_engine + i) % trainer_gpus for i in range(per_engine)] for k in range(n_engines)], True
+
+
+class HTTPEngine:
+    """`--rollout-engine server|sglang` (launched) or `--rollout-external` (attached)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, device: str) -> "HTTPEngine":
+        return cls(cfg, device)
+
+    def __init__(self, cfg: Config, device: str):
+        e = cfg.engines
+        self.cfg, self.device = cfg, device
+        self.kind = "external" if e.rollout_external else cfg.rollout.rollout_engine
+        self.fault_tolerant = e.use_fault_tolerance
+        self.request_timeout = e.rollout_request_timeout
+        # SGLang gives the n copies of one request the same seed: ask it for single samples, each with its own seed
+        self.split_samples = self.kind != "server"
+        self.http = HTTPClient(cfg.server.api_key)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.version = 0
+        self.membership = 0  # changes when a server is restarted: the weight transport rebuilds its group
+        self.colocated = False
+        self.router = None
+        self._stats: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.servers: list[Server] = []
+        atexit.register(self.close)
+        try:
+            self._start_servers(cfg, device)
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+        except BaseException:
+            self.close()
+            raise
+        self._stop_health = threading.Event()
+        self._health = threading.Thread(target=self._health_loop, name="polyrl-engine-health", daemon=True)
+        self._health.start()
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _start_servers(self, cfg: Config, device: str) -> None:
+        e = cfg.engines
+        if e.rollout_external:
+            self.servers = [Server(k, normalize_url(a)) for k, a in enumerate(e.rollout_external_engine_addrs)]
+        else:
+            n = num_engines(cfg)
+            log_dir = e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
+            urls: list = [None]
+            if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
+                self.servers = self._launch(cfg, device, n, log_dir)
+                urls = [[s.url for s in self.servers], self.colocated]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(urls, src=0)
+            if self.rank != 0:
+                self.servers = [Server(k, u, log_path=os.path.join(log_dir, f"engine{k}.log")) for k, u in enumerate(urls[0])]
+                self.colocated = urls[1]
+        for s in self.servers:
+            self._wait_healthy(s, e.rollout_engine_startup_timeout)
+        if e.use_sglang_router and self.rank == 0:
+            from polyrl.rollout.router import launch_router
+            self.router = launch_router([s.url for s in self.servers], policy=e.sglang_router_policy,
+                                        api_key=cfg.server.api_key,
+                                        log_path=os.path.join(e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines"),
+                                                              "router.log"),
+                                        timeout=e.rollout_engine_startup_timeout)
+        if e.use_sglang_router and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [self.router.url if self.router else None]
+            dist.broadcast_object_list(box, src=0)
+            self.router_url = box[0]
+        else:
+            self.router_url = self.router.url if self.router else None
+
+    def _launch(self, cfg: Config, device: str, n: int, log_dir: str) -> list[Server]:
+        e = cfg.engines
+        env = dict(os.environ)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+            env.pop(k, None)  # a server is not a rank of the trainer's job
+        gpus: list[list[int]] = [[] for _ in range(n)]
+        if device == "cuda":
+            import torch
+            trainer = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+            gpus, self.colocated = plan_gpus(n, e.rollout_num_gpus_per_engine, trainer, torch.cuda.device_count())
+            log.warning("rollout engines on GPUs %s (%s)", gpus, "colocated with the trainer" if self.colocated else "disaggregated")
+        servers = []
+        for k in range(n):
+            port = free_port()
+            s = Server(k, f"http://127.0.0.1:{port}", cmd=server_command(cfg, self.kind, port, device),
+                       env={**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[k]))} if gpus[k] else {})},
+                       log_path=os.path.join(log_dir, f"engine{k}.log"))
+            s.start()
+            servers.append(s)
+        self.servers = servers
+        return servers
+
+    def _wait_healthy(self, s: Server, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if s.exited():
+                raise EngineDeadError(f"{s.name} exited with code {s.proc.returncode} while starting; last log lines:\n{s.tail()}")
+            try:
+                self.http.call(s.url, "/health", timeout=5)
+                s.alive, s.failures = True, 0
+                return
+            except EngineHTTPError as err:
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"{s.name} did not answer /health within {timeout:.0f} s "
+                                          f"(--rollout-engine-startup-timeout): {err}\n{s.tail()}") from None
+            time.sleep(0.2)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+        base = params.seed if params.seed is not None else random.getrandbits(62)
+        jobs = []  # (prompt index, first sample index, n, seed)
+        for i in range(len(prompts)):
+            if self.split_samples:
+                jobs += [(i, j, 1, sample_seed(params, base, i, j)) for j in range(params.n)]
+            else:
+                jobs.append((i, 0, params.n, prompt_seed(params, base, i)))
+        attempts = self._max_attempts()
+        budget = self.request_timeout * attempts + 60
+        outs = self.http.run(asyncio.gather(*(self._one(prompts[i], params, n, seed) for i, _, n, seed in jobs)),
+                             timeout=budget)
+        samples: list[Sample] = [None] * (len(prompts) * params.n)  # type: ignore[list-item]
+        for (i, j, n, _), got in zip(jobs, outs):
+            for k, o in enumerate(got):
+                samples[i * params.n + j + k] = self._to_sample(prompts[i], i, o)
+        return samples
+
+    def _max_attempts(self) -> int:
+        return 2 * len(self.servers) + 1 if self.fault_tolerant else 1
+
+    def _payload(self, prompt: list[int], p: SamplingParams, n: int, seed: int) -> dict:
+        sp = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
+              "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "n": n, "sampling_seed": seed,
+              "no_stop_trim": True, "skip_special_tokens": True}
+        return {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+
+    async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int) -> list[dict]:
+        payload = self._payload(prompt, params, n, seed)
+        last: Exception | None = None
+        for attempt in range(self._max_attempts()):
+            s = None if self.router_url else await self._pick()
+            url = self.router_url or s.url
+            if s is not None:
+                s.outstanding += 1
+            try:
+                out = await self.http.request(url, "/generate", payload, timeout=self.request_timeout)
+                outs = out if isinstance(out, list) else [out]
+                if any(o.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" for o in outs):
+                    raise EngineHTTPError(url, "/generate", "request aborted by the server")
+                return outs
+            except EngineHTTPError as err:
+                if err.status is not None and 400 <= err.status < 500 and err.status not in (408, 429):
+                    raise  # our request is wrong: retrying elsewhere cannot help
+                last = err
+                self._stats["rollout/retries"] += 1
+                self._failed(s, err)
+            finally:
+                if s is not None:
+                    s.outstanding -= 1
+        raise EngineDeadError(f"a /generate request failed on every attempt ({self._max_attempts()}); last error: {last}")
+
+    async def _pick(self) -> Server:
+        """Least outstanding requests among live servers holding the current weights; waits (bounded)
+        while every server is restarting."""
+        deadline = time.monotonic() + self.cfg.engines.rollout_engine_startup_timeout
+        while True:
+            down = [s for s in self.servers if not s.alive]
+            if down and not self.fault_tolerant:
+                raise EngineDeadError(f"{down[0].name} is down (failed its health check or exited). Last log lines:\n"
+                                      f"{down[0].tail()}\n(--use-fault-tolerance re-sends requests and restarts engines)")
+            ready = [s for s in self.servers if s.alive and s.version == self.version]
+            if ready:
+                return min(ready, key=lambda s: (s.outstanding, s.index))
+            if not self.fault_tolerant or time.monotonic() > deadline or not any(s.restarting for s in self.servers):
+                states = "; ".join(f"{s.name}: {'up' if s.alive else 'down'}, weights v{s.version}" for s in self.servers)
+                raise EngineDeadError(f"no engine can serve weights v{self.version}: {states}")
+            await asyncio.sleep(0.2)
+
+    def _failed(self, s: Server | None, err: Exception) -> None:
+        if s is None:  # behind the router: it retries on its workers; health checks find the dead one
+            if not self.fault_tolerant:
+                raise EngineDeadError(f"the sglang-router at {self.router_url} failed: {err}") from None
+            return
+        with self._lock:
+            was_alive, s.alive = s.alive, False
+        if not self.fault_tolerant:
+            raise EngineDeadError(f"{s.name} failed: {err}. Last log lines:\n{s.tail()}\n"
+                                  "(--use-fault-tolerance re-sends its requests to the other engines and restarts it)") from None
+        if was_alive:
+            log.warning("%s failed (%s); re-sending its requests to the others%s", s.name, err,
+                        " and restarting it" if s.cmd else "")
+            self._restart_later(s)
+
+    @staticmethod
+    def _to_sample_fields(o: dict) -> tuple[list[int], list[float], str]:
+        mi = o["meta_info"]
+        ids = list(o["output_ids"])
+        lps = [float(x[0]) for x in mi["output_token_logprobs"]]
+        fr = mi["finish_reason"]
+        return ids, lps, ("stop" if (fr or {}).get("type") == "stop" else "length")
+
+    def _to_sample(self, prompt: list[int], i: int, o: dict) -> Sample:
+        ids, lps, finish = self._to_sample_fields(o)
+        return Sample(prompt_ids=list(prompt), response_ids=ids, rollout_logprobs=lps, finish_reason=finish, group_index=i,
+                      response=self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    # ---- health and restarts ---------------------------------------------------------------------
+    def _health_loop(self) -> None:
+        interval = self.cfg.engines.rollout_health_check_interval
+        while not self._stop_health.wait(interval):
+            for s in list(self.servers):
+                if s.restarting:
+                    continue
+                ok = not s.exited()
+                if ok:
+                    try:
+                        self.http.call(s.url, "/health", timeout=max(interval, 1.0))
+                    except (EngineHTTPError, TimeoutError):
+                        ok = False
+                if ok:
+                    s.failures = 0
+                    if not s.alive and not s.cmd and self.fault_tolerant:  # external or another rank's server came back
+                        self._refresh_version(s)
+                    continue
+                s.failures += 1
+                if s.alive and (s.exited() or s.failures >= 2):
+                    s.alive = False
+                    log.warning("%s failed its health check", s.name)
+                    if self.fault_tolerant and s.cmd:
+                        self._restart_later(s)
+
+    def _refresh_version(self, s: Server) -> None:
+        try:
+            info = self.http.call(s.url, "/get_server_info", timeout=10)
+            s.version = int(info.get("weight_version", 0)) if isinstance(info, dict) else None
+            s.alive = True
+        except (EngineHTTPError, TimeoutError, ValueError):
+            pass
+
+    def _restart_later(self, s: Server) -> None:
+        if not s.cmd or self.rank != 0:
+            return  # external servers (and other ranks' views of launched ones) are only waited for
+        with self._lock:
+            if s.restarting or self._closed:
+                return
+            s.restarting = True
+        threading.Thread(target=self._restart, args=(s,), name=f"polyrl-restart-{s.index}", daemon=True).start()
+
+    def _restart(self, s: Server) -> None:
+        try:
+            s.stop(grace=5)
+            s.start()
+            self._wait_healthy(s, self.cfg.engines.rollout_engine_startup_timeout)
+            with self._lock:
+                # it loaded --hf-checkpoint: current only before the first sync; else it waits for the next one
+                s.version = 0 if self.version == 0 else None
+                s.alive = True
+                self.membership += 1
+            self._stats["rollout/restarts"] += 1
+            log.warning("%s restarted (weights v%s)", s.name, s.version)
+        except Exception as err:  # the run goes on with the others; the next generate names what is down
+            log.error("%s could not be restarted: %s", s.name, err)
+        finally:
+            s.restarting = False
+
+    # ---- what the loop and the transports call ---------------------------------------------------
+    def update_weights(self, weights, version: int) -> None:
+        raise TypeError("engine servers receive weights through --weight-sync distributed or disk, not in-process tensors")
+
+    def weight_sync_urls(self) -> list[str]:
+        """Servers that must receive the next weights: every live one (restarted ones included)."""
+        return [s.url for s in self.servers if s.alive]
+
+    def weights_pushed(self, version: int, urls: list[str] | None = None) -> None:
+        with self._lock:
+            self.version = version
+            for s in self.servers:
+                if urls is None or s.url in urls:
+                    s.version = version
+
+    def sleep(self) -> None:
+        if self.colocated:  # trainer and engines take turns on the same GPUs
+            self.http.call_all(self.weight_sync_urls(), "/release_memory_occupation", {}, timeout=120)
+
+    def wake(self) -> None:
+        if self.colocated:
+            self.http.call_all(self.weight_sync_urls(), "/resume_memory_occupation", {}, timeout=120)
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call (retries, restarts), for the step's metrics."""
+        out = {k: float(v) for k, v in self._stats.items()}
+        out["rollout/engines_up"] = float(sum(s.alive for s in self.servers))
+        self._stats.clear()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_stop_health"):
+            self._stop_health.set()
+        if self.router is not None:
+            self.router.stop()
+        for s in self.servers:
+            s.stop()
+        self.http.close()
