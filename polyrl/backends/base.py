@@ -37,6 +37,12 @@ class TrainBackend(Protocol):
 
     def onload(self) -> None: ...
 
+    def sync_ref_from_actor(self) -> None:
+        """Copy the actor's weights into the reference model (--ref-update-interval)."""
+
+    def save_hf(self, path: str, tokenizer=None) -> None:
+        """Write the actor as an HF directory (--save-hf)."""
+
 
 def load_backend_class(name: str):
     try:
