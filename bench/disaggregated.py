@@ -1,0 +1,213 @@
+"""Disaggregated rollout: trainer (FSDP) on GPU 0, a `polyrl serve` engine on GPU 1.
+
+Part 1, weight sync from distributed, per model shape:
+  sync     `DistributedTransport.push(backend.export_weights(), [engine], version)`, built as
+           `polyrl train --rollout-engine server` builds it (runtime.build_backend / build_engine /
+           build_transport): FSDP gather, bucketing, `/update_weights_from_distributed` per bucket,
+           NCCL broadcast, the server's copy into its engine
+  raw      a plain NCCL broadcast of the same buckets (same bytes, same bucket size) between two
+           fresh processes on the same two GPUs: the floor for moving those bytes
+Part 2 (--grpo), the GRPO step a user runs, same model and settings, three placements:
+  embedded-colocated   --rollout-engine embedded on GPU 0 (in-process tensor sync)
+  server-disaggregated --rollout-engine server, trainer GPU 0, engine GPU 1 (NCCL sync)
+  server-colocated     --rollout-engine server with one visible GPU (engine releases its memory while training)
+and prints the median step time, its parts, and train_rollout_logprob_abs_diff per step.
+
+  python bench/disaggregated.py --model-shapes qwen2.5-0.5b,qwen2.5-1.5b --grpo qwen2.5-0.5b
+  python bench/disaggregated.py --device cpu --model-shapes tiny --grpo tiny      (the same code on CPU, gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SHAPES, build_model_dir, fmt, markdown_table, median  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/disaggregated.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--model-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--bucket-mib", type=int, default=512)
+    p.add_argument("--grpo", default="", help="shape for the GRPO placement comparison (empty: skip)")
+    p.add_argument("--grpo-steps", type=int, default=4)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--raw-worker", nargs=4, metavar=("RANK", "PORT", "SIZES_JSON", "REPEATS"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.shapes = [s for s in a.model_shapes.split(",") if s]
+    for s in a.shapes + ([a.grpo] if a.grpo else []):
+        if s not in SHAPES:
+            p.error(f"unknown shape {s}; choose from {', '.join(SHAPES)}")
+    return a
+
+
+def raw_worker(rank: int, port: int, sizes_json: str, repeats: int, device: str) -> None:
+    """One side of the raw broadcast: the same buckets as the transport sends, rank 0 -> rank 1."""
+    import torch
+    import torch.distributed as dist
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES picks the GPU
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sizes = json.load(open(sizes_json))
+    dev = "cuda" if device == "cuda" else "cpu"
+    bufs = [torch.empty(n // 2, dtype=torch.bfloat16, device=dev) for n in sizes]
+    times = []
+    for it in range(repeats + 1):
+        dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for b in bufs:
+            dist.broadcast(b, src=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if it:
+            times.append(time.perf_counter() - t)
+    if rank == 0:
+        print(json.dumps({"raw_s": median(times)}), flush=True)
+    dist.destroy_process_group()
+
+
+def raw_broadcast(sizes: list[int], repeats: int, device: str, work: str) -> float:
+    from polyrl.rollout.http_engine import free_port
+    path = os.path.join(work, "sizes.json")
+    json.dump(sizes, open(path, "w"))
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(rank)} if device == "cuda" else {})}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--device", device, "--raw-worker", str(rank), str(port), path,
+                                       str(repeats)], env=env, stdout=subprocess.PIPE, text=True))
+    out = procs[0].communicate(timeout=600)[0]
+    procs[1].wait(60)
+    return json.loads(out.strip().splitlines()[-1])["raw_s"]
+
+
+def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
+    import torch
+
+    from polyrl import runtime as rt
+    from polyrl.config import Config
+    from polyrl.weight_sync import buckets
+
+    model_dir = os.path.join(work, shape)
+    if a.device == "cuda":
+        with torch.device("cuda"):
+            info = build_model_dir(model_dir, shape)
+        torch.cuda.empty_cache()
+    else:
+        info = build_model_dir(model_dir, shape)
+    cfg = Config()
+    cfg.model.hf_checkpoint = model_dir
+    cfg.model.update_weight_buffer_size = a.bucket_mib * 2**20
+    cfg.cluster.device = a.device
+    cfg.rollout.rollout_engine = "server"
+    cfg.engines.rollout_num_engines = 1
+    cfg.log.run_dir = os.path.join(work, f"run_{shape}")
+    device, _ = rt.setup(cfg)
+    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
+    engine = rt.build_engine(cfg, device)
+    transport = rt.build_transport(cfg, device)
+    try:
+        t = time.perf_counter()
+        nbytes = transport.push(backend.export_weights(), [engine], version=1)  # forms the group
+        first_s = time.perf_counter() - t
+        times = []
+        for v in range(a.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            transport.push(backend.export_weights(), [engine], version=2 + v)
+            times.append(time.perf_counter() - t)
+        sizes = [sum(x.numel() * x.element_size() for _, x in b)
+                 for b in buckets(((n, x) for n, x in backend.export_weights()), cfg.model.update_weight_buffer_size)]
+    finally:
+        engine.close()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    raw = raw_broadcast(sizes, a.repeats, a.device, work)
+    s = median(times)
+    return {"shape": shape, "params_M": info["params"] / 1e6, "GiB": nbytes / 2**30, "buckets": len(sizes),
+            "first_sync_s": first_s, "sync_s": s, "raw_broadcast_s": raw, "sync_GB_s": nbytes / s / 1e9,
+            "raw_GB_s": sum(sizes) / raw / 1e9, "sync_over_raw": s / raw}
+
+
+def grpo(a: argparse.Namespace, work: str) -> list[dict]:
+    from polyrl.tasks.arithmetic import write_datasets
+    model_dir = os.path.join(work, "grpo_" + a.grpo)
+    if not os.path.isdir(model_dir):
+        build_model_dir(model_dir, a.grpo)
+    data = write_datasets(os.path.join(work, "data"), digits=2, n_train=2048, n_eval=16, seed=0)
+    common = ["--hf-checkpoint", model_dir, "--prompt-data", data["train"], "--rm-type", "arithmetic", "--quiet",
+              "--rollout-batch-size", str(a.prompts_per_step), "--n-samples-per-prompt", str(a.samples_per_prompt),
+              "--rollout-max-response-len", str(a.max_new_tokens), "--num-rollout", str(a.grpo_steps),
+              "--micro-batch-size", str(a.prompts_per_step * a.samples_per_prompt), "--lr", "1e-6", "--device", a.device]
+    gpus = {"cuda": ("0", "0,1", "0")}.get(a.device, ("", "", ""))
+    rows = []
+    for (name, extra), vis in zip((("embedded-colocated", []), ("server-disaggregated", ["--rollout-engine", "server"]),
+                                   ("server-colocated", ["--rollout-engine", "server"])), gpus):
+        run = os.path.join(work, name)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": vis} if vis else {})}
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "polyrl", "train", *common, *extra, "--run-dir", run], env=env,
+                           capture_output=True, text=True, timeout=1200)
+        if r.returncode:
+            print(r.stderr[-3000:], file=sys.stderr)
+            rows.append({"placement": name, "error": r.returncode})
+            continue
+        m = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+        steady = m[1:] or m
+        row = {"placement": name, "wall_s": time.perf_counter() - t,
+               "step_s": median([sum(v for k, v in x.items() if k.startswith("time/")) for x in steady]),
+               **{k: median([x[k] for x in steady]) for k in ("time/rollout", "time/train", "time/weight_sync")},
+               "logprob_diff_per_step": [round(x["train_rollout_logprob_abs_diff"], 5) for x in m]}
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.raw_worker:
+        rank, port, sizes, repeats = a.raw_worker
+        return raw_worker(int(rank), int(port), sizes, int(repeats), a.device)
+    work = a.workdir or tempfile.mkdtemp(prefix="polyrl_disagg_")
+    import torch
+    dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    print(f"device: {dev} x {torch.cuda.device_count() if a.device == 'cuda' else 1}, torch {torch.__version__}", flush=True)
+    sync_rows = [sync_shape(s, a, work) for s in a.shapes]
+    print("\nweight sync from distributed (trainer GPU 0 -> polyrl serve GPU 1)\n")
+    print(markdown_table(["shape", "params M", "GiB", "buckets", "first sync s", "sync s", "raw broadcast s", "sync GB/s",
+                          "raw GB/s", "sync / raw"],
+                         [[r["shape"], fmt(r["params_M"], "{:.0f}"), fmt(r["GiB"], "{:.2f}"), r["buckets"],
+                           fmt(r["first_sync_s"], "{:.3f}"), fmt(r["sync_s"], "{:.3f}"), fmt(r["raw_broadcast_s"], "{:.3f}"),
+                           fmt(r["sync_GB_s"], "{:.1f}"), fmt(r["raw_GB_s"], "{:.1f}"), fmt(r["sync_over_raw"], "{:.2f}")]
+                          for r in sync_rows]))
+    grpo_rows = grpo(a, work) if a.grpo else []
+    if grpo_rows:
+        print(f"\nGRPO step, {a.grpo}, {a.prompts_per_step} prompts x {a.samples_per_prompt} samples x {a.max_new_tokens} "
+              f"new tokens, median of steps 2..{a.grpo_steps}\n")
+        print(markdown_table(["placement", "step s", "rollout s", "train s", "weight sync s", "train/rollout logprob diff per step"],
+                             [[r["placement"], *([fmt(r.get(k), "{:.3f}") for k in ("step_s", "time/rollout", "time/train",
+                                                                                     "time/weight_sync")]),
+                               str(r.get("logprob_diff_per_step", r.get("error")))] for r in grpo_rows]))
+    if a.out:
+        json.dump({"sync": sync_rows, "grpo": grpo_rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
