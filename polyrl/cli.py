@@ -1,4 +1,4 @@
-"""`polyrl train | sft | eval | plot | export-hf`."""
+"""`polyrl train | sft | eval | serve | plot | export-hf`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ COMMANDS = {
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
              ("cluster", "data", "rollout", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
+    "serve": ("SGLang-compatible HTTP server around the embedded engine (rollout engine server)",
+              ("cluster", "model", "rollout", "server")),
     "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",
                   ("cluster", "model", "checkpoint", "batch", "optimizer", "megatron")),
 }
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "sft":
             from polyrl.sft import sft
             out = sft(cfg)
+        elif args.command == "serve":
+            from polyrl.rollout.server import serve
+            return serve(cfg)
         elif args.command == "eval":
             out = run_eval(cfg)
             print(json.dumps(out))

@@ -156,6 +156,15 @@ class EmbeddedEngine(InProcessEngine):
         if self.device.type == "cuda":
             self.model.to(self.device)
 
+    # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every weight update_weights accepts."""
+        return {n: tuple(p.shape) for n, p in self._params.items()}
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """A CPU copy of one HF-named weight, in the engine's dtype."""
+        return self._params[name].detach().to("cpu", copy=True)
+
 
 def logits_dim(model) -> int:
     return model.get_output_embeddings().weight.shape[0]

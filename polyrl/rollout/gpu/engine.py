@@ -538,3 +538,12 @@ class GPUEngine(InProcessEngine):
         self.kv.allocate()
         self._split_val = -1
         self.asleep = False
+
+    # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every weight update_weights accepts."""
+        return {n: tuple(v.shape) for n, v in self.model.hf.items()}
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """A CPU copy of one HF-named weight (a view into the flat buffer, awake or asleep), in the engine's dtype."""
+        return self.model.hf[name].detach().to("cpu", copy=True)

@@ -1,0 +1,764 @@
+"""`polyrl serve`: SGLang's HTTP API (its payloads, as of SGLang 0.5.23) around the embedded
+engine (its GPU path on CUDA, the transformers path on CPU).
+
+Routes are thin: parse and check a JSON body, call the engine, answer in SGLang's shape.
+Concurrent /generate requests are batched: each prompt becomes an item in a queue; a batcher
+task takes every queued item whose sampling settings (all but the seed) match the oldest one's
+and runs ONE engine.generate for them on the engine thread (the engine is not thread-safe:
+generation, weight updates and read-backs all run there, one at a time). When the engine was
+idle, the batcher first waits `--batch-wait-ms`, and keeps waiting while requests keep arriving
+(a burst lands in one batch). Every prompt carries its own seed (`sampling_seed`, or a random
+one), and sample j of a prompt with seed s is sampled from stream (s, j) (polyrl.rollout.sampling),
+so results never depend on the batch or the server that ran them.
+
+Security: binds 127.0.0.1 unless --host says otherwise; with --api-key every endpoint but /health
+needs `Authorization: Bearer KEY`; endpoints that change weights or memory refuse (403) on a
+non-loopback address without a key; request bodies are JSON objects only (415), at most
+--max-request-bytes (413); past --max-running-requests /generate answers 503; a bad request
+gets a 4xx with a message. Nothing is ever unpickled.
+
+Deviations from SGLang (beyond features the engine lacks, which answer 400 when asked for):
+- /get_weights_by_name also takes `"return_format": "sha256"` (the digest of the whole tensor's
+  bytes in the engine's dtype) or `"base64"` (the whole tensor's raw bytes): an exact read-back
+  for --check-weight-update-equal; without it, SGLang's truncated float lists;
+- meta_info has no input_token_logprobs / top logprobs; `weight_version` starts at "0";
+- /update_weights_from_disk reads *.safetensors files only (never pickled .bin checkpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from aiohttp import web
+
+from polyrl.config import Config, ServerConfig
+from polyrl.types import SamplingParams
+from polyrl.weight_sync.distributed import (WeightReceiver, digest, dtype_from_name, dtype_name, encode_tensor,
+                                            is_loopback)
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT = 20.0  # SGLang's: /health_generate fails when nothing was generated for this long
+WEIGHT_SYNC_TIMEOUT = 600.0  # a receive waits at most this long for the trainer's broadcast
+# change weights or memory: refused on a non-loopback address without --api-key
+ADMIN_PATHS = frozenset({"/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+                         "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
+                         "/resume_memory_occupation"})
+# SGLang sampling parameters the engine implements, with SGLang's defaults (None = the default)
+SAMPLING_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
+                     "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False}
+# SGLang sampling parameters the engine does not implement: accepted only at their defaults, never ignored
+SAMPLING_UNSUPPORTED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                        "min_new_tokens": 0, "ignore_eos": False, "json_schema": None, "regex": None, "ebnf": None,
+                        "structural_tag": None, "stop_regex": None, "logit_bias": None, "custom_params": None,
+                        "beam_width": None, "stream_interval": None, "spaces_between_special_tokens": True}
+# /generate fields the engine cannot honour unless they hold these values
+GENERATE_UNSUPPORTED = {"stream": False, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+                        "lora_path": None, "session_params": None, "return_hidden_states": False,
+                        "return_routed_experts": False, "custom_logit_processor": None}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def bad(message: str) -> HTTPError:
+    return HTTPError(400, message)
+
+
+# ---- request checking ------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _field(body: dict, key: str, check: Callable[[Any], bool], what: str, default: Any = None, required: bool = False):
+    if key not in body or body[key] is None:
+        if required:
+            raise bad(f"missing field {key!r} ({what})")
+        return default
+    v = body[key]
+    if not check(v):
+        raise bad(f"field {key!r} must be {what}, got {json.dumps(v)[:80]}")
+    return v
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _is_dtype(v: Any) -> bool:
+    try:
+        dtype_from_name(v)
+        return True
+    except ValueError:
+        return False
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """What one engine.generate call shares: every sampling setting but the seed."""
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    n: int
+
+
+@dataclass(frozen=True)
+class OutSettings:
+    """Per-request output shaping (no effect on sampling)."""
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    return_logprob: bool
+    return_text_in_logprobs: bool
+
+
+@dataclass
+class Item:
+    """One prompt of a /generate request, waiting for (or in) an engine call."""
+    prompt: list[int]
+    gen: GenSettings
+    out: OutSettings
+    seed: int
+    rid: str
+    future: asyncio.Future
+    t0: float = field(default_factory=time.perf_counter)
+
+
+# ---- the engine thread -----------------------------------------------------------------------------
+class Worker:
+    """One daemon thread running blocking calls in order (so the process never waits for it at exit)."""
+
+    def __init__(self, name: str):
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, fut, loop = self._q.get()
+            try:
+                res, err = fn(*args), None
+            except BaseException as e:  # handed to the awaiting coroutine
+                res, err = None, e
+            loop.call_soon_threadsafe(_settle, fut, res, err)
+
+    async def run(self, fn: Callable, *args) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._q.put((fn, args, fut, loop))
+        return await fut
+
+
+def _settle(fut: asyncio.Future, res: Any, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+class EngineServer:
+    def __init__(self, engine, cfg: ServerConfig, *, model_path: str, seed: int | None = None, device: str = "cpu"):
+        from transformers import AutoConfig
+
+        self.engine, self.cfg, self.model_path, self.device = engine, cfg, model_path, device
+        self.tokenizer = engine.tokenizer
+        self.hf_config = hf = AutoConfig.from_pretrained(model_path)
+        self.vocab_size = hf.vocab_size
+        self.max_len = getattr(engine, "max_len", None) or getattr(hf, "max_position_embeddings", None)
+        self.weight_shapes = engine.weight_shapes()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.weight_version = "0"
+        self.loopback = is_loopback(cfg.host)
+        self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._engine = Worker("polyrl-engine")
+        self._comm = Worker("polyrl-weight-sync")  # rendezvous and receives wait here, not on the engine
+        self.receiver = WeightReceiver(getattr(engine, "device", torch.device("cpu")))
+        self._pending: list[Item] = []
+        self._running: list[Item] = []
+        self._inflight = 0  # /generate requests queued or running
+        self._paused = False
+        self._asleep = False
+        self._work: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._last_progress = 0.0
+        self.stats = {"engine_calls": 0, "prompts": 0, "requests": 0}
+        self.app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[self._guard])
+        r = self.app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        for path, handler in (("/flush_cache", self.flush_cache), ("/get_weights_by_name", self.get_weights_by_name),
+                              ("/release_memory_occupation", self.release_memory),
+                              ("/resume_memory_occupation", self.resume_memory)):
+            r.add_get(path, handler)
+            r.add_post(path, handler)
+        for path, handler in (("/abort_request", self.abort_request), ("/pause_generation", self.pause_generation),
+                              ("/continue_generation", self.continue_generation),
+                              ("/init_weights_update_group", self.init_group),
+                              ("/update_weights_from_distributed", self.update_from_distributed),
+                              ("/destroy_weights_update_group", self.destroy_group),
+                              ("/update_weights_from_disk", self.update_from_disk),
+                              ("/update_weight_version", self.update_weight_version)):
+            r.add_post(path, handler)
+        self.app.on_startup.append(self._on_startup)
+        self.app.on_cleanup.append(self._on_cleanup)
+
+    async def _on_startup(self, app) -> None:
+        self._work, self._idle = asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        self._batcher = asyncio.create_task(self._batch_loop())
+
+    async def _on_cleanup(self, app) -> None:
+        self._batcher.cancel()
+        self._abort(lambda it: True, "server shutting down")
+
+    # ---- the guard: auth, admin endpoints, errors as JSON ---------------------------------------------
+    @web.middleware
+    async def _guard(self, request, handler):
+        try:
+            if self.cfg.api_key and request.path != "/health":
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, f"Bearer {self.cfg.api_key}".encode()):
+                    raise HTTPError(401, "Unauthorized: this server needs 'Authorization: Bearer <api key>'")
+            if request.path in ADMIN_PATHS and not self.cfg.api_key and not self.loopback:
+                raise HTTPError(403, f"{request.path} changes the server's weights or memory; on a non-loopback address "
+                                     "(--host) it needs --api-key")
+            return await handler(request)
+        except HTTPError as e:
+            return web.json_response({"error": {"message": str(e)}}, status=e.status)
+        except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 (body over --max-request-bytes)
+            if e.status < 400:
+                raise
+            return web.json_response({"error": {"message": e.reason if e.status != 413 else
+                                                 f"request body over {self.cfg.max_request_bytes} bytes (--max-request-bytes)"}},
+                                     status=e.status)
+        except Exception as e:  # a bug or an engine failure: answer, log, keep serving
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=500)
+
+    async def _body(self, request) -> dict:
+        """The JSON object of a request; an empty body is {} (SGLang's optional-body endpoints)."""
+        if request.content_length is not None and request.content_length > self.cfg.max_request_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.max_request_bytes,
+                                                actual_size=request.content_length)
+        raw = await request.read()
+        if not raw:
+            return {}
+        if request.content_type != "application/json":
+            raise HTTPError(415, f"request bodies must be JSON (Content-Type: application/json), got {request.content_type!r}")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise bad(f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200) -> web.Response:
+        return web.json_response(obj, status=status)
+
+    # ---- /generate ------------------------------------------------------------------------------------
+    async def generate(self, request):
+        body = await self._body(request)
+        prompts, single = self._prompts(body)
+        for k, ok in GENERATE_UNSUPPORTED.items():
+            if body.get(k) not in (None, ok):
+                raise bad(f"{k!r} is not supported by polyrl serve")
+        if body.get("top_logprobs_num") not in (None, 0) or body.get("logprob_start_len") not in (None, -1):
+            raise bad("polyrl serve returns output_token_logprobs only (no top_logprobs_num, no logprob_start_len)")
+        B = len(prompts)
+        sps = body.get("sampling_params")
+        if sps is None or isinstance(sps, dict):
+            sps = [sps or {}] * B
+        elif not (isinstance(sps, list) and len(sps) == B and all(isinstance(s, dict) for s in sps)):
+            raise bad(f"'sampling_params' must be an object or a list of {B} objects (one per prompt)")
+        settings = [self._sampling(sp, p) for sp, p in zip(sps, prompts)]
+        if len({g.n for g, _, _ in settings}) > 1:
+            raise bad("every prompt of a request must have the same 'n'")
+        n = settings[0][0].n
+        lp = _field(body, "return_logprob", lambda v: isinstance(v, bool) or (isinstance(v, list) and len(v) == B and all(
+            isinstance(x, bool) for x in v)), f"a bool or a list of {B} bools", False)
+        lps = lp if isinstance(lp, list) else [lp] * B
+        text_lp = _field(body, "return_text_in_logprobs", lambda v: isinstance(v, bool), "a bool", False)
+        rids = self._rids(body.get("rid"), B, single)
+        if self._inflight >= self.cfg.max_running_requests:
+            raise HTTPError(503, f"server busy: {self._inflight} requests queued or running (--max-running-requests "
+                                 f"{self.cfg.max_running_requests}); retry later")
+        loop = asyncio.get_running_loop()
+        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp), seed, rids[i], loop.create_future())
+                 for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
+        self._inflight += 1
+        self.stats["requests"] += 1
+        try:
+            self._pending.extend(items)
+            self._work.set()
+            results = await asyncio.gather(*(it.future for it in items))
+        finally:
+            self._inflight -= 1
+        outs = []
+        for it, res in zip(items, results):
+            for j, o in enumerate(res):
+                o["meta_info"]["id"] = it.rid if n == 1 else f"{it.rid}_{j}"
+                outs.append(o)
+        return self._json(outs[0] if single and n == 1 else outs)
+
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """(prompts as token ids, whether the request was a single prompt)."""
+        if (body.get("text") is None) == (body.get("input_ids") is None):
+            raise bad("give exactly one of 'text' and 'input_ids'")
+        if body.get("text") is not None:
+            text = body["text"]
+            if isinstance(text, str):
+                texts, single = [text], True
+            elif _str_list(text) and text:
+                texts, single = text, False
+            else:
+                raise bad("'text' must be a string or a non-empty list of strings")
+            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+        else:
+            ids = body["input_ids"]
+            if _int_list(ids) and ids:
+                prompts, single = [ids], True
+            elif isinstance(ids, list) and ids and all(_int_list(p) for p in ids):
+                prompts, single = ids, False
+            else:
+                raise bad("'input_ids' must be a non-empty list of token ids, or a non-empty list of such lists")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise bad(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise bad(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+        return prompts, single
+
+    def _sampling(self, sp: dict, prompt: list[int]) -> tuple[GenSettings, tuple[bool, bool], int]:
+        for k, v in sp.items():
+            if k in SAMPLING_UNSUPPORTED:
+                if v is not None and v != SAMPLING_UNSUPPORTED[k]:
+                    raise bad(f"sampling_params.{k} is not supported by polyrl serve (only its default, "
+                              f"{json.dumps(SAMPLING_UNSUPPORTED[k])})")
+            elif k not in SAMPLING_DEFAULTS:
+                raise bad(f"unknown sampling parameter {k!r}")
+        d = SAMPLING_DEFAULTS
+        mnt = _field(sp, "max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", d["max_new_tokens"])
+        if self.max_len and len(prompt) + mnt > self.max_len:
+            raise bad(f"{len(prompt)} prompt tokens + {mnt} new tokens exceed the model's {self.max_len} positions")
+        temp = _field(sp, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", d["temperature"])
+        top_p = _field(sp, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", d["top_p"])
+        top_k = _field(sp, "top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 or an int >= 1", d["top_k"])
+        n = _field(sp, "n", lambda v: _is_int(v) and 1 <= v <= self.cfg.max_running_requests,
+                   f"an int in [1, {self.cfg.max_running_requests}]", d["n"])
+        stop = _field(sp, "stop", lambda v: isinstance(v, str) or _str_list(v), "a string or a list of strings", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        stop_ids = _field(sp, "stop_token_ids", _int_list, "a list of token ids", [])
+        seed = _field(sp, "sampling_seed", lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)", None)
+        skip = _field(sp, "skip_special_tokens", lambda v: isinstance(v, bool), "a bool", d["skip_special_tokens"])
+        trim = _field(sp, "no_stop_trim", lambda v: isinstance(v, bool), "a bool", d["no_stop_trim"])
+        if seed is None:  # SGLang draws one per request too; ours lands in the per-prompt scheme
+            seed = self._rng.getrandbits(62)
+        gen = GenSettings(float(temp), float(top_p), top_k, mnt, tuple(s for s in stop if s), tuple(sorted(set(stop_ids))), n)
+        return gen, (skip, trim), seed
+
+    @staticmethod
+    def _rids(rid: Any, B: int, single: bool) -> list[str]:
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(B)]
+        if isinstance(rid, str):
+            return [rid] if single else [f"{rid}_{i}" for i in range(B)]
+        if _str_list(rid) and len(rid) == B and len(set(rid)) == B:
+            return rid
+        raise bad(f"'rid' must be a string or a list of {B} distinct strings")
+
+    # ---- the batcher -------------------------------------------------------------------------------------
+    async def _batch_loop(self) -> None:
+        wait = self.cfg.batch_wait_ms / 1000
+        while True:
+            if not self._runnable():
+                self._work.clear()
+                await self._work.wait()
+                if wait > 0:  # the engine was idle: let a burst of requests land in one batch
+                    t_end = time.monotonic() + 50 * wait
+                    while True:
+                        before = len(self._pending)
+                        await asyncio.sleep(wait)
+                        if len(self._pending) == before or time.monotonic() > t_end:
+                            break
+                continue
+            gen = self._pending[0].gen
+            batch = [it for it in self._pending if it.gen == gen]
+            self._pending = [it for it in self._pending if it.gen != gen]
+            self._running = batch
+            self._idle.clear()
+            try:
+                results = await self._engine.run(self._run_batch, batch)
+            except Exception as e:
+                log.exception("engine.generate failed for a batch of %d prompts", len(batch))
+                for it in batch:
+                    _settle(it.future, None, HTTPError(500, f"generation failed: {type(e).__name__}: {e}"))
+            else:
+                for it, res in zip(batch, results):
+                    _settle(it.future, res, None)
+            finally:
+                self._running = []
+                self._last_progress = time.monotonic()
+                self._idle.set()
+
+    def _runnable(self) -> bool:
+        self._pending = [it for it in self._pending if not it.future.done()]  # aborted while queued
+        return bool(self._pending) and not self._paused and not self._asleep
+
+    def _run_batch(self, batch: list[Item]) -> list[list[dict]]:
+        """On the engine thread: one engine.generate, then SGLang's output dicts per prompt."""
+        g = batch[0].gen
+        sp = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+                            stop=list(g.stop), stop_token_ids=list(g.stop_token_ids), n=g.n,
+                            prompt_seeds=[it.seed for it in batch])
+        version = self.weight_version
+        samples = self.engine.generate([it.prompt for it in batch], sp)
+        self.stats["engine_calls"] += 1
+        self.stats["prompts"] += len(batch)
+        now = time.perf_counter()
+        return [[self._output(s, it, version, now) for s in samples[i * g.n:(i + 1) * g.n]] for i, it in enumerate(batch)]
+
+    def _output(self, s, it: Item, version: str, now: float) -> dict:
+        g, o = it.gen, it.out
+        ids = list(s.response_ids)
+        matched: int | str | None = None
+        if s.finish_reason == "stop":
+            if ids and (ids[-1] in g.stop_token_ids or ids[-1] == self.eos_id):
+                matched = ids[-1]
+            else:  # the engine stops on a stop string found in the decoded tail, as here
+                tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
+                matched = next((x for x in g.stop if x in tail), None)
+            finish = {"type": "stop", "matched": matched}
+        else:
+            finish = {"type": "length", "length": g.max_new_tokens}
+        # SGLang's text: the matched stop token and the stop string (and what follows it) trimmed, unless no_stop_trim
+        text = self.tokenizer.decode(ids[:-1] if isinstance(matched, int) and not o.no_stop_trim else ids,
+                                     skip_special_tokens=o.skip_special_tokens)
+        if isinstance(matched, str) and (pos := text.find(matched)) >= 0:
+            text = text[:pos + len(matched)] if o.no_stop_trim else text[:pos]
+        meta = {"finish_reason": finish, "prompt_tokens": len(it.prompt), "completion_tokens": len(ids),
+                "cached_tokens": 0, "weight_version": version, "e2e_latency": now - it.t0}
+        if o.return_logprob:
+            toks = [self.tokenizer.decode([t]) for t in ids] if o.return_text_in_logprobs else [None] * len(ids)
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(s.rollout_logprobs, ids, toks)]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _abort(self, which: Callable[[Item], bool], message: str) -> int:
+        n = 0
+        for it in self._pending + self._running:
+            if which(it) and not it.future.done():
+                # SGLang answers an aborted request with what it has and finish_reason abort; a running
+                # engine call cannot be cut short, so its result for this item is dropped when it comes
+                it.future.set_result([{"text": "", "output_ids": [], "meta_info": {
+                    "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": len(it.prompt),
+                    "completion_tokens": 0, "cached_tokens": 0, "weight_version": self.weight_version,
+                    "e2e_latency": time.perf_counter() - it.t0}} for _ in range(it.gen.n)])
+                n += 1
+        return n
+
+    # ---- small endpoints ----------------------------------------------------------------------------------
+    async def health(self, request):
+        return web.Response(status=200)
+
+    async def health_generate(self, request):
+        """SGLang's: healthy when a 1-token generation completes (or any engine call finishes) within 20 s."""
+        tic = time.monotonic()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(Item([0], GenSettings(0.0, 1.0, -1, 1, (), (), 1), OutSettings(True, False, False, False),
+                                  0, f"HEALTH_CHECK_{uuid.uuid4().hex}", fut))
+        self._work.set()
+        while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT:
+            if fut.done() or self._last_progress > tic:
+                if not fut.done():
+                    fut.cancel()  # it would only repeat what the finished call proved
+                return web.Response(status=200)
+            await asyncio.sleep(0.05)
+        fut.cancel()
+        return web.Response(status=503)
+
+    async def model_info(self, request):
+        cfg = self.hf_config
+        return self._json({"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                           "preferred_sampling_params": None, "weight_version": self.weight_version,
+                           "served_model_name": self.model_path, "load_format": "auto",
+                           "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None)})
+
+    async def server_info(self, request):
+        c = self.cfg
+        return self._json({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "host": c.host, "port": self.port,
+            "device": self.device, "dtype": dtype_name(getattr(self.engine, "dtype", torch.float32)),
+            "tp_size": 1, "dp_size": 1, "max_running_requests": c.max_running_requests, "weight_version": self.weight_version,
+            "api_key_set": bool(c.api_key), "batch_wait_ms": c.batch_wait_ms, "max_request_bytes": c.max_request_bytes,
+            "internal_states": [{"queued": len(self._pending), "running": len(self._running), "paused": self._paused,
+                                 "memory_released": self._asleep, **self.stats}],
+            "version": "polyrl", "frontend": "polyrl"})
+
+    async def get_weight_version(self, request):
+        return self._json({"weight_version": self.weight_version})
+
+    async def flush_cache(self, request):
+        await self._body(request)
+        # no prefix cache outlives an engine call here, so there is nothing to drop
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                                 "waiting requests, the operation will not be performed.)\n")
+
+    async def abort_request(self, request):
+        body = await self._body(request)
+        rid = _field(body, "rid", lambda v: isinstance(v, str), "a string", "")
+        if _field(body, "abort_all", lambda v: isinstance(v, bool), "a bool", False):
+            self._abort(lambda it: True, "aborted by /abort_request (abort_all)")
+        elif rid:  # a prompt's rid, or a prefix of a batch's per-prompt rids (SGLang expands "r" to "r_0", "r_1", ...)
+            self._abort(lambda it: it.rid == rid or it.rid.startswith(rid + "_"), f"aborted by /abort_request ({rid})")
+        return web.Response(status=200)
+
+    async def pause_generation(self, request):
+        body = await self._body(request)
+        mode = _field(body, "mode", lambda v: v in ("abort", "retract", "in_place"), "abort | retract | in_place", "abort")
+        self._paused = True
+        if mode == "abort":
+            self._abort(lambda it: True, "aborted by /pause_generation")
+        await self._idle.wait()  # the engine call under way finishes; nothing new starts
+        return self._json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request):
+        await self._body(request)
+        self._paused = False
+        self._work.set()
+        return self._json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory(self, request):
+        self._tags(await self._body(request))
+        self._asleep = True  # requests queue until /resume_memory_occupation
+        await self._engine.run(self.engine.sleep)
+        return self._json(None)
+
+    async def resume_memory(self, request):
+        self._tags(await self._body(request))
+        await self._engine.run(self.engine.wake)
+        self._asleep = False
+        self._work.set()
+        return self._json(None)
+
+    @staticmethod
+    def _tags(body: dict) -> None:
+        # the engine frees and re-takes weights and KV cache together, whatever the tags
+        _field(body, "tags", lambda v: _str_list(v) and set(v) <= {"weights", "kv_cache", "cuda_graph"},
+               "a list of 'weights' | 'kv_cache' | 'cuda_graph'")
+
+    async def update_weight_version(self, request):
+        body = await self._body(request)
+        version = _field(body, "new_version", lambda v: isinstance(v, str), "a string", required=True)
+        if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", True):
+            self._abort(lambda it: True, "aborted by /update_weight_version")
+        self._set_version(version)
+        return self._json({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+    def _set_version(self, version: str) -> None:
+        self.weight_version = version
+        if version.isdigit():
+            self.engine.version = int(version)
+
+    # ---- weights ----------------------------------------------------------------------------------------
+    async def get_weights_by_name(self, request):
+        body = await self._body(request)
+        name = _field(body, "name", lambda v: isinstance(v, str), "a string", required=True)
+        if name not in self.weight_shapes:
+            raise bad(f"no weight named {name!r}")
+        fmt = _field(body, "return_format", lambda v: v in ("list", "sha256", "base64"), "list | sha256 | base64", "list")
+        k = _field(body, "truncate_size", lambda v: _is_int(v) and v >= 0, "an int >= 0", 100)
+        t = await self._engine.run(self.engine.get_weight, name)
+        if fmt == "sha256":
+            return self._json({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "sha256": digest(t)})
+        if fmt == "base64":
+            return self._json({"name": name, **encode_tensor(t)})
+        return self._json(t.float()[:k].tolist() if t.dim() else t.float().tolist())  # SGLang's: the first rows, float32
+
+    async def init_group(self, request):
+        body = await self._body(request)
+        addr = _field(body, "master_address", lambda v: isinstance(v, str) and v != "", "a host name or address", required=True)
+        port = _field(body, "master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number", required=True)
+        world = _field(body, "world_size", lambda v: _is_int(v) and v >= 2, "an int >= 2", required=True)
+        rank = _field(body, "rank_offset", lambda v: _is_int(v) and 1 <= v < world, "an int in [1, world_size)", required=True)
+        name = _field(body, "group_name", lambda v: isinstance(v, str) and v != "", "a non-empty string", "weight_update_group")
+        backend = _field(body, "backend", lambda v: v in ("nccl", "gloo"), "nccl | gloo", "nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise bad("backend nccl needs CUDA; this server runs on CPU (use gloo)")
+        try:
+            await self._comm.run(self.receiver.init_group, addr, port, rank, world, name, backend, WEIGHT_SYNC_TIMEOUT)
+        except Exception as e:
+            return self._json({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
+        return self._json({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_group(self, request):
+        body = await self._body(request)
+        name = _field(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
+        if await self._comm.run(self.receiver.destroy_group, name):
+            return self._json({"success": True, "message": "Succeeded to destroy custom process group."})
+        return self._json({"success": False, "message": f"The group to be destroyed does not exist: {name!r}."}, 400)
+
+    def _check_weights(self, names: list[str], shapes: list[list[int]]) -> None:
+        for n, s in zip(names, shapes):
+            want = self.weight_shapes.get(n)
+            if want is None:
+                raise bad(f"no weight named {n!r} in this model")
+            if tuple(s) != want:
+                raise bad(f"{n}: shape {list(s)} announced, the model's is {list(want)}")
+
+    async def update_from_distributed(self, request):
+        body = await self._body(request)
+        names = _field(body, "names", _str_list, "a list of weight names", required=True)
+        dts = _field(body, "dtypes", lambda v: _str_list(v) and all(_is_dtype(d) for d in v),
+                     "a list of torch dtype names (float32, bfloat16, ...)", required=True)
+        shapes = _field(body, "shapes", lambda v: isinstance(v, list) and all(_int_list(s) and min(s, default=0) >= 0 for s in v),
+                        "a list of shapes (lists of ints >= 0)", required=True)
+        if not len(names) == len(dts) == len(shapes):
+            raise bad(f"names, dtypes and shapes must have the same length ({len(names)}, {len(dts)}, {len(shapes)})")
+        name = _field(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
+        version = _field(body, "weight_version", lambda v: isinstance(v, str), "a string", None)
+        if name not in self.receiver.groups:
+            raise bad(f"no weight-update group {name!r}; call /init_weights_update_group first")
+        self._check_weights(names, shapes)
+        if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
+            self._abort(lambda it: True, "aborted by a weight update")
+        try:
+            weights = await self._comm.run(self.receiver.receive, names, dts, shapes, name)
+        except Exception as e:
+            await self._comm.run(self.receiver.destroy_group, name)  # a broken group is not reused; the trainer rebuilds it
+            return self._json({"success": False, "message": f"Failed to receive the weights: {e}"}, 400)
+        await self._load(weights, version)
+        return self._json({"success": True, "message": "Succeeded to update parameter online."
+                           + (f" Weight version updated to {version}." if version is not None else "")})
+
+    async def _load(self, weights: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        v = int(version) if version is not None and version.isdigit() else self.engine.version
+        await self._engine.run(self.engine.update_weights, iter(weights), v)
+        if version is not None:
+            self._set_version(version)
+
+    async def update_from_disk(self, request):
+        body = await self._body(request)
+        path = _field(body, "model_path", lambda v: isinstance(v, str) and v != "", "a directory path", required=True)
+        version = _field(body, "weight_version", lambda v: isinstance(v, str), "a string", None)
+        if not os.path.isdir(path):
+            raise bad(f"model_path {path!r} is not a directory on this server")
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise bad(f"{path} has no *.safetensors files (pickled checkpoints such as .bin are refused)")
+        if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
+            self._abort(lambda it: True, "aborted by a weight update")
+        weights = await self._engine.run(self._read_safetensors, [os.path.join(path, f) for f in files])
+        await self._load(weights, version)
+        self.model_path = path
+        return self._json({"success": True, "message": f"Succeeded to update model weights from {path}.",
+                           "num_paused_requests": 0})
+
+    def _read_safetensors(self, files: list[str]) -> list[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+        out = []
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for n in st.keys():
+                    t = st.get_tensor(n)
+                    self._check_weights([n], [list(t.shape)])
+                    out.append((n, t))
+        return out
+
+    # ---- running ----------------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL (with the real port when --port 0)."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        self.url = f"http://{host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+class ServerThread:
+    """An EngineServer on its own event loop in a daemon thread (tests, benchmarks): `.url`, `.stop()`."""
+
+    def __init__(self, engine, cfg: ServerConfig, *, model_path: str, seed: int | None = None, timeout: float = 60):
+        self.loop = asyncio.new_event_loop()
+        self.server = EngineServer(engine, cfg, model_path=model_path, seed=seed)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="polyrl-serve", daemon=True)
+        self._thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+
+def serve(cfg: Config) -> int:
+    """`polyrl serve`: load the engine, listen, print one line with the address, serve until SIGTERM / SIGINT."""
+    from polyrl.rollout.embedded import EmbeddedEngine
+    from polyrl.runtime import resolve_device
+
+    device = resolve_device(cfg)
+    s = cfg.server
+    if not is_loopback(s.host) and not s.api_key:
+        log.warning("polyrl serve: listening on %s without --api-key: anyone who can reach it can generate; weight and "
+                    "memory endpoints are refused", s.host)
+    engine = EmbeddedEngine.from_config(cfg, device)
+    server = EngineServer(engine, s, model_path=cfg.model.hf_checkpoint, seed=cfg.cluster.seed, device=device)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        url = await server.start()
+        print(f"polyrl serve: listening on {url}", flush=True)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    sys.stdout.flush()
+    return 0
