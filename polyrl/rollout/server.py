@@ -72,6 +72,18 @@ GENERATE_UNSUPPORTED = {"stream": False, "input_embeds": None, "image_data": Non
                         "return_routed_experts": False, "custom_logit_processor": None}
 
 
+class _DropMalformedHTTP(logging.Filter):
+    """aiohttp logs a traceback for every request it cannot parse (and answers 400); sglang-router probes
+    each worker with HTTP/2 bytes to tell gRPC workers apart, which would fill every server's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+        return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
+
+
+_DROP_MALFORMED_HTTP = _DropMalformedHTTP()
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -222,6 +234,7 @@ class EngineServer:
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_get("/get_load", self.get_load)
         for path, handler in (("/flush_cache", self.flush_cache), ("/get_weights_by_name", self.get_weights_by_name),
                               ("/release_memory_occupation", self.release_memory),
                               ("/resume_memory_occupation", self.resume_memory)):
@@ -375,8 +388,12 @@ class EngineServer:
             elif k not in SAMPLING_DEFAULTS:
                 raise bad(f"unknown sampling parameter {k!r}")
         d = SAMPLING_DEFAULTS
-        mnt = _field(sp, "max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", d["max_new_tokens"])
-        if self.max_len and len(prompt) + mnt > self.max_len:
+        mnt = _field(sp, "max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", None)
+        if self.max_len and len(prompt) >= self.max_len:
+            raise bad(f"the prompt ({len(prompt)} tokens) leaves no room in the model's {self.max_len} positions")
+        if mnt is None:  # SGLang's default, cut to what the context has left (as SGLang's scheduler does)
+            mnt = min(d["max_new_tokens"], self.max_len - len(prompt)) if self.max_len else d["max_new_tokens"]
+        elif self.max_len and len(prompt) + mnt > self.max_len:
             raise bad(f"{len(prompt)} prompt tokens + {mnt} new tokens exceed the model's {self.max_len} positions")
         temp = _field(sp, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", d["temperature"])
         top_p = _field(sp, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", d["top_p"])
@@ -530,6 +547,12 @@ class EngineServer:
             "internal_states": [{"queued": len(self._pending), "running": len(self._running), "paused": self._paused,
                                  "memory_released": self._asleep, **self.stats}],
             "version": "polyrl", "frontend": "polyrl"})
+
+    async def get_load(self, request):
+        """What sglang-router's power_of_two policy polls (it reads "load"): sequences queued or running."""
+        queued = sum(it.gen.n for it in self._pending if not it.future.done())
+        running = sum(it.gen.n for it in self._running)
+        return self._json({"load": queued + running, "num_reqs": running, "num_waiting_reqs": queued})
 
     async def get_weight_version(self, request):
         return self._json({"weight_version": self.weight_version})
@@ -704,6 +727,7 @@ class EngineServer:
     # ---- running ----------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Bind and serve; returns the base URL (with the real port when --port 0)."""
+        logging.getLogger("aiohttp.server").addFilter(_DROP_MALFORMED_HTTP)
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)

@@ -284,6 +284,7 @@ class DistributedTransport(_ServerTransport):
         self.pg = None
         self._store = None
         self._key = None  # (urls, membership) the group was built for
+        self._members: _Targets | None = None
         self._broken: list = []  # groups dropped mid-broadcast: kept alive, their threads may still be waiting
         self.builds = 0
 
@@ -293,7 +294,7 @@ class DistributedTransport(_ServerTransport):
             return
         if self.pg is not None:  # a server was restarted or left: rebuild with the current set
             log.warning("weight sync: the engine servers changed; rebuilding the weight-update group")
-            self.close(t)
+            self.close()
         host = self.master_address or local_address_towards(urlparse(t.urls[0]).hostname or "127.0.0.1")
         world = 1 + len(t.urls)
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=self.timeout_s),
@@ -307,7 +308,7 @@ class DistributedTransport(_ServerTransport):
             raise WeightSyncError(f"forming the weight-update group ({self.backend}, master {host}:{store.port}) with "
                                   f"{', '.join(t.urls)} failed: {e}; servers: {_answers(futs, 5)}") from None
         _check_answers(futs, "/init_weights_update_group", self.timeout_s)
-        self._key = key
+        self._key, self._members = key, t
         self.builds += 1
         log.info("weight-update group formed with %d servers (%s)", len(t.urls), self.backend)
 
@@ -350,21 +351,22 @@ class DistributedTransport(_ServerTransport):
     def _drop(self) -> None:
         if self.pg is not None:
             self._broken.append((self.pg, self._store))  # destroying it now could wait for its stuck work
-        self.pg = self._store = self._key = None
+        self.pg = self._store = self._key = self._members = None
 
-    def close(self, t: _Targets | None = None) -> None:
+    def close(self) -> None:
+        """The servers the group was built with leave it (/destroy_weights_update_group), then we do."""
         if self.pg is None:
             return
-        if t is not None:
-            futs = {u: t.http.call_async(u, "/destroy_weights_update_group", {"group_name": GROUP_NAME}, timeout=30)
-                    for u in t.urls}
-            for f in futs.values():
-                try:
-                    f.result(35)
-                except Exception:  # a restarted server no longer has the group
-                    pass
+        t = self._members
+        futs = {u: t.http.call_async(u, "/destroy_weights_update_group", {"group_name": GROUP_NAME}, timeout=30)
+                for u in t.urls}
+        for f in futs.values():
+            try:
+                f.result(35)
+            except Exception:  # a restarted server no longer has the group
+                pass
         _shutdown(self.pg)
-        self.pg = self._store = self._key = None
+        self.pg = self._store = self._key = self._members = None
 
 
 def check_weights_equal(http, urls: list[str], sent: list[tuple[str, torch.Tensor]], *, timeout_s: float = 120.0) -> None:

@@ -1,0 +1,400 @@
+"""`polyrl serve` on CPU, loopback only: SGLang's payload shapes, samples equal to the embedded
+engine's with the same prompt seeds, batching of concurrent requests, every endpoint, bad requests
+answered with 4xx while the server keeps serving, the CLI, and the real sglang-router in front.
+Servers run in this process (an event loop in a thread) except for the CLI test; each is started
+and stopped by its test or fixture; every request is bounded in time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from polyrl.config import ServerConfig
+from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.rollout.http_client import EngineHTTPError, HTTPClient
+from polyrl.rollout.server import ServerThread
+from polyrl.types import SamplingParams
+from polyrl.weight_sync.distributed import decode_tensor
+
+KEY = "test-key"
+# Same FP32 model on both sides; batch composition (left padding, rows leaving the batch) changes BLAS
+# reduction order only: logprobs agree to ~1e-6, 1e-4 leaves two orders of magnitude
+LOGPROB_TOL = 1e-4
+
+
+class CountingEngine(EmbeddedEngine):
+    """The embedded engine, counting generate calls and the prompts in each."""
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        return super().generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    eng = CountingEngine(tiny_model, dtype=torch.float32)
+    eng.calls = []
+    st = ServerThread(eng, ServerConfig(port=0, api_key=KEY, max_request_bytes=1 << 20, batch_wait_ms=5),
+                      model_path=tiny_model, seed=0)
+    http = HTTPClient(api_key=KEY)
+    st.http, st.engine = http, eng
+    try:
+        yield st
+    finally:
+        http.close()
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model):
+    return EmbeddedEngine(tiny_model, dtype=torch.float32)
+
+
+def call(st, path: str, payload: dict | None = None, method: str | None = None):
+    return st.http.call(st.url, path, payload, method=method, timeout=30)
+
+
+def raw(st, path: str, body: bytes | None = None, headers: dict | None = None, method: str = "POST") -> tuple[int, str]:
+    """One request with exactly these bytes and headers."""
+    host, port = st.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Authorization": f"Bearer {KEY}", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def prompts(tok, k: int) -> list[list[int]]:
+    return [tok(f"{a}+{a * 7 % 50}=")["input_ids"] for a in range(k)]
+
+
+# ---- payload shapes --------------------------------------------------------------------------------
+def test_single_batch_and_n_payload_shapes(srv):
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 7}
+    one = call(srv, "/generate", {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True, "rid": "r1"})
+    assert isinstance(one, dict) and set(one) == {"text", "output_ids", "meta_info"}
+    mi = one["meta_info"]
+    assert mi["id"] == "r1" and mi["prompt_tokens"] == 3 and mi["completion_tokens"] == len(one["output_ids"])
+    assert mi["weight_version"] == "0" and mi["e2e_latency"] > 0 and mi["cached_tokens"] == 0
+    assert mi["finish_reason"]["type"] in ("stop", "length")
+    assert [t for _, t, _ in mi["output_token_logprobs"]] == one["output_ids"]
+    assert all(x is None and lp <= 0 for lp, _, x in mi["output_token_logprobs"])
+    assert "output_token_logprobs" not in call(srv, "/generate", {"input_ids": [5, 6, 7], "sampling_params": sp})["meta_info"]
+
+    n3 = call(srv, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {**sp, "n": 3}})
+    assert isinstance(n3, list) and len(n3) == 3
+    assert n3[0]["output_ids"] == one["output_ids"]  # sample 0 of seed s is the n=1 sample of seed s
+
+    batch = call(srv, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": sp, "rid": "b"})
+    assert isinstance(batch, list) and len(batch) == 2
+    assert [o["meta_info"]["id"] for o in batch] == ["b_0", "b_1"] and batch[0]["output_ids"] == one["output_ids"]
+    # n > 1 with a batch: one flat list, prompt-major (SGLang's order), sampling_params may be one per prompt
+    bn = call(srv, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [{**sp, "n": 3}, {**sp, "n": 3}]})
+    assert len(bn) == 6 and [o["meta_info"]["prompt_tokens"] for o in bn] == [3, 3, 3, 2, 2, 2]
+    assert [o["output_ids"] for o in bn[:3]] == [o["output_ids"] for o in n3]
+
+    text = call(srv, "/generate", {"text": "1+2=", "sampling_params": sp, "return_logprob": True,
+                                   "return_text_in_logprobs": True})
+    assert isinstance(text["meta_info"]["output_token_logprobs"][0][2], str)
+    texts = call(srv, "/generate", {"text": ["1+2=", "3+4="], "sampling_params": sp})
+    assert len(texts) == 2 and all(isinstance(o["text"], str) for o in texts)
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(temperature=1.0, max_new_tokens=8, n=3),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=8, n=2),
+    SamplingParams(temperature=0.0, max_new_tokens=6, n=1),
+    SamplingParams(temperature=1.0, max_new_tokens=10, n=2, stop=["1"], stop_token_ids=[5]),
+], ids=["sampled", "topk-topp", "greedy", "stops"])
+def test_generate_equals_the_embedded_engine_with_the_same_prompt_seeds(srv, ref, sp):
+    ps = prompts(ref.tokenizer, 6)
+    seeds = [1000 + 17 * i for i in range(len(ps))]
+    want = ref.generate(ps, SamplingParams(**{**sp.__dict__, "prompt_seeds": seeds}))
+    body = lambda i: {"input_ids": ps[i], "return_logprob": True, "sampling_params": {  # noqa: E731
+        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_new_tokens,
+        "stop": sp.stop, "stop_token_ids": sp.stop_token_ids, "n": sp.n, "sampling_seed": seeds[i]}}
+    futs = [srv.http.call_async(srv.url, "/generate", body(i), timeout=60) for i in range(len(ps))]  # one request per prompt
+    got = [o for f in futs for o in (lambda r: r if isinstance(r, list) else [r])(f.result(65))]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w.response_ids
+        assert max(abs(a[0] - b) for a, b in zip(g["meta_info"]["output_token_logprobs"], w.rollout_logprobs)) < LOGPROB_TOL
+        fr = g["meta_info"]["finish_reason"]
+        assert fr["type"] == w.finish_reason
+        if fr["type"] == "length":
+            assert fr["length"] == sp.max_new_tokens and g["text"] == w.response
+        elif isinstance(fr["matched"], int):  # a stop token: the last id, left out of the text
+            assert fr["matched"] == w.response_ids[-1] and fr["matched"] in [*sp.stop_token_ids, ref.tokenizer.eos_token_id]
+        else:  # a stop string: the text ends before it
+            assert fr["matched"] in sp.stop and w.response.startswith(g["text"]) and fr["matched"] not in g["text"]
+
+
+def test_concurrent_requests_are_batched(srv, ref):
+    ps = prompts(ref.tokenizer, 32)
+    srv.engine.calls.clear()
+    futs = [srv.http.call_async(srv.url, "/generate", {"input_ids": p, "sampling_params": {
+        "max_new_tokens": 6, "sampling_seed": i}}, timeout=60) for i, p in enumerate(ps)]
+    outs = [f.result(65) for f in futs]
+    assert len(outs) == 32 and sum(srv.engine.calls) == 32
+    assert len(srv.engine.calls) <= 4, srv.engine.calls  # 32 requests, a handful of engine calls
+    # and a request with the same seed gives the same tokens whatever batch it lands in
+    alone = call(srv, "/generate", {"input_ids": ps[3], "sampling_params": {"max_new_tokens": 6, "sampling_seed": 3}})
+    assert alone["output_ids"] == outs[3]["output_ids"]
+
+
+# ---- bad requests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,headers,status,msg", [
+    (b'{"input_ids": [1, 2', None, 400, "malformed JSON"),
+    (b"[1, 2, 3]", None, 400, "JSON object"),
+    (b"[" * 100000, None, 400, "malformed JSON"),
+    (b'{"input_ids": ["a", "b"]}', None, 400, "input_ids"),
+    (b'{"input_ids": []}', None, 400, "input_ids"),
+    (b'{"sampling_params": {}}', None, 400, "exactly one of"),
+    (b'{"input_ids": [1, 2], "text": "x"}', None, 400, "exactly one of"),
+    (b'{"input_ids": [1, 999999]}', None, 400, "outside"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}', None, 400, "temperature"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}', None, 400, "max_new_tokens"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000}}', None, 400, "positions"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"n": 0}}', None, 400, "'n'"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"bogus": 1}}', None, 400, "unknown sampling parameter"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"min_p": 0.5}}', None, 400, "not supported"),
+    (b'{"input_ids": [1, 2], "stream": true}', None, 400, "not supported"),
+    (b'{"input_ids": [[1, 2], [3]], "sampling_params": [{}]}', None, 400, "one per prompt"),
+    (b'{"input_ids": [1, 2]}', {"Content-Type": "text/plain"}, 415, "JSON"),
+    (b'{"input_ids": [1, 2]}', {"Authorization": ""}, 401, "Unauthorized"),
+    (b'{"input_ids": [1, 2]}', {"Authorization": "Bearer wrong"}, 401, "Unauthorized"),
+    (b'{"input_ids": [1, 2]}', {"Authorization": f"bearer {KEY}"}, 401, "Unauthorized"),
+    (b'{"input_ids": [' + b"1, " * 400000 + b'1]}', None, 413, "max-request-bytes"),
+], ids=lambda v: None)
+def test_bad_generate_requests_get_4xx_and_the_server_keeps_serving(srv, body, headers, status, msg):
+    got, text = raw(srv, "/generate", body, {"Content-Type": "application/json", **(headers or {})})
+    assert got == status and msg in text, text
+    ok = call(srv, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert len(ok["output_ids"]) >= 1
+
+
+def test_other_bad_requests(srv):
+    assert raw(srv, "/nope", b"", method="GET")[0] == 404
+    assert raw(srv, "/generate", b"", method="GET")[0] == 405
+    for path, body, msg in (("/get_weights_by_name", {"name": "no.such.weight"}, "no weight"),
+                            ("/get_weights_by_name", {}, "missing field 'name'"),
+                            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]},
+                             "no weight-update group"),
+                            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["nn"], "shapes": [[1]]},
+                             "dtype"),
+                            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                            "world_size": 2, "rank_offset": 5, "backend": "gloo"}, "rank_offset"),
+                            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2,
+                                                            "rank_offset": 1, "backend": "nccl"}, "nccl needs CUDA"),
+                            ("/update_weights_from_disk", {"model_path": "/no/such/dir"}, "not a directory"),
+                            ("/update_weight_version", {}, "new_version"),
+                            ("/abort_request", {"rid": 5}, "'rid'")):
+        with pytest.raises(EngineHTTPError, match=msg) as e:
+            call(srv, path, body)
+        assert e.value.status == 400, (path, e.value)
+    assert call(srv, "/health_generate") == ""
+
+
+def test_health_needs_no_key_and_admin_endpoints_refuse_off_loopback_without_a_key(tiny_model, srv):
+    assert raw(srv, "/health", headers={"Authorization": ""}, method="GET")[0] == 200
+    assert raw(srv, "/get_model_info", headers={"Authorization": ""}, method="GET")[0] == 401
+    st = ServerThread(srv.engine, ServerConfig(port=0), model_path=tiny_model)
+    http = HTTPClient()
+    try:
+        st.server.loopback = False  # as if bound to a public address (the test stays on loopback)
+        with pytest.raises(EngineHTTPError, match="needs --api-key") as e:
+            http.call(st.url, "/update_weight_version", {"new_version": "9"}, timeout=10)
+        assert e.value.status == 403
+        with pytest.raises(EngineHTTPError) as e:
+            http.call(st.url, "/release_memory_occupation", {}, timeout=10)
+        assert e.value.status == 403
+        assert http.call(st.url, "/get_model_info", timeout=10)["is_generation"]  # the rest is open without a key
+    finally:
+        http.close()
+        st.stop()
+
+
+def test_max_running_requests_gives_503(tiny_model, srv):
+    st = ServerThread(srv.engine, ServerConfig(port=0, max_running_requests=2), model_path=tiny_model)
+    http = HTTPClient()
+    try:
+        http.call(st.url, "/pause_generation", {"mode": "in_place"}, timeout=10)  # requests queue while paused
+        futs = [http.call_async(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                                timeout=30) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while st.server._inflight < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(EngineHTTPError, match="busy") as e:
+            http.call(st.url, "/generate", {"input_ids": [1, 2]}, timeout=10)
+        assert e.value.status == 503
+        http.call(st.url, "/continue_generation", {}, timeout=10)
+        assert all(len(f.result(35)["output_ids"]) >= 1 for f in futs)
+    finally:
+        http.close()
+        st.stop()
+
+
+# ---- the other endpoints -------------------------------------------------------------------------------
+def test_info_cache_load_and_version_endpoints(srv):
+    info = call(srv, "/get_model_info")
+    assert info["is_generation"] is True and info["model_path"] and info["weight_version"] == "0"
+    assert call(srv, "/model_info") == info
+    si = call(srv, "/get_server_info")
+    assert si["tp_size"] == 1 and si["dp_size"] == 1 and si["internal_states"][0]["engine_calls"] >= 1
+    assert call(srv, "/get_load")["load"] == 0
+    assert call(srv, "/flush_cache", method="GET").startswith("Cache flushed")
+    assert call(srv, "/flush_cache", {}).startswith("Cache flushed")
+    assert call(srv, "/update_weight_version", {"new_version": "7"})["new_version"] == "7"
+    assert call(srv, "/get_weight_version")["weight_version"] == "7"
+    out = call(srv, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    assert out["meta_info"]["weight_version"] == "7"
+    call(srv, "/update_weight_version", {"new_version": "0"})
+
+
+def test_pause_abort_continue(srv):
+    assert call(srv, "/pause_generation", {"mode": "in_place"})["status"] == "ok"
+    queued = srv.http.call_async(srv.url, "/generate", {"input_ids": [[1, 2], [3, 4]], "rid": "q",
+                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    other = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6], "rid": "keep",
+                                                       "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    time.sleep(0.3)
+    assert not queued.done() and not other.done()  # paused: nothing runs
+    assert call(srv, "/abort_request", {"rid": "q"}) == ""  # both of q's prompts (q_0, q_1)
+    outs = queued.result(10)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert not other.done()
+    call(srv, "/continue_generation", {})
+    assert other.result(30)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    # pause in its default mode aborts what is queued; abort_all too
+    call(srv, "/pause_generation", {})
+    late = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6]}, timeout=30)
+    time.sleep(0.2)
+    call(srv, "/abort_request", {"abort_all": True})
+    assert late.result(10)["meta_info"]["finish_reason"]["type"] == "abort"
+    call(srv, "/continue_generation", {})
+
+
+def test_memory_release_and_resume(srv):
+    assert call(srv, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}) is None
+    fut = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                              timeout=30)
+    time.sleep(0.3)
+    assert not fut.done()  # generation waits for the memory to come back
+    assert call(srv, "/resume_memory_occupation", {}) is None
+    assert len(fut.result(30)["output_ids"]) >= 1
+    with pytest.raises(EngineHTTPError, match="tags"):
+        call(srv, "/release_memory_occupation", {"tags": ["gpu"]})
+
+
+def test_weights_read_back_and_update_from_disk(srv, tiny_model, tmp_path):
+    from safetensors.torch import save_file
+    name = "model.norm.weight"
+    want = srv.engine.get_weight(name)
+    assert torch.equal(decode_tensor(call(srv, "/get_weights_by_name", {"name": name, "return_format": "base64"})), want)
+    assert call(srv, "/get_weights_by_name", {"name": name}) == want.tolist()  # SGLang's: floats, first rows
+    emb = call(srv, "/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2})
+    assert len(emb) == 2 and emb[1] == srv.engine.get_weight("model.embed_tokens.weight")[1].tolist()
+    sha = call(srv, "/get_weights_by_name", {"name": name, "return_format": "sha256"})
+    assert sha["dtype"] == "float32" and sha["shape"] == list(want.shape) and len(sha["sha256"]) == 64
+
+    new = want + 1.0
+    save_file({name: new}, str(tmp_path / "w.safetensors"))
+    (tmp_path / "w.bin").write_bytes(b"never unpickled")
+    r = call(srv, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "3"})
+    assert r["success"] is True
+    assert torch.equal(srv.engine.get_weight(name), new) and call(srv, "/get_weight_version")["weight_version"] == "3"
+    save_file({name: torch.zeros(3)}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(EngineHTTPError, match="shape"):
+        call(srv, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    save_file({name: want}, str(tmp_path / "w.safetensors"))
+    call(srv, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "0"})
+    assert torch.equal(srv.engine.get_weight(name), want)
+
+
+def test_weight_update_group_endpoints(srv):
+    from polyrl.weight_sync.distributed import DistributedTransport
+
+    class Eng:  # the three members a transport uses
+        http, membership = srv.http, 0
+        pushed: list = []
+
+        def weight_sync_urls(self):
+            return [srv.url]
+
+        def weights_pushed(self, version, urls=None):
+            self.pushed.append(version)
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    old = srv.engine.get_weight(name)
+    tr = DistributedTransport(1 << 20, device="cpu", timeout_s=60)
+    try:
+        tr.push(iter([(name, old * 2)]), [Eng()], 11)
+        assert torch.equal(srv.engine.get_weight(name), old * 2) and call(srv, "/get_weight_version")["weight_version"] == "11"
+        tr.push(iter([(name, old)]), [Eng()], 12)
+        assert torch.equal(srv.engine.get_weight(name), old) and tr.builds == 1
+    finally:
+        tr.close()  # POSTs /destroy_weights_update_group
+    with pytest.raises(EngineHTTPError, match="does not exist"):
+        call(srv, "/destroy_weights_update_group", {"group_name": "polyrl_weight_update_group"})
+    call(srv, "/update_weight_version", {"new_version": "0"})
+
+
+# ---- the CLI and the router ------------------------------------------------------------------------------
+def test_polyrl_serve_cli_help_start_line_and_sigterm(tiny_model, tmp_path):
+    from serve_procs import ServeProc
+    h = subprocess.run([sys.executable, "-m", "polyrl", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert h.returncode == 0
+    for group in ("server (polyrl serve):", "model / backend:", "rollout:", "cluster / backend:"):
+        assert group in h.stdout
+    assert "--api-key" in h.stdout and "--rollout-mem-fraction" in h.stdout and "--prompt-data" not in h.stdout
+    p = ServeProc(tiny_model, str(tmp_path / "serve.log"), "--api-key", KEY).ready(120)
+    http = HTTPClient(api_key=KEY)
+    try:
+        assert p.url.startswith("http://127.0.0.1:") and not p.url.endswith(":0")
+        out = http.call(p.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}, timeout=30)
+        assert len(out["output_ids"]) >= 1
+    finally:
+        http.close()
+        t0 = time.monotonic()
+        assert p.stop(signal.SIGTERM) == 0 and time.monotonic() - t0 < 10
+
+
+def test_behind_the_real_sglang_router(tiny_model, srv, tmp_path):
+    pytest.importorskip("sglang_router")
+    from polyrl.rollout.router import launch_router
+    other = ServerThread(srv.engine, ServerConfig(port=0, api_key=KEY), model_path=tiny_model)
+    router = None
+    try:
+        router = launch_router([srv.url, other.url], log_path=str(tmp_path / "router.log"), policy="round_robin",
+                               api_key=KEY, timeout=60)
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "sampling_seed": 3}, "return_logprob": True}
+        direct = call(srv, "/generate", body)
+        for _ in range(4):  # round robin: both workers answer, the same
+            via = srv.http.call(router.url, "/generate", body, timeout=30)
+            assert via["output_ids"] == direct["output_ids"]
+        keyless = HTTPClient()
+        try:
+            with pytest.raises(EngineHTTPError) as e:  # the router wants the key too
+                keyless.call(router.url, "/generate", body, timeout=30)
+            assert e.value.status == 401
+        finally:
+            keyless.close()
+    finally:
+        if router is not None:
+            router.stop()
+            assert router.proc.poll() is not None
+        other.stop()
+    with pytest.raises(RuntimeError, match=r"sglang-router \(http://127\.0\.0\.1:\d+, log .*router2\.log\) exited"):
+        launch_router([srv.url], log_path=str(tmp_path / "router2.log"), policy="power_of_two", timeout=30)
