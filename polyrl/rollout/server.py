@@ -441,6 +441,7 @@ class EngineServer:
             self._pending = [it for it in self._pending if it.gen != gen]
             self._running = batch
             self._idle.clear()
+            log.debug("engine call: %d prompts x n=%d (%d more queued)", len(batch), gen.n, len(self._pending))
             try:
                 results = await self._engine.run(self._run_batch, batch)
             except Exception as e:
