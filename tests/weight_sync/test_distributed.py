@@ -5,6 +5,8 @@ test and stopped by it; every wait is bounded."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -43,86 +45,91 @@ def trainer_weights(model_dir: str, step: int) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}  # tied lm_head: one tensor, under the embedding's name
 
 
+@pytest.fixture(scope="module")
+def pair(tiny_model, tmp_path_factory):
+    """Two `polyrl serve` processes shared by this module's tests (the restart test, last, replaces one)."""
+    with serving(tiny_model, tmp_path_factory.mktemp("serve"), 2) as procs:
+        yield procs
+
+
 def read_back(http: HTTPClient, url: str, name: str) -> torch.Tensor:
     return decode_tensor(http.call(url, "/get_weights_by_name", {"name": name, "return_format": "base64"}, timeout=30))
 
 
-def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, tmp_path):
-    with serving(tiny_model, tmp_path, 2) as (a, b):
-        eng = FakeEngine([a.url, b.url])
-        tr = DistributedTransport(1 << 16, device="cpu", timeout_s=60)  # small buckets: several per push
-        try:
-            for step in (1, 2, 3):
-                w = trainer_weights(tiny_model, step)
-                nbytes = tr.push(iter(w.items()), [eng], step)
-                assert nbytes == sum(t.numel() * t.element_size() for t in w.values())
-                for url in eng.urls:
-                    for name, t in w.items():
-                        assert torch.equal(read_back(eng.http, url, name), t), (url, name, step)
-                    info = eng.http.call(url, "/get_model_info", timeout=10)
-                    assert info["weight_version"] == str(step)
-                assert eng.pushed[-1] == (step, eng.urls)
-            assert tr.builds == 1  # the group survived three pushes
+def test_disk_transport(tiny_model, pair, tmp_path):
+    eng = FakeEngine([p.url for p in pair])
+    try:
+        w = trainer_weights(tiny_model, 5)
+        DiskTransport(1 << 16, check_equal=True, dir=str(tmp_path)).push(iter(w.items()), [eng], 5)
+        for p in pair:
+            assert torch.equal(read_back(eng.http, p.url, "model.embed_tokens.weight"), w["model.embed_tokens.weight"])
+        assert not list(tmp_path.glob("polyrl_weights_*"))  # the directory is gone
+    finally:
+        eng.http.close()
 
-            # generation on the server uses the pushed weights: same tokens as an engine given the same stream
-            ref = EmbeddedEngine(tiny_model)
-            ref.update_weights(iter(w.items()), 3)
-            want = ref.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=6))[0].response_ids
-            got = eng.http.call(a.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
-                "temperature": 0, "max_new_tokens": 6}}, timeout=30)["output_ids"]
-            assert got == want
 
-            # server b restarts (a new process, new port): the engine's membership changes, the group is rebuilt
-            b.stop()
-            b2 = ServeProc(tiny_model, str(tmp_path / "serve_b2.log")).ready()
-            try:
-                eng.urls[1] = b2.url
-                eng.membership += 1
-                w = trainer_weights(tiny_model, 4)
-                tr.check_equal = True  # and the read-back check passes through the sha256 extension
-                tr.push(iter(w.items()), [eng], 4)
-                assert tr.builds == 2
+def test_a_refused_bucket_fails_fast_naming_the_server(tiny_model, pair):
+    a = pair[0]
+    eng = FakeEngine([a.url])
+    tr = DistributedTransport(1 << 20, device="cpu", timeout_s=120)
+    try:
+        w = trainer_weights(tiny_model, 1)
+        tr.push(iter(w.items()), [eng], 1)
+        bad = {"model.norm.weight": torch.zeros(3)}  # the server refuses the shape before the broadcast
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=rf"{a.url}.*model.norm.weight: shape \[3\]"):
+            tr.push(iter(bad.items()), [eng], 2)
+        assert time.monotonic() - t0 < 30  # not the 120 s timeout
+        tr.push(iter(w.items()), [eng], 3)  # the group is rebuilt and works again
+        assert tr.builds == 2
+        check_weights_equal(eng.http, [a.url], list(w.items()))
+        with pytest.raises(WeightSyncError, match="model.norm.weight on .* differs"):
+            check_weights_equal(eng.http, [a.url], [("model.norm.weight", w["model.norm.weight"] + 1)])
+    finally:
+        tr.close()
+        eng.http.close()
+
+
+def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, pair, tmp_path):
+    a, b = pair
+    eng = FakeEngine([a.url, b.url])
+    tr = DistributedTransport(1 << 16, device="cpu", timeout_s=60)  # small buckets: several per push
+    try:
+        for step in (1, 2, 3):
+            w = trainer_weights(tiny_model, step)
+            nbytes = tr.push(iter(w.items()), [eng], step)
+            assert nbytes == sum(t.numel() * t.element_size() for t in w.values())
+            for url in eng.urls:
                 for name, t in w.items():
-                    assert torch.equal(read_back(eng.http, b2.url, name), t)
-                    assert torch.equal(read_back(eng.http, a.url, name), t)
-            finally:
-                b2.stop()
-        finally:
-            tr.close()
-            eng.http.close()
+                    assert torch.equal(read_back(eng.http, url, name), t), (url, name, step)
+                info = eng.http.call(url, "/get_model_info", timeout=10)
+                assert info["weight_version"] == str(step)
+            assert eng.pushed[-1] == (step, eng.urls)
+        assert tr.builds == 1  # the group survived three pushes
 
+        # generation on the server uses the pushed weights: same tokens as an engine given the same stream
+        ref = EmbeddedEngine(tiny_model)
+        ref.update_weights(iter(w.items()), 3)
+        want = ref.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=6))[0].response_ids
+        got = eng.http.call(a.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6}}, timeout=30)["output_ids"]
+        assert got == want
 
-def test_a_refused_bucket_fails_fast_naming_the_server(tiny_model, tmp_path):
-    with serving(tiny_model, tmp_path, 1) as (a,):
-        eng = FakeEngine([a.url])
-        tr = DistributedTransport(1 << 20, device="cpu", timeout_s=120)
+        # server b restarts (a new process, new port): the engine's membership changes, the group is rebuilt
+        b.stop()
+        b2 = ServeProc(tiny_model, str(tmp_path / "serve_b2.log")).ready()
         try:
-            w = trainer_weights(tiny_model, 1)
-            tr.push(iter(w.items()), [eng], 1)
-            bad = {"model.norm.weight": torch.zeros(3)}  # the server refuses the shape before the broadcast
-            import time
-            t0 = time.monotonic()
-            with pytest.raises(WeightSyncError, match=rf"{a.url}.*model.norm.weight: shape \[3\]"):
-                tr.push(iter(bad.items()), [eng], 2)
-            assert time.monotonic() - t0 < 30  # not the 120 s timeout
-            tr.push(iter(w.items()), [eng], 3)  # the group is rebuilt and works again
+            eng.urls[1] = b2.url
+            eng.membership += 1
+            w = trainer_weights(tiny_model, 4)
+            tr.check_equal = True  # and the read-back check passes through the sha256 extension
+            tr.push(iter(w.items()), [eng], 4)
             assert tr.builds == 2
-            check_weights_equal(eng.http, [a.url], list(w.items()))
-            with pytest.raises(WeightSyncError, match="model.norm.weight on .* differs"):
-                check_weights_equal(eng.http, [a.url], [("model.norm.weight", w["model.norm.weight"] + 1)])
+            for name, t in w.items():
+                assert torch.equal(read_back(eng.http, b2.url, name), t)
+                assert torch.equal(read_back(eng.http, a.url, name), t)
         finally:
-            tr.close()
-            eng.http.close()
-
-
-def test_disk_transport(tiny_model, tmp_path):
-    with serving(tiny_model, tmp_path, 2) as procs:
-        eng = FakeEngine([p.url for p in procs])
-        try:
-            w = trainer_weights(tiny_model, 5)
-            DiskTransport(1 << 16, check_equal=True, dir=str(tmp_path)).push(iter(w.items()), [eng], 5)
-            for p in procs:
-                assert torch.equal(read_back(eng.http, p.url, "model.embed_tokens.weight"), w["model.embed_tokens.weight"])
-            assert not list(tmp_path.glob("polyrl_weights_*"))  # the directory is gone
-        finally:
-            eng.http.close()
+            b2.stop()
+    finally:
+        tr.close()
+        eng.http.close()
