@@ -1,6 +1,7 @@
 """The real sglang-router (`pip install sglang-router`, a Rust binary wheel) in front of engine
 servers: launched as a subprocess on 127.0.0.1 and a free port, ready once it answers /readiness
-and lists every worker, stopped with the job.
+and lists every worker, stopped with the job, and killed with the process that launched it, even
+by kill -9 (`spawn`).
 
 What the router asks of each worker (sglang-router 0.3.2, seen in front of `polyrl serve`): at
 registration GET /health (no key), GET /server_info and GET /model_info (with the key); then
@@ -11,14 +12,17 @@ workers and requires the same header from its own clients.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import importlib.util
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,12 +38,39 @@ def _free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL when the parent dies, even by kill -9 (Linux). The kernel ties this to the
-    *thread* that started the child: launch from the main thread, or one that outlives the router."""
+    """preexec_fn: SIGKILL when the parent dies, even by kill -9 (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux: stop() and the caller's atexit still end it on a normal exit
+    except OSError:  # not Linux: the caller's stop() and atexit still end it on a normal exit
         pass
+
+
+_spawn_queue: queue.Queue | None = None
+_spawn_lock = threading.Lock()
+
+
+def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen for a child that must die with this process, even by kill -9 (PR_SET_PDEATHSIG).
+    The kernel sends that signal when the *thread* that started the child exits, not the process, so
+    every such child is started from one daemon thread that lives as long as the process: a server
+    (re)started from a short-lived thread would otherwise be killed the moment that thread ends."""
+    global _spawn_queue
+    with _spawn_lock:
+        if _spawn_queue is None:
+            _spawn_queue = queue.Queue()
+            threading.Thread(target=_spawner, args=(_spawn_queue,), name="polyrl-spawner", daemon=True).start()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    _spawn_queue.put((cmd, popen_kwargs, fut))
+    return fut.result()
+
+
+def _spawner(q: queue.Queue) -> None:
+    while True:
+        cmd, kw, fut = q.get()
+        try:
+            fut.set_result(subprocess.Popen(cmd, preexec_fn=_die_with_parent, **kw))
+        except BaseException as e:  # handed to the caller
+            fut.set_exception(e)
 
 
 @dataclass
@@ -87,9 +118,8 @@ def launch_router(worker_urls: list[str], *, log_path: str, policy: str = "cache
            *(["--api-key", api_key] if api_key else []), *extra_args]
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True,  # Ctrl-C reaches the trainer, which stops it in order
-                                preexec_fn=_die_with_parent)
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     start_new_session=True)  # Ctrl-C reaches the trainer, which stops it in order
     router = Router(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         _wait_ready(router, worker_urls, api_key, timeout)

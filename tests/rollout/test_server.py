@@ -398,3 +398,27 @@ def test_behind_the_real_sglang_router(tiny_model, srv, tmp_path):
         other.stop()
     with pytest.raises(RuntimeError, match=r"sglang-router \(http://127\.0\.0\.1:\d+, log .*router2\.log\) exited"):
         launch_router([srv.url], log_path=str(tmp_path / "router2.log"), policy="power_of_two", timeout=30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_spawned_children_outlive_their_starting_thread_and_die_with_the_process():
+    from polyrl.rollout.router import spawn
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("p", spawn(["sleep", "30"])))
+    t.start()
+    t.join(10)
+    time.sleep(0.3)
+    assert box["p"].poll() is None  # the kernel ties the death signal to a thread: not this short-lived one
+    box["p"].kill()
+    box["p"].wait(10)
+    code = ("import sys, time; from polyrl.rollout.router import spawn; "
+            "print(spawn(['sleep', '30']).pid, flush=True); time.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait(10)
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)  # killed by the kernel; reaped by init
+    assert not os.path.exists(f"/proc/{pid}"), "the child outlived its parent"
