@@ -13,12 +13,13 @@ from contextlib import contextmanager
 
 
 class ServeProc:
-    def __init__(self, model: str, log_path: str, *args: str):
+    def __init__(self, model: str, log_path: str, *args: str, device: str = "cpu", gpu: int | None = None):
+        """gpu: the one CUDA device the server sees (CUDA_VISIBLE_DEVICES)."""
         self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", model, "--device", "cpu", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=open(log_path, "wb"), stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", model, "--device", device, "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=open(log_path, "wb"), stdin=subprocess.DEVNULL, env=env)
         self.url = ""
 
     def ready(self, timeout: float = 120.0) -> "ServeProc":

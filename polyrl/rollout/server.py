@@ -6,8 +6,9 @@ Concurrent /generate requests are batched: each prompt becomes an item in a queu
 task takes every queued item whose sampling settings (all but the seed) match the oldest one's
 and runs ONE engine.generate for them on the engine thread (the engine is not thread-safe:
 generation, weight updates and read-backs all run there, one at a time). When the engine was
-idle, the batcher first waits `--batch-wait-ms`, and keeps waiting while requests keep arriving
-(a burst lands in one batch). Every prompt carries its own seed (`sampling_seed`, or a random
+idle, the batcher first waits until no request arrived for a short window (--batch-wait-ms, or 2%
+of the last engine call if longer), so a burst lands in one batch: a request that misses a
+batch waits for the whole next call. Every prompt carries its own seed (`sampling_seed`, or a random
 one), and sample j of a prompt with seed s is sampled from stream (s, j) (polyrl.rollout.sampling),
 so results never depend on the batch or the server that ran them.
 
@@ -222,6 +223,7 @@ class EngineServer:
         self._work: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._last_progress = 0.0
+        self._last_call_s = 0.0  # how long the last engine call took
         self.stats = {"engine_calls": 0, "prompts": 0, "requests": 0}
         self.app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[self._guard])
         r = self.app.router
@@ -423,16 +425,16 @@ class EngineServer:
 
     # ---- the batcher -------------------------------------------------------------------------------------
     async def _batch_loop(self) -> None:
-        wait = self.cfg.batch_wait_ms / 1000
         while True:
             if not self._runnable():
                 self._work.clear()
                 await self._work.wait()
-                if wait > 0:  # the engine was idle: let a burst of requests land in one batch
-                    t_end = time.monotonic() + 50 * wait
+                window, cap = self._quiet_window()
+                if window > 0:  # the engine was idle: let a burst of requests land in one batch
+                    t_end = time.monotonic() + cap
                     while True:
                         before = len(self._pending)
-                        await asyncio.sleep(wait)
+                        await asyncio.sleep(window)
                         if len(self._pending) == before or time.monotonic() > t_end:
                             break
                 continue
@@ -441,7 +443,9 @@ class EngineServer:
             self._pending = [it for it in self._pending if it.gen != gen]
             self._running = batch
             self._idle.clear()
-            log.debug("engine call: %d prompts x n=%d (%d more queued)", len(batch), gen.n, len(self._pending))
+            log.debug("engine call: %d prompts x n=%d (%d more queued), arrived over %.1f ms", len(batch), gen.n,
+                      len(self._pending), 1e3 * (max(it.t0 for it in batch) - min(it.t0 for it in batch)))
+            t0 = time.perf_counter()
             try:
                 results = await self._engine.run(self._run_batch, batch)
             except Exception as e:
@@ -452,9 +456,20 @@ class EngineServer:
                 for it, res in zip(batch, results):
                     _settle(it.future, res, None)
             finally:
+                self._last_call_s = time.perf_counter() - t0
                 self._running = []
                 self._last_progress = time.monotonic()
                 self._idle.set()
+
+    def _quiet_window(self) -> tuple[float, float]:
+        """(window, cap): start once no request arrived for `window` seconds, or after `cap`. A request that
+        misses a batch waits for the whole next engine call, so the window grows with the last call's
+        length (2% of it, at most 0.1 s) above --batch-wait-ms (0: no waiting at all)."""
+        base = self.cfg.batch_wait_ms / 1000
+        if base <= 0:
+            return 0.0, 0.0
+        window = max(base, min(0.1, 0.02 * self._last_call_s))
+        return window, max(50 * base, 10 * window)
 
     def _runnable(self) -> bool:
         self._pending = [it for it in self._pending if not it.future.done()]  # aborted while queued

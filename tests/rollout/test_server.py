@@ -422,3 +422,32 @@ def test_spawned_children_outlive_their_starting_thread_and_die_with_the_process
     while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.05)  # killed by the kernel; reaped by init
     assert not os.path.exists(f"/proc/{pid}"), "the child outlived its parent"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_path_batched_requests_equal_direct_generate_and_memory_release(tmp_path):
+    from conftest import make_model_dir
+    from polyrl.rollout.gpu import GPUEngine
+    model = make_model_dir(tmp_path / "m", hidden=128, layers=2)
+    eng = EmbeddedEngine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
+    assert isinstance(eng, GPUEngine)
+    st = ServerThread(eng, ServerConfig(port=0), model_path=model)
+    http = HTTPClient()
+    try:
+        ps = [[5 + i % 7, 6, 7 + i % 3] for i in range(64)]
+        sp = {"max_new_tokens": 24, "temperature": 1.0}
+        futs = [http.call_async(st.url, "/generate", {"input_ids": p, "return_logprob": True,
+                                                      "sampling_params": {**sp, "sampling_seed": 100 + i}}, timeout=120)
+                for i, p in enumerate(ps)]
+        got = [f.result(130) for f in futs]
+        assert st.server.stats["engine_calls"] <= 4
+        free0 = torch.cuda.mem_get_info()[0]
+        http.call(st.url, "/release_memory_occupation", {}, timeout=60)
+        assert torch.cuda.mem_get_info()[0] > free0  # weights and KV cache left the GPU
+        http.call(st.url, "/resume_memory_occupation", {}, timeout=60)
+        want = eng.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=24, prompt_seeds=[100 + i for i in range(64)]))
+        assert [o["output_ids"] for o in got] == [w.response_ids for w in want]
+    finally:
+        http.close()
+        st.stop()

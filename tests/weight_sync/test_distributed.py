@@ -133,3 +133,35 @@ def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, pai
     finally:
         tr.close()
         eng.http.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_push_into_a_server_on_another_gpu(tmp_path):
+    """Trainer on GPU 0, `polyrl serve` (its GPU path) on GPU 1: bf16 weights over NCCL, read back bit-identical;
+    then generation on the server equals the same engine given the same weights in this process."""
+    from conftest import make_model_dir
+    model = make_model_dir(tmp_path / "m", hidden=128, layers=2)
+    srv = ServeProc(model, str(tmp_path / "serve.log"), "--bf16", device="cuda", gpu=1).ready(300)
+    eng = FakeEngine([srv.url])
+    tr = DistributedTransport(1 << 16, device="cuda", timeout_s=120)
+    try:
+        torch.cuda.set_device(0)
+        for step in (1, 2):
+            w = {n: t.to("cuda", torch.bfloat16) for n, t in trainer_weights(model, step).items()}
+            tr.push(iter(w.items()), [eng], step)
+            check_weights_equal(eng.http, [srv.url], [(n, t.cpu()) for n, t in w.items()])
+            for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+                assert torch.equal(read_back(eng.http, srv.url, name), w[name].cpu())
+        assert tr.builds == 1
+        ref = EmbeddedEngine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
+        ref.update_weights(iter(w.items()), 2)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, prompt_seeds=[11, 12])
+        want = [s.response_ids for s in ref.generate([[5, 6, 7], [8, 9]], sp)]
+        got = eng.http.call(srv.url, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [
+            {"max_new_tokens": 16, "n": 2, "sampling_seed": s} for s in (11, 12)]}, timeout=120)
+        assert [o["output_ids"] for o in got] == want
+    finally:
+        tr.close()
+        eng.http.close()
+        srv.stop()
