@@ -206,7 +206,9 @@ class EngineServer:
         self.tokenizer = engine.tokenizer
         self.hf_config = hf = AutoConfig.from_pretrained(model_path)
         self.vocab_size = hf.vocab_size
-        self.max_len = getattr(engine, "max_len", None) or getattr(hf, "max_position_embeddings", None)
+        # the engine's own limit (the GPU path's positions); the transformers path has none, and a server
+        # must not refuse what the embedded engine it stands in for would generate
+        self.max_len = getattr(engine, "max_len", None)
         self.weight_shapes = engine.weight_shapes()
         self.eos_id = self.tokenizer.eos_token_id
         self.weight_version = "0"

@@ -166,7 +166,6 @@ def test_concurrent_requests_are_batched(srv, ref):
     (b'{"input_ids": [1, 999999]}', None, 400, "outside"),
     (b'{"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}', None, 400, "temperature"),
     (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}', None, 400, "max_new_tokens"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000}}', None, 400, "positions"),
     (b'{"input_ids": [1, 2], "sampling_params": {"n": 0}}', None, 400, "'n'"),
     (b'{"input_ids": [1, 2], "sampling_params": {"bogus": 1}}', None, 400, "unknown sampling parameter"),
     (b'{"input_ids": [1, 2], "sampling_params": {"min_p": 0.5}}', None, 400, "not supported"),
@@ -442,6 +441,8 @@ def test_gpu_path_batched_requests_equal_direct_generate_and_memory_release(tmp_
                 for i, p in enumerate(ps)]
         got = [f.result(130) for f in futs]
         assert st.server.stats["engine_calls"] <= 4
+        with pytest.raises(EngineHTTPError, match="positions"):  # the GPU path's own limit, checked before batching
+            http.call(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**7}}, timeout=30)
         free0 = torch.cuda.mem_get_info()[0]
         http.call(st.url, "/release_memory_occupation", {}, timeout=60)
         assert torch.cuda.mem_get_info()[0] > free0  # weights and KV cache left the GPU
