@@ -10,13 +10,13 @@ import sys
 
 from polyrl.config import ConfigError, add_config_args, config_from_args, validate
 
-ALL = ("cluster", "data", "rollout", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
+ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
     "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
-             ("cluster", "data", "rollout", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
+             ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
     "serve": ("SGLang-compatible HTTP server around the embedded engine (rollout engine server)",
               ("cluster", "model", "rollout", "server")),
     "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",

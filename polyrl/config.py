@@ -104,6 +104,8 @@ class EnginesConfig:
     weight_sync: str = opt("auto", "how weights reach the engines: auto (tensor for embedded, distributed for servers) | "
                                    "tensor (same process) | distributed (process group: NCCL on GPU, gloo on CPU) | disk",
                            ("auto", "tensor", "distributed", "disk"))
+    api_key: str | None = opt(None, "Bearer key of the engine servers: passed to the ones polyrl launches, sent to external "
+                                    "ones", flag="--api-key")
     check_weight_update_equal: bool = opt(False, "after each sync read every weight back from every engine and fail on a mismatch")
     use_fault_tolerance: bool = opt(False, "re-send the requests of a dead or hung engine to the others and restart it "
                                            "(launched engines); without it a dead engine stops the run")

@@ -115,8 +115,8 @@ def _dtype_flags(cfg: Config) -> list[str]:
 
 def server_command(cfg: Config, kind: str, port: int, device: str) -> list[str]:
     """argv of one launched engine server."""
-    e, s = cfg.engines, cfg.server
-    key = ["--api-key", s.api_key] if s.api_key else []
+    e = cfg.engines
+    key = ["--api-key", e.api_key] if e.api_key else []
     if kind == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise ImportError(SGLANG_HINT)
@@ -167,7 +167,7 @@ class HTTPEngine:
         self.request_timeout = e.rollout_request_timeout
         # SGLang gives the n copies of one request the same seed: ask it for single samples, each with its own seed
         self.split_samples = self.kind != "server"
-        self.http = HTTPClient(cfg.server.api_key)
+        self.http = HTTPClient(cfg.engines.api_key)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.version = 0
         self.membership = 0  # changes when a server is restarted: the weight transport rebuilds its group
@@ -211,7 +211,7 @@ class HTTPEngine:
         if e.use_sglang_router and self.rank == 0:
             from polyrl.rollout.router import launch_router
             self.router = launch_router([s.url for s in self.servers], policy=e.sglang_router_policy,
-                                        api_key=cfg.server.api_key,
+                                        api_key=cfg.engines.api_key,
                                         log_path=os.path.join(e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines"),
                                                               "router.log"),
                                         timeout=e.rollout_engine_startup_timeout)
@@ -271,8 +271,9 @@ class HTTPEngine:
                 jobs.append((i, 0, params.n, prompt_seed(params, base, i)))
         attempts = self._max_attempts()
         budget = self.request_timeout * attempts + 60
-        outs = self.http.run(asyncio.gather(*(self._one(prompts[i], params, n, seed) for i, _, n, seed in jobs)),
-                             timeout=budget)
+        async def all_jobs():
+            return await asyncio.gather(*(self._one(prompts[i], params, n, seed) for i, _, n, seed in jobs))
+        outs = self.http.run(all_jobs(), timeout=budget)
         samples: list[Sample] = [None] * (len(prompts) * params.n)  # type: ignore[list-item]
         for (i, j, n, _), got in zip(jobs, outs):
             for k, o in enumerate(got):

@@ -61,7 +61,7 @@ def same_samples(got, want) -> None:
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_model, tmp_path_factory):
-    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path_factory.mktemp("two")))
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path_factory.mktemp("two")), "cpu")
     try:
         yield eng
     finally:
@@ -93,7 +93,7 @@ def test_kill_9_mid_rollout_with_fault_tolerance_loses_and_duplicates_nothing(ti
     ps = prompts(ref.tokenizer, 24)
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=5)
     want = ref.generate(ps, sp)
-    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, use_fault_tolerance=True))
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, use_fault_tolerance=True), "cpu")
     try:
         victim = eng.servers[0]
         pid = victim.proc.pid
@@ -122,7 +122,7 @@ def test_kill_9_mid_rollout_with_fault_tolerance_loses_and_duplicates_nothing(ti
 
 
 def test_a_dead_engine_without_fault_tolerance_stops_the_run_naming_it(tiny_model, tmp_path):
-    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, n=1))
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, n=1), "cpu")
     try:
         eng.servers[0].proc.kill()
         eng.servers[0].proc.wait(10)
