@@ -138,7 +138,8 @@ class RewardManager:
     ``reward/timeouts`` (``timeouts_total``); the first one is logged with its sample. Sync
     functions run one after another in order (on a helper thread when there is a timeout, so a
     stuck call can be abandoned); async ones run concurrently, at most ``max_workers`` at a time,
-    each with its own deadline.
+    each with its own deadline (one that blocks the event loop, e.g. time.sleep in an async def,
+    stalls the calls sharing that loop, which then time out with it).
     """
 
     def __init__(self, rm_type: str | None, custom_rm_path: str | None = None, group_rm: bool = False,

@@ -108,6 +108,31 @@ def assert_weights_are_adamw_of_grads(run: dict) -> None:
         torch.testing.assert_close(run["weights"][k], p.detach(), atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("history", ["extremal", "tiny_then_large", "large_then_tiny", "alternating", "random"])
+def test_adam_update_bound_holds_and_is_tight(history):
+    """torch's AdamW never moves an element by more than lr * adam_update_bound(t) at step t, and
+    the bound is attained (Cauchy-Schwarz's equality case, g_i proportional to a_i / b_i, is a
+    gradient growing by beta2 / beta1 per step): the weight bound above is the real one."""
+    o = OptimizerConfig(**OPTIM)
+    g = torch.Generator().manual_seed(0)
+    n, steps = 4096, 6
+    scale = {"extremal": lambda t: (o.adam_beta2 / o.adam_beta1) ** t, "tiny_then_large": lambda t: 10.0 ** (t - 3),
+             "large_then_tiny": lambda t: 10.0 ** (3 - t), "alternating": lambda t: (-1) ** t * 10.0 ** (t % 2),
+             "random": lambda t: 1.0}[history]
+    signs = torch.randn(n, generator=g).sign()
+    w = torch.zeros(n, requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=0.0)
+    for t in range(1, steps + 1):
+        before = w.detach().clone()
+        w.grad = scale(t) * (signs if history == "extremal" else torch.randn(n, generator=g))
+        opt.step()
+        moved = float((w.detach() - before).abs().max())
+        bound = o.lr * adam_update_bound(t, o.adam_beta1, o.adam_beta2)
+        assert moved <= bound * (1 + 1e-5), (t, moved, bound)
+        if t == 1 or history == "extremal":
+            assert moved >= bound * (1 - 1e-5), (t, moved, bound)
+
+
 @pytest.fixture(scope="module", params=["qwen2-tied", "llama-untied", "qwen3-tied"])
 def arch_model(request, tmp_path_factory):
     arch, tie = request.param.split("-")
