@@ -431,7 +431,7 @@ def _validate_values(cfg: Config) -> None:
                 for i, x in enumerate(items):
                     if isinstance(x, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
                         try:
-                            x = tp(x) if tp is float else int(x)
+                            x = tp(x)
                         except ValueError:
                             raise ConfigError(f"{flag} {x!r} is not {'an integer' if tp is int else 'a number'}") from None
                         items[i] = x

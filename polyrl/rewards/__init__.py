@@ -19,6 +19,7 @@ import numbers
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from math import isfinite  # not `import math`: importing polyrl.rewards.math rebinds that name here
 from pathlib import Path
@@ -88,11 +89,7 @@ def _as_reward(value: Any) -> float | Exception:
     return ValueError(f"reward function returned {value!r} ({type(value).__name__}); return a finite float")
 
 
-class _TimedOut:
-    """The outcome of a call that did not return within the timeout."""
-
-
-TIMED_OUT = _TimedOut()
+TIMED_OUT = object()  # the outcome of a call that did not return within the timeout
 
 
 class _DaemonCaller:
@@ -108,6 +105,7 @@ class _DaemonCaller:
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="polyrl-reward").start()
+            weakref.finalize(self, self._jobs.put, None)  # an idle thread ends with its caller
         box: list = []
         done = threading.Event()
         self._jobs.put((fn, arg, box, done))
