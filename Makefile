@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m polyrl.demo --run-dir runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -x -q --durations=15
+	$(BIN)/python -m pytest tests -q --durations=15
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed.
 test-gpu:

@@ -3,18 +3,24 @@
 Layout: SAVE/step_000010/{dcp/, extra_rank*.pt, loop_state.json, COMPLETE} and SAVE/latest
 (the name of the newest complete step). A step is written under a .tmp name and renamed
 when complete, and `latest` is replaced atomically afterwards: a kill at any point leaves
-the previous checkpoint loadable.
+the previous checkpoint loadable. The next save clears what a killed one left behind, and
+with `keep` (--max-ckpt-to-keep) old complete steps are deleted only after a newer one is
+complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import torch.distributed as dist
 
+from polyrl.metrics import notice
+
 MARKER = "COMPLETE"
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 class CheckpointError(RuntimeError):
@@ -39,11 +45,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: str, step: int, backend, loop_state: dict) -> str:
+def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None) -> str:
+    """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if _rank0():
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        _clear_leftovers(root)
         os.makedirs(tmp)
     _barrier()
     backend.save(tmp)
@@ -55,8 +62,41 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict) -> str:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write(os.path.join(root, "latest"), os.path.basename(final))
+        if keep is not None:
+            for old in complete_steps(root)[:-keep]:
+                _delete_step(os.path.join(root, f"step_{old:06d}"))
     _barrier()
     return final
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps with a complete checkpoint under `root`, oldest first."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = STEP_DIR.fullmatch(name)
+        if m and os.path.isfile(os.path.join(root, name, MARKER)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _delete_step(path: str) -> None:
+    os.remove(os.path.join(path, MARKER))  # first: a kill mid-delete leaves a step that no longer claims to be complete
+    shutil.rmtree(path)
+
+
+def _clear_leftovers(root: str) -> None:
+    """What killed saves and deletions left: step_N.tmp directories, step_N directories without
+    their COMPLETE marker (never loadable), and temporary `latest` files."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        stale_step = (name.startswith("step_") and name.endswith(".tmp") and os.path.isdir(path)) or \
+            (STEP_DIR.fullmatch(name) is not None and not os.path.isfile(os.path.join(path, MARKER)))
+        if stale_step:
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("latest.tmp") and os.path.isfile(path):
+            os.remove(path)
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -83,4 +123,5 @@ def load_checkpoint(path: str, backend) -> dict:
         backend.load(path)
     except Exception as e:  # a torn shard file surfaces here; say which checkpoint
         raise CheckpointError(f"--load {path}: could not read the checkpoint ({type(e).__name__}: {e})") from e
+    notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")
     return state

@@ -68,7 +68,7 @@ def run_eval(cfg) -> dict:
         rt.build_transport(cfg, device).push(backend.export_weights(), [engine], version=0)
     tok = engine.tokenizer
     ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
-    rewards = RewardManager(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.group_rm)
+    rewards = RewardManager.from_config(cfg.reward)
     result = rt.evaluate(cfg, engine, ds, rewards, d)
     engine.close()
     if d.is_main:

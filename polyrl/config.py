@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -165,6 +166,8 @@ class RewardConfig:
     rm_type: str | None = opt(None, "built-in reward: math | gsm8k | exact | arithmetic")
     custom_rm_path: str | None = opt(None, "custom reward 'module:function' or 'file.py:function' (sync or async)")
     group_rm: bool = opt(False, "call the custom reward once per prompt group with a list of samples")
+    rm_timeout: float = opt(60.0, "seconds one reward call (one sample, or one group with --group-rm) may take; past it the "
+                                  "sample gets reward 0 and counts in reward/timeouts, and the run goes on (0 = no limit)")
 
 
 @dataclass
@@ -212,6 +215,8 @@ class CheckpointConfig:
     save_interval: int = opt(0, "save every N steps (0 = only at the end)")
     load: str | None = opt(None, "resume from this checkpoint directory")
     save_hf: str | None = opt(None, "export the final actor as an HF directory")
+    max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
+                                             "a newer one is complete (default: keep all)")
 
 
 @dataclass
@@ -363,8 +368,91 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# ---- value ranges ------------------------------------------------------------------------------
+# Every int/float setting has a range here, checked at start-up for flags and YAML alike (None
+# means "unset" and is not checked; list settings are checked per element). A new numeric field
+# needs an entry: tests/test_cli.py fails otherwise.
+_RULES: dict[str, Any] = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "> 1": lambda v: v > 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "-1 (off) or >= 1": lambda v: v == -1 or v >= 1,
+    "in [0, 65535]": lambda v: 0 <= v <= 65535,
+    "in [0, 2**32)": lambda v: 0 <= v < 2**32,  # numpy's seed range
+}
+VALUE_RANGES: dict[str, str] = {
+    # cluster / data
+    "seed": "in [0, 2**32)", "rollout_max_prompt_len": ">= 1",
+    # rollout
+    "rollout_batch_size": ">= 1", "n_samples_per_prompt": ">= 1", "rollout_temperature": ">= 0",
+    "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",
+    "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
+    "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]",
+    # engine servers
+    "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
+    "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
+    "port": "in [0, 65535]", "max_request_bytes": ">= 1", "max_running_requests": ">= 1", "batch_wait_ms": ">= 0",
+    # batching
+    "global_batch_size": ">= 1", "micro_batch_size": ">= 1", "max_tokens_per_gpu": ">= 1", "num_epoch": ">= 1",
+    # algorithm
+    "eps_clip": "> 0", "eps_clip_high": "> 0", "eps_clip_c": "> 1", "kl_loss_coef": ">= 0", "kl_coef": ">= 0",
+    "gamma": "in [0, 1]", "entropy_coef": ">= 0", "tis_clip": "> 0", "ref_update_interval": ">= 0",
+    # reward
+    "rm_timeout": ">= 0",
+    # optimizer
+    "lr": "> 0", "min_lr": ">= 0", "lr_warmup_steps": ">= 0", "lr_decay_steps": ">= 1", "weight_decay": ">= 0",
+    "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
+    # model, checkpoints, logging
+    "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
+    "eval_interval": ">= 0",
+    # megatron
+    "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
+    "num_layers_per_virtual_pipeline_stage": ">= 1", "context_parallel_size": ">= 1", "expert_model_parallel_size": ">= 1",
+    "expert_tensor_parallel_size": ">= 1", "moe_router_topk": ">= 1", "recompute_num_layers": ">= 1",
+}
+_HINTS = {"eps_clip_c": "; it is the dual-clip constant, leave it unset to disable dual clip",
+          "rollout_top_k": " (-1 keeps every token)", "clip_grad": " (0 turns clipping off)",
+          "rm_timeout": " (0 = no limit)"}
+
+
+def _validate_values(cfg: Config) -> None:
+    """Types, choices and ranges of every setting, from VALUE_RANGES and the fields' choices."""
+    for sname, cls in _sections():
+        sec = getattr(cfg, sname)
+        for f in dataclasses.fields(cls):
+            v, flag = getattr(sec, f.name), _flag(f)
+            if v is None:
+                continue
+            tp, is_list = _base_type(f.type)
+            if tp in (int, float):
+                items = v if is_list and isinstance(v, list) else [v]
+                for i, x in enumerate(items):
+                    if isinstance(x, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+                        try:
+                            x = tp(x)
+                        except ValueError:
+                            raise ConfigError(f"{flag} {x!r} is not {'an integer' if tp is int else 'a number'}") from None
+                        items[i] = x
+                    if isinstance(x, bool) or not isinstance(x, (int, float)) or (tp is int and not float(x).is_integer()):
+                        raise ConfigError(f"{flag} {x!r} is not {'an integer' if tp is int else 'a number'}")
+                    if not math.isfinite(x):
+                        raise ConfigError(f"{flag} must be a finite number (got {x})")
+                    rule = VALUE_RANGES.get(f.name)
+                    if rule is not None and not _RULES[rule](x):
+                        raise ConfigError(f"{flag} must be {rule} (got {x}){_HINTS.get(f.name, '')}")
+                if not is_list:
+                    setattr(sec, f.name, tp(items[0]))
+            elif "choices" in f.metadata and v not in f.metadata["choices"]:  # YAML bypasses argparse's choices
+                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, f.metadata['choices']))}")
+
+
 def validate(cfg: Config, command: str = "train") -> None:
     """All start-up checks in one place. Raises ConfigError naming the flags and the fix."""
+    _validate_values(cfg)
     c, r, b, a = cfg.cluster, cfg.rollout, cfg.batch, cfg.algorithm
     if c.train_backend not in TRAIN_BACKENDS:
         raise ConfigError(f"--train-backend {c.train_backend!r} is unknown; choose one of {', '.join(TRAIN_BACKENDS)}")
@@ -376,10 +464,6 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError("polyrl eval needs --eval-prompt-data (or --prompt-data)")
     if not cfg.model.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required: a local HF model directory (config.json, weights, tokenizer)")
-    for flag, v in (("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt", r.n_samples_per_prompt),
-                    ("--micro-batch-size", b.micro_batch_size), ("--rollout-max-response-len", r.rollout_max_response_len)):
-        if v < 1:
-            raise ConfigError(f"{flag} must be >= 1 (got {v})")
     if command == "train":
         per_step = r.rollout_batch_size * r.n_samples_per_prompt
         gbs = b.global_batch_size or per_step
@@ -387,16 +471,10 @@ def validate(cfg: Config, command: str = "train") -> None:
             raise ConfigError(
                 f"--rollout-batch-size ({r.rollout_batch_size}) x --n-samples-per-prompt ({r.n_samples_per_prompt}) = {per_step} "
                 f"samples per step is not divisible by --global-batch-size ({gbs}); pick a divisor of {per_step}")
-    if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
-        raise ConfigError(f"--eps-clip-c must be > 1 for dual clip (got {a.eps_clip_c}); leave it unset to disable")
-    if a.eps_clip <= 0:
-        raise ConfigError(f"--eps-clip must be > 0 (got {a.eps_clip})")
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("--use-kl-loss needs a positive --kl-loss-coef")
     if b.use_dynamic_batch_size and not b.max_tokens_per_gpu:
         raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
-    if not 0 < r.rollout_top_p <= 1:
-        raise ConfigError(f"--rollout-top-p must be in (0, 1] (got {r.rollout_top_p})")
     if sum((cfg.model.fp16, cfg.model.bf16, cfg.model.fp32)) > 1:
         raise ConfigError("--fp16, --bf16 and --fp32 are exclusive; pick one")
     if command == "train" and not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
@@ -413,6 +491,45 @@ def validate(cfg: Config, command: str = "train") -> None:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+    _validate_resources(cfg, command)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def _check_model_dir(flag: str, path: str) -> None:
+    what = "a local HF model directory (config.json, weights, tokenizer files)"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: no such directory; expected {what}")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        raise ConfigError(f"{flag} {path}: no config.json; expected {what}")
+    if not any(f in TOKENIZER_FILES or f.endswith(".tiktoken") for f in files):
+        raise ConfigError(f"{flag} {path}: no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the base model's tokenizer "
+                          "files into it (tokenizer.save_pretrained)")
+    if not any(f.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")) for f in files):
+        raise ConfigError(f"{flag} {path}: no weights (*.safetensors or pytorch_model*.bin); expected {what}")
+
+
+def _validate_resources(cfg: Config, command: str) -> None:
+    """What the flags point at: model directories, and custom functions (imported now, before any
+    process group or model exists, so a typo costs a second, not a launch)."""
+    _check_model_dir("--hf-checkpoint", cfg.model.hf_checkpoint)
+    if cfg.model.ref_load:
+        _check_model_dir("--ref-load", cfg.model.ref_load)
+    if command in ("train", "eval") and (cfg.reward.rm_type or cfg.reward.custom_rm_path):
+        from polyrl.rewards import resolve_reward_fn
+        try:
+            resolve_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    provider = cfg.megatron.custom_model_provider_path
+    if cfg.cluster.train_backend == "megatron" and provider:  # megatron's modules import on GPU ranks: only locate it
+        mod = provider.rpartition(":")[0]
+        if mod.endswith(".py") and not os.path.isfile(mod):
+            raise ConfigError(f"--custom-model-provider-path {provider!r}: no file {mod}")
+        if mod and not mod.endswith(".py") and importlib.util.find_spec(mod.split(".")[0]) is None:
+            raise ConfigError(f"--custom-model-provider-path {provider!r}: no module {mod.split('.')[0]!r} on the path")
 
 
 def _validate_engines(cfg: Config) -> None:

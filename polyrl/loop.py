@@ -13,7 +13,7 @@ from polyrl.algorithms.advantages import compute_advantages
 from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
-from polyrl.metrics import MetricsLogger, Timer
+from polyrl.metrics import MetricsLogger, Timer, notice
 from polyrl.rewards import RewardManager
 
 
@@ -40,7 +40,7 @@ def train(cfg: Config) -> dict:
     need_ref = a.use_kl_loss or (a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0)
     backend = rt.build_backend(cfg, device, total_steps=r.num_rollout * n_minibatches, need_ref=need_ref)
     engine = rt.build_engine(cfg, device)
-    rewards = RewardManager(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.group_rm)
+    rewards = RewardManager.from_config(cfg.reward)
     transport = rt.build_transport(cfg, device)
     logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
                            quiet=cfg.log.quiet, enabled=d.is_main, title="polyrl train")
@@ -51,6 +51,11 @@ def train(cfg: Config) -> dict:
         start = state["step"]
         dataset.load_state_dict(state["data"])
         transport.push(backend.export_weights(), [engine], version=start)  # the engine must sample from the resumed policy
+    if start >= r.num_rollout:  # say so: a run that trains nothing must not look like one that finished
+        notice(f"nothing to train: the checkpoint is at step {start}, at or past --num-rollout {r.num_rollout}; raise "
+               "--num-rollout to train on" if cfg.checkpoint.load else "nothing to train: --num-rollout 0 (no RL step runs)")
+    elif start:
+        notice(f"resuming at step {start + 1} of --num-rollout {r.num_rollout}")
     if eval_set is not None and cfg.log.eval_interval and start == 0:  # the curve starts from the initial policy
         logger.log(0, rt.evaluate(cfg, engine, eval_set, rewards, d))
     t_run = time.perf_counter()
@@ -104,7 +109,8 @@ def train(cfg: Config) -> dict:
         logger.log(step + 1, m)
         if cfg.checkpoint.save and (step + 1 == r.num_rollout or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
             save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "data": dataset.state_dict(),
-                                                                    "config": dataclasses.asdict(cfg)})
+                                                                    "config": dataclasses.asdict(cfg)},
+                            keep=cfg.checkpoint.max_ckpt_to_keep)
     logger.close()
     engine.close()  # launched servers stop here (and at exit, on an error)
     if cfg.checkpoint.save_hf:

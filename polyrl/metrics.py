@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -13,6 +14,13 @@ CONSOLE_KEYS = [
     ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
 TIME_KEYS = ("rollout", "reward", "train", "weight_sync")
+
+
+def notice(msg: str) -> None:
+    """A line the user sees whatever the log level: stderr, from rank 0 only."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"polyrl: {msg}", file=sys.stderr, flush=True)
 
 
 class Timer:

@@ -161,4 +161,4 @@ def evaluate(cfg: Config, engine, dataset: PromptDataset, rewards, d: Dist) -> d
     correct, total, length = d.sum([sum(s.reward > 0.5 for s in samples), len(samples),
                                     sum(len(s.response_ids) for s in samples)])
     return {"eval/accuracy": correct / max(total, 1), "eval/response_len": length / max(total, 1), "eval/n": total,
-            "eval/reward_errors": m.get("reward/errors", 0.0)}
+            "eval/reward_errors": m.get("reward/errors", 0.0), "eval/reward_timeouts": m.get("reward/timeouts", 0.0)}

@@ -12,7 +12,7 @@ from polyrl.algorithms.losses import sft_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
-from polyrl.metrics import MetricsLogger, Timer
+from polyrl.metrics import MetricsLogger, Timer, notice
 from polyrl.types import TrainBatch
 
 
@@ -40,6 +40,9 @@ def sft(cfg: Config) -> dict:
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, backend)["step"]
+        if start >= total:
+            notice(f"nothing to train: the checkpoint is at step {start}, at or past the {total} steps of this run "
+                   "(--num-epoch x rows / --global-batch-size)")
     t0 = time.perf_counter()
     for step in range(start, total):
         epoch, k = divmod(step, per_epoch)
@@ -53,7 +56,8 @@ def sft(cfg: Config) -> dict:
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
         if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
-            save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "config": dataclasses.asdict(cfg)})
+            save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "config": dataclasses.asdict(cfg)},
+                            keep=cfg.checkpoint.max_ckpt_to_keep)
     logger.close()
     if cfg.checkpoint.save_hf:
         backend.save_hf(cfg.checkpoint.save_hf, tok)

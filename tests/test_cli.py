@@ -131,3 +131,162 @@ def test_reward_that_raises_is_isolated_and_counted(tiny_model, arith_data, tmp_
                  "--run-dir", str(tmp_path / "run")]) == 0
     row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert row["reward/errors"] == 2 and row["reward/mean"] == 0.5
+
+
+# ---- a reward that never returns (--rm-timeout) ----
+
+def test_reward_that_never_returns_times_out_and_the_process_exits(tiny_model, arith_data, tmp_path):
+    rm = tmp_path / "rm.py"
+    rm.write_text("import time\ndef stuck(sample):\n    time.sleep(10**6)\n")
+    cmd = [sys.executable, "-m", "polyrl", "train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"],
+           "--custom-rm-path", f"{rm}:stuck", "--rm-timeout", "0.5", "--quiet", "--num-rollout", "2", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--run-dir", str(tmp_path / "run")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)  # 8 calls x 0.5 s; the stuck threads must not hold the exit
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["reward/timeouts"] for r in rows] == [4.0, 4.0] and all(r["reward/mean"] == 0.0 for r in rows)
+    assert out.stderr.count("did not return within --rm-timeout 0.5s") == 1  # the first one, logged with its sample
+
+
+# ---- every bad value is a clear error (exit 2, naming the flag), before anything starts ----
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lr", "-1"], "--lr must be > 0 (got -1.0)"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--min-lr=-1e-6"], "--min-lr must be >= 0"),
+    (["--adam-beta1", "1"], "--adam-beta1 must be in [0, 1)"),
+    (["--adam-beta2", "-0.1"], "--adam-beta2 must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be >= 0"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0"),
+    (["--lr-warmup-steps", "-1"], "--lr-warmup-steps must be >= 0"),
+    (["--rollout-temperature", "-0.5"], "--rollout-temperature must be >= 0"),
+    (["--eval-temperature", "-1"], "--eval-temperature must be >= 0"),
+    (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
+    (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+    (["--rollout-max-response-len", "0"], "--rollout-max-response-len must be >= 1"),
+    (["--rollout-max-prompt-len", "0"], "--rollout-max-prompt-len must be >= 1"),
+    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+    (["--num-rollout", "-1"], "--num-rollout must be >= 0"),
+    (["--save-interval", "-1"], "--save-interval must be >= 0"),
+    (["--eval-interval", "-2"], "--eval-interval must be >= 0"),
+    (["--ref-update-interval", "-1"], "--ref-update-interval must be >= 0"),
+    (["--eps-clip", "0"], "--eps-clip must be > 0"),
+    (["--eps-clip-high", "-0.2"], "--eps-clip-high must be > 0"),
+    (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0"),
+    (["--rm-timeout", "-1"], "--rm-timeout must be >= 0"),
+    (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--rollout-stop-token-ids", "3", "-5"], "--rollout-stop-token-ids must be >= 0 (got -5)"),
+    (["--logprob-chunk-size", "0"], "--logprob-chunk-size must be >= 1"),
+])
+def test_out_of_range_values_exit_2_naming_the_flag(argv, needle, tiny_model, arith_data, capsys, monkeypatch):
+    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before set-up"))
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_every_numeric_setting_has_a_range():
+    import dataclasses
+
+    from polyrl.config import VALUE_RANGES, _base_type, _sections
+    numeric = {f.name for _, cls in _sections() for f in dataclasses.fields(cls) if _base_type(f.type)[0] in (int, float)}
+    assert numeric - VALUE_RANGES.keys() == set(), "add these settings to config.VALUE_RANGES"
+    assert VALUE_RANGES.keys() - numeric == set(), "VALUE_RANGES names settings that do not exist"
+
+
+def test_yaml_values_are_type_and_choice_checked_too(tiny_model, arith_data, tmp_path):
+    y = tmp_path / "run.yaml"
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic", "--config", str(y)]
+    y.write_text("lr: 1e-5\nrollout_batch_size: 16.0\n")  # YAML 1.1 reads 1e-5 as a string; 16.0 is a whole number
+    cfg = cfg_of(*base)
+    validate(cfg)
+    assert cfg.optimizer.lr == 1e-5 and cfg.rollout.rollout_batch_size == 16 and type(cfg.rollout.rollout_batch_size) is int
+    for text, needle in [("lr: fast\n", "--lr 'fast' is not a number"), ("rollout_batch_size: 2.5\n", "--rollout-batch-size 2.5 is not an integer"),
+                         ("lr_decay_style: exponential\n", "--lr-decay-style 'exponential' is not one of constant, linear, cosine"),
+                         ("use_kl_loss: true\nkl_loss_coef: true\n", "--kl-loss-coef True is not a number")]:
+        y.write_text(text)
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            validate(cfg_of(*base))
+
+
+@pytest.mark.parametrize("content, needle", [
+    ((), "--hf-checkpoint {d}: no config.json"),
+    (("config.json",), "--hf-checkpoint {d}: no tokenizer"),
+    (("config.json", "tokenizer.json"), "--hf-checkpoint {d}: no weights"),
+])
+def test_hf_checkpoint_without_config_tokenizer_or_weights(content, needle, arith_data, tmp_path, capsys):
+    d = tmp_path / "model"
+    d.mkdir()
+    for name in content:
+        (d / name).write_text("{}")
+    assert main(["train", "--hf-checkpoint", str(d), "--prompt-data", arith_data["train"], "--rm-type", "arithmetic"]) == 2
+    err = capsys.readouterr().err
+    assert needle.format(d=d) in err and "Traceback" not in err
+    assert main(["train", "--hf-checkpoint", str(tmp_path / "nope"), "--prompt-data", arith_data["train"], "--rm-type", "arithmetic"]) == 2
+    assert "--hf-checkpoint" in capsys.readouterr().err
+
+
+def test_ref_load_is_checked_like_hf_checkpoint(tiny_model, arith_data, tmp_path, capsys):
+    (tmp_path / "ref").mkdir()
+    assert main(["train", "--hf-checkpoint", tiny_model, "--ref-load", str(tmp_path / "ref"), "--prompt-data", arith_data["train"],
+                 "--rm-type", "arithmetic"]) == 2
+    assert f"--ref-load {tmp_path / 'ref'}: no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path, needle", [
+    ("nosuchmod:fn", "--custom-rm-path 'nosuchmod:fn': could not import 'nosuchmod'"),
+    ("polyrl.rewards:no_such_fn", "has no function 'no_such_fn'"),
+    ("{tmp}/missing.py:f", "could not import"),
+    ("{tmp}/broken.py:f", "ZeroDivisionError"),
+])
+def test_custom_reward_is_imported_before_anything_starts(path, needle, tiny_model, arith_data, tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken.py").write_text("x = 1 / 0\n")
+    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before the process group"))
+    for command in ("train", "eval"):
+        assert main([command, "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"],
+                     "--custom-rm-path", path.format(tmp=tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
+
+
+def test_unknown_rm_type_is_a_config_error(tiny_model, arith_data, capsys):
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "nope"]) == 2
+    assert "--rm-type 'nope' is unknown" in capsys.readouterr().err
+
+
+# ---- runs that train nothing say so; resumes say from where ----
+
+def test_num_rollout_0_says_nothing_to_train(tiny_model, arith_data, tmp_path, capsys):
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--num-rollout", "0") == 0
+    assert "nothing to train: --num-rollout 0" in capsys.readouterr().err
+
+
+def test_load_logs_step_and_path_and_says_when_nothing_is_left(tiny_model, arith_data, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--save", str(ck), "--num-rollout", "2") == 0
+    capsys.readouterr()
+    step = os.path.abspath(ck / "step_000002")
+    for n in ("2", "1"):  # at, and past, the checkpoint's step
+        assert _train(tiny_model, arith_data["train"], tmp_path, "--load", str(ck), "--num-rollout", n) == 0
+        err = capsys.readouterr().err
+        assert f"loaded checkpoint {step} (step 2)" in err
+        assert f"nothing to train: the checkpoint is at step 2, at or past --num-rollout {n}" in err
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--load", str(ck), "--num-rollout", "3") == 0
+    err = capsys.readouterr().err
+    assert f"loaded checkpoint {step} (step 2)" in err and "resuming at step 3 of --num-rollout 3" in err
+
+
+# ---- checkpoint housekeeping ----
+
+def test_max_ckpt_to_keep_and_stale_temporaries(tiny_model, arith_data, tmp_path):
+    ck = tmp_path / "ck"
+    os.makedirs(ck / "step_000007.tmp" / "dcp")  # a save killed half-way, in an earlier run
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--save", str(ck), "--save-interval", "1", "--num-rollout", "3",
+                  "--max-ckpt-to-keep", "2") == 0
+    assert sorted(os.listdir(ck)) == ["latest", "step_000002", "step_000003"]
+    assert open(ck / "latest").read() == "step_000003"
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--load", str(ck), "--num-rollout", "4") == 0  # still loadable

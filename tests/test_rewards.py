@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -122,7 +124,7 @@ def test_manager_scores_builtin_and_reports_metrics():
     samples = [sample(r"\boxed{2}", "2"), sample(r"\boxed{3}", "2"), sample("none", "2"), sample(r"\boxed{2}", 2)]
     metrics = RewardManager("math").score(samples)
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.0]
-    assert metrics == {"reward/mean": 0.5, "reward/errors": 0.0, "reward/accuracy": 0.5}
+    assert metrics == {"reward/mean": 0.5, "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/accuracy": 0.5}
 
 
 def test_manager_isolates_raising_and_invalid_returns(tmp_path, caplog):
@@ -204,3 +206,90 @@ def test_async_group_rm(tmp_path):
 def test_group_rm_needs_a_custom_function():
     with pytest.raises(ValueError, match="--group-rm needs --custom-rm-path"):
         RewardManager("math", group_rm=True)
+
+
+# ---- --rm-timeout ----
+
+STUCK = (
+    "import asyncio, time\n"
+    "def sync_f(s):\n"
+    "    if s.response == 'hang':\n"
+    "        time.sleep(3600)\n"
+    "    return 1.0\n"
+    "async def async_f(s):\n"
+    "    if s.response == 'hang':\n"
+    "        await asyncio.sleep(3600)\n"
+    "    return 1.0\n"
+    "async def blocks_its_loop(s):\n"
+    "    if s.response == 'hang':\n"
+    "        time.sleep(3600)  # never yields: only the caller's own deadline gets out of this\n"
+    "    return 1.0\n"
+    "async def ignores_cancel(s):\n"
+    "    while True:\n"
+    "        try:\n"
+    "            await asyncio.sleep(3600)\n"
+    "        except asyncio.CancelledError:\n"
+    "            pass\n"
+    "def sync_group(samples):\n"
+    "    if samples[0].group_index == 1:\n"
+    "        time.sleep(3600)\n"
+    "    return [1.0] * len(samples)\n"
+    "async def async_group(samples):\n"
+    "    if samples[0].group_index == 1:\n"
+    "        await asyncio.sleep(3600)\n"
+    "    return [1.0] * len(samples)\n"
+)
+
+
+@pytest.mark.parametrize("fn", ["sync_f", "async_f"])
+def test_a_stuck_call_times_out_scores_zero_and_the_rest_go_on(tmp_path, caplog, fn):
+    path = write_module(tmp_path, f"stuck_{fn}", STUCK)
+    rm = RewardManager(None, f"{path}:{fn}", timeout=0.3)
+    samples = [sample("a"), sample("hang", group_index=1), sample("b", group_index=2)]
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
+        metrics = rm.score(samples)
+        again = rm.score([sample("hang"), sample("c")])  # a fresh call after an abandoned one
+    assert time.perf_counter() - start < 5  # 2 timeouts of 0.3 s (sync: in series), not an hour
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert metrics["reward/timeouts"] == 1.0 and metrics["reward/errors"] == 0.0
+    assert again["reward/timeouts"] == 1.0 and again["reward/mean"] == 0.5 and rm.timeouts_total == 2
+    warnings = [r.getMessage() for r in caplog.records if "--rm-timeout" in r.getMessage()]
+    assert len(warnings) == 1 and "group 1" in warnings[0] and "'hang'" in warnings[0]  # the first one, with its sample
+
+
+@pytest.mark.parametrize("fn", ["ignores_cancel", "blocks_its_loop"])
+def test_async_call_that_ignores_cancellation_or_blocks_its_loop_still_returns(tmp_path, fn):
+    """Neither can be stopped from outside: the caller's own deadline returns without them. A call
+    that blocks the event loop stalls the calls sharing it, which time out with it."""
+    rm = RewardManager(None, f"{write_module(tmp_path, f'stuck_{fn}', STUCK)}:{fn}", timeout=0.3)
+    start = time.perf_counter()
+    assert rm.score([sample("hang"), sample("hang")])["reward/timeouts"] == 2.0
+    assert rm.score([sample("hang")])["reward/timeouts"] == 1.0
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("fn", ["sync_group", "async_group"])
+def test_group_rm_timeout_zeroes_that_group(tmp_path, fn):
+    rm = RewardManager(None, f"{write_module(tmp_path, f'stuck_{fn}', STUCK)}:{fn}", group_rm=True, timeout=0.3)
+    samples = [sample("a", group_index=g) for g in [0, 1, 0, 1, 2]]
+    metrics = rm.score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert metrics["reward/timeouts"] == 2.0 and metrics["reward/errors"] == 0.0  # counted per sample
+
+
+def test_a_stuck_reward_call_does_not_block_process_exit(tmp_path):
+    path = write_module(tmp_path, "stuck_exit", STUCK)
+    code = ("import sys; from polyrl.rewards import RewardManager; from polyrl.types import Sample\n"
+            f"rm = RewardManager(None, {str(path) + ':sync_f'!r}, timeout=0.2)\n"
+            "s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason='stop', response='hang')\n"
+            "print(rm.score([s])['reward/timeouts'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr
+
+
+def test_no_timeout_runs_sync_functions_inline():
+    rm = RewardManager(None, "polyrl.rewards:exact_match", timeout=0)
+    assert rm.timeout is None
+    s = sample("x", "x")
+    assert rm.score([s])["reward/mean"] == 1.0

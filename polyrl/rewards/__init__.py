@@ -3,19 +3,24 @@
 A reward function scores one sample, ``fn(sample) -> float``; a group function (``--group-rm``)
 scores all samples of one prompt at once, ``fn(samples) -> list[float]``. Either may be
 ``async def``. Built-ins are named in ``REWARD_FUNCTIONS`` and imported only when chosen.
+Every call has a deadline (``--rm-timeout``): a call that never returns costs its samples their
+reward, not the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
 import logging
 import numbers
+import queue
 import sys
+import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from math import isfinite  # not `import math`: importing polyrl.rewards.math rebinds that name here
 from pathlib import Path
 from typing import Any
@@ -37,8 +42,10 @@ def exact_match(sample: Sample) -> float:
     return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
 
 
+@functools.lru_cache(maxsize=None)
 def _load_attr(target: str, flag: str) -> Callable:
-    """``module:attr`` or ``path/to/file.py:attr`` -> the attribute, with errors naming ``flag``."""
+    """``module:attr`` or ``path/to/file.py:attr`` -> the attribute, with errors naming ``flag``.
+    Cached: start-up validation imports it, and a file's top level must not run twice."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{flag} {target!r}: expected 'package.module:function' or 'path/to/file.py:function'")
@@ -82,28 +89,79 @@ def _as_reward(value: Any) -> float | Exception:
     return ValueError(f"reward function returned {value!r} ({type(value).__name__}); return a finite float")
 
 
+TIMED_OUT = object()  # the outcome of a call that did not return within the timeout
+
+
+class _DaemonCaller:
+    """Calls ``fn(arg)`` on a daemon thread, one call at a time, and waits at most ``timeout``
+    seconds. A call past it is abandoned with its thread (a daemon: it holds up neither the step
+    nor the process exit; Python threads cannot be killed) and the next call gets a fresh thread,
+    so calls still run one after another, in order."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue | None = None
+
+    def __call__(self, fn: Callable, arg: Any, timeout: float) -> Any:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="polyrl-reward").start()
+            weakref.finalize(self, self._jobs.put, None)  # an idle thread ends with its caller
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, arg, box, done))
+        if done.wait(timeout):
+            return box[0]
+        self._jobs.put(None)  # the stuck thread ends if its call ever returns
+        self._jobs = None
+        return TIMED_OUT
+
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            fn, arg, box, done = job
+            try:
+                box.append(fn(arg))
+            except BaseException as e:  # noqa: BLE001 - the caller isolates it like any failure
+                box.append(e)
+            done.set()
+
+
 class RewardManager:
-    """Applies the reward function to samples, isolating failures.
+    """Applies the reward function to samples, isolating failures and stuck calls.
 
     A call that raises, or returns anything but a finite real number, gives that sample reward
     0.0 and counts in ``reward/errors`` (and ``errors_total`` across calls); the first failure's
-    traceback is logged once per manager. Sync functions run one after another in order; async
-    ones run concurrently, at most ``max_workers`` at a time.
+    traceback is logged once per manager. A call that does not return within ``timeout`` seconds
+    (``--rm-timeout``; None or 0 = no limit) gives its samples reward 0.0 and counts in
+    ``reward/timeouts`` (``timeouts_total``); the first one is logged with its sample. Sync
+    functions run one after another in order (on a helper thread when there is a timeout, so a
+    stuck call can be abandoned); async ones run concurrently, at most ``max_workers`` at a time,
+    each with its own deadline (one that blocks the event loop, e.g. time.sleep in an async def,
+    stalls the calls sharing that loop, which then time out with it).
     """
 
     def __init__(self, rm_type: str | None, custom_rm_path: str | None = None, group_rm: bool = False,
-                 max_workers: int = 64):
+                 max_workers: int = 64, timeout: float | None = 60.0):
         if group_rm and not custom_rm_path:
             raise ValueError("--group-rm needs --custom-rm-path to a function taking list[Sample]; "
                              "the built-in --rm-type functions score one sample at a time")
         self.fn = resolve_reward_fn(rm_type, custom_rm_path)
         self.group_rm, self.max_workers = group_rm, max_workers
-        self.errors_total = 0
-        self._logged_error = False
+        self.timeout = timeout or None
+        self.errors_total = self.timeouts_total = 0
+        self._logged_error = self._logged_timeout = False
+        self._call_sync = _DaemonCaller()
+        # an async def is called right here (that only creates the coroutine); anything else may block
+        self._is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+
+    @classmethod
+    def from_config(cls, rc) -> RewardManager:
+        """From the reward section of the config (``RewardConfig``)."""
+        return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, timeout=rc.rm_timeout)
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Set ``sample.reward`` on every sample. Metrics: ``reward/mean``, ``reward/errors`` and
-        ``reward/accuracy`` (the fraction of samples with reward > 0.5)."""
+        """Set ``sample.reward`` on every sample. Metrics: ``reward/mean``, ``reward/errors``,
+        ``reward/timeouts`` and ``reward/accuracy`` (the fraction of samples with reward > 0.5)."""
         if self.group_rm:
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(samples):
@@ -115,10 +173,14 @@ class RewardManager:
         outcomes: list[Any] = [None] * len(units)
         pending: dict[int, Any] = {}
         for u, idx in enumerate(units):
-            try:
-                out = self.fn([samples[i] for i in idx] if self.group_rm else samples[idx[0]])
-            except Exception as e:
-                out = e
+            arg = [samples[i] for i in idx] if self.group_rm else samples[idx[0]]
+            if self._is_async or self.timeout is None:
+                try:
+                    out = self.fn(arg)
+                except Exception as e:
+                    out = e
+            else:
+                out = self._call_sync(self.fn, arg, self.timeout)
             if inspect.isawaitable(out):
                 pending[u] = out
             else:
@@ -127,8 +189,14 @@ class RewardManager:
             for u, out in zip(pending, self._await_all(list(pending.values()))):
                 outcomes[u] = out
 
-        errors = 0
+        errors = timeouts = 0
         for idx, out in zip(units, outcomes):
+            if out is TIMED_OUT:
+                timeouts += len(idx)
+                self._log_first_timeout(samples[idx[0]])
+                for i in idx:
+                    samples[i].reward = 0.0
+                continue
             for i, reward in zip(idx, self._unit_rewards(out, len(idx))):
                 if isinstance(reward, BaseException):
                     errors += 1
@@ -136,10 +204,12 @@ class RewardManager:
                     reward = 0.0
                 samples[i].reward = reward
         self.errors_total += errors
+        self.timeouts_total += timeouts
         n = max(len(samples), 1)
         return {
             "reward/mean": sum(s.reward for s in samples) / n,
             "reward/errors": float(errors),
+            "reward/timeouts": float(timeouts),
             "reward/accuracy": sum(s.reward > 0.5 for s in samples) / n,
         }
 
@@ -155,23 +225,39 @@ class RewardManager:
         return [_as_reward(v) for v in out]
 
     def _await_all(self, awaitables: list) -> list:
-        async def main() -> list:
+        """Outcomes of the awaitables (a value, an exception or TIMED_OUT), run on an event loop of
+        their own in a daemon thread: that works from inside a running loop too (async trainer,
+        notebook), and a coroutine that blocks its loop (time.sleep in an async def) or ignores its
+        cancellation still cannot hold up the caller past the deadline."""
+        results: list[Any] = [TIMED_OUT] * len(awaitables)
+
+        async def one(i: int, aw, sem: asyncio.Semaphore) -> None:
+            async with sem:
+                task = asyncio.ensure_future(aw)
+                done, _ = await asyncio.wait({task}, timeout=self.timeout)
+                if not done:
+                    task.cancel()  # not awaited: a coroutine that ignores cancellation must not hold the batch
+                elif task.cancelled():
+                    results[i] = asyncio.CancelledError("the reward coroutine was cancelled")
+                else:
+                    results[i] = task.exception() or task.result()
+
+        async def main() -> None:
             sem = asyncio.Semaphore(self.max_workers)
+            await asyncio.gather(*(one(i, aw, sem) for i, aw in enumerate(awaitables)))
 
-            async def one(aw):
-                async with sem:
-                    return await aw
+        finished = threading.Event()
 
-            return await asyncio.gather(*(one(aw) for aw in awaitables), return_exceptions=True)
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            finally:
+                finished.set()
 
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(main())
-        # Called from inside a running event loop (async trainer, notebook), where asyncio.run
-        # refuses to start: run the batch on a loop of its own in a helper thread.
-        with ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, main()).result()
+        threading.Thread(target=run, daemon=True, name="polyrl-reward-async").start()
+        rounds = -(-len(awaitables) // self.max_workers)  # the semaphore admits max_workers calls at a time
+        finished.wait(None if self.timeout is None else rounds * self.timeout + 1.0)
+        return list(results)  # a call still running now counts as timed out
 
     def _log_first(self, err: BaseException, sample: Sample) -> None:
         if self._logged_error:
@@ -181,3 +267,17 @@ class RewardManager:
         logger.warning("reward function %s failed on a sample of group %d; it gets reward 0.0 and counts in "
                        "reward/errors (later failures are counted, not logged)", name, sample.group_index,
                        exc_info=err)
+
+    def _log_first_timeout(self, sample: Sample) -> None:
+        if self._logged_timeout:
+            return
+        self._logged_timeout = True
+        name = getattr(self.fn, "__qualname__", repr(self.fn))
+        logger.warning("reward function %s did not return within --rm-timeout %gs on a sample of group %d "
+                       "(prompt %r, response %r, label %r); it gets reward 0.0 and counts in reward/timeouts, the "
+                       "stuck call is abandoned and the run goes on (later timeouts are counted, not logged)",
+                       name, self.timeout, sample.group_index, _clip(sample.prompt), _clip(sample.response), sample.label)
+
+
+def _clip(text: Any, n: int = 200) -> Any:
+    return text if not isinstance(text, str) or len(text) <= n else text[:n // 2] + " ... " + text[-n // 2:]

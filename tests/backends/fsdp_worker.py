@@ -2,7 +2,8 @@
 
 python -m torch.distributed.run --nproc-per-node N tests/backends/fsdp_worker.py MODEL_DIR OUT.pt
     [--steps K] [--load CKPT] [--save CKPT] [--offload] [--micro-batch-size M] [--dynamic TOKENS]
-Writes, from rank 0: losses per step and the full final weights.
+Writes, from rank 0: losses per step, the full gradients each optimizer step applied (after
+clipping), and the full weights before the first and after the last step.
 """
 
 import argparse
@@ -17,6 +18,8 @@ from polyrl.backends.parallel_dims import init_distributed
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
+
+OPTIM = dict(lr=1e-2, clip_grad=1.0)  # the tests replay AdamW with these settings (and the other defaults)
 
 
 def fixed_batch(n: int = 8, vocab: int = 14, seed: int = 0) -> TrainBatch:
@@ -49,7 +52,7 @@ def main():
     torch.set_num_threads(1)
     from polyrl.backends.fsdp.backend import FSDPBackend
     mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload)
-    oc = OptimizerConfig(lr=1e-2, clip_grad=1.0)
+    oc = OptimizerConfig(**OPTIM)
     bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None,
                      micro_batch_layout=a.layout)
     be = FSDPBackend(mc, oc, bc, device=a.device, total_steps=8)
@@ -59,7 +62,15 @@ def main():
     per = len(batch) // ws
     mine = batch.select(list(range(rk * per, (rk + 1) * per)))
     loss_fn = functools.partial(rl_loss, s=LossSettings(eps_clip=0.2, loss_agg_mode="token-mean"))
-    losses = []
+    losses, grads = [], []
+    names = {p: n for n, p in be.model.lm.named_parameters()}  # tied parameters: their first name, as export_weights
+
+    def record_grads(opt, args, kwargs):  # runs on every rank (full_tensor is a collective), just before Adam
+        full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+        grads.append({names[p]: full(p.grad).float().cpu().clone() for group in opt.param_groups for p in group["params"]})
+
+    be.optimizer.register_step_pre_hook(record_grads)
+    init = {n: t.float().cpu().clone() for n, t in be.export_weights()}
     for step in range(start, start + a.steps):
         m = be.train_step(mine, loss_fn, with_entropy=True)
         losses.append((m["loss"], m["grad_norm"], m["entropy"]))
@@ -67,7 +78,7 @@ def main():
         save_checkpoint(a.save, start + a.steps, be, {"step": start + a.steps})
     weights = {n: t.float().cpu().clone() for n, t in be.export_weights()}
     if rk == 0:
-        torch.save({"losses": losses, "weights": weights}, a.out)
+        torch.save({"losses": losses, "grads": grads, "init": init, "weights": weights, "start": start}, a.out)
     dist.barrier()  # no rank tears gloo down while another still has traffic in flight
     dist.destroy_process_group()
 
