@@ -121,7 +121,7 @@ def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     device, _ = rt.setup(cfg)
     backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
     engine = rt.build_engine(cfg, device)
-    transport = rt.build_transport(cfg, device)
+    transport = rt.build_transport(cfg, device, engine)
     try:
         t = time.perf_counter()
         nbytes = transport.push(backend.export_weights(), [engine], version=1)  # forms the group

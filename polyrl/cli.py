@@ -65,7 +65,7 @@ def run_eval(cfg) -> dict:
     if cfg.checkpoint.load:
         backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
         load_checkpoint(cfg.checkpoint.load, backend)
-        rt.build_transport(cfg, device).push(backend.export_weights(), [engine], version=0)
+        rt.build_transport(cfg, device, engine).push(backend.export_weights(), [engine], version=0)
     tok = engine.tokenizer
     ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
     rewards = RewardManager.from_config(cfg.reward)

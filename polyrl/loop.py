@@ -41,7 +41,7 @@ def train(cfg: Config) -> dict:
     backend = rt.build_backend(cfg, device, total_steps=r.num_rollout * n_minibatches, need_ref=need_ref)
     engine = rt.build_engine(cfg, device)
     rewards = RewardManager.from_config(cfg.reward)
-    transport = rt.build_transport(cfg, device)
+    transport = rt.build_transport(cfg, device, engine)
     logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
                            quiet=cfg.log.quiet, enabled=d.is_main, title="polyrl train")
     loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))

@@ -93,17 +93,22 @@ def engine_in_process(cfg: Config) -> bool:
     return cfg.rollout.rollout_engine == "embedded" and not cfg.engines.rollout_external
 
 
-def build_transport(cfg: Config, device: str):
-    """How the HF-named stream reaches the engine: decided once, here (config.validate checked the pairing)."""
+def build_transport(cfg: Config, device: str, engine=None):
+    """How the HF-named stream reaches the engine: decided once, here (config.validate checked the pairing).
+    Servers that share the trainer's GPUs (engine.colocated) take the group over gloo: NCCL refuses two
+    ranks on one GPU."""
     from polyrl.weight_sync import InMemoryTransport
-    mode, bucket = weight_sync_mode(cfg), cfg.model.update_weight_buffer_size
+    mode, bucket, e = weight_sync_mode(cfg), cfg.model.update_weight_buffer_size, cfg.engines
     if mode == "tensor":
         return InMemoryTransport(bucket)
     if mode == "distributed":
         from polyrl.weight_sync.distributed import DistributedTransport
-        return DistributedTransport(bucket, device=device, check_equal=cfg.engines.check_weight_update_equal)
+        group_device = "cpu" if getattr(engine, "colocated", False) else device
+        return DistributedTransport(bucket, device=group_device, check_equal=e.check_weight_update_equal,
+                                    timeout_s=e.rollout_request_timeout)
     from polyrl.weight_sync.distributed import DiskTransport
-    return DiskTransport(bucket, check_equal=cfg.engines.check_weight_update_equal)
+    return DiskTransport(bucket, check_equal=e.check_weight_update_equal, timeout_s=e.rollout_request_timeout,
+                         hf_checkpoint=cfg.model.hf_checkpoint)
 
 
 def embedded_engine_kwargs(cfg: Config) -> dict:

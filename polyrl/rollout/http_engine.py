@@ -21,7 +21,6 @@ import importlib.util
 import logging
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from polyrl.config import Config
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
+from polyrl.rollout.router import spawn
 from polyrl.rollout.sampling import prompt_seed, sample_seed
 from polyrl.types import Sample, SamplingParams
 
@@ -51,15 +51,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGKILL to the server when the trainer dies, also by kill -9 (Linux)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux: atexit and close() still stop the servers on a normal or Ctrl-C exit
-        pass
 
 
 @dataclass
@@ -85,8 +76,8 @@ class Server:
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            # spawn: tied to the trainer (killed with it, also by kill -9), even when a restart thread starts it
+            self.proc = spawn(self.cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def stop(self, grace: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
