@@ -133,6 +133,16 @@ def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
             t = time.perf_counter()
             transport.push(backend.export_weights(), [engine], version=2 + v)
             times.append(time.perf_counter() - t)
+        export = []  # the trainer-side part alone: FSDP gather of every parameter into the HF-named stream
+        for _ in range(a.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _, x in backend.export_weights():
+                x.contiguous()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            export.append(time.perf_counter() - t)
         sizes = [sum(x.numel() * x.element_size() for _, x in b)
                  for b in buckets(((n, x) for n, x in backend.export_weights()), cfg.model.update_weight_buffer_size)]
     finally:
@@ -143,8 +153,9 @@ def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     raw = raw_broadcast(sizes, a.repeats, a.device, work)
     s = median(times)
     return {"shape": shape, "params_M": info["params"] / 1e6, "GiB": nbytes / 2**30, "buckets": len(sizes),
-            "first_sync_s": first_s, "sync_s": s, "raw_broadcast_s": raw, "sync_GB_s": nbytes / s / 1e9,
-            "raw_GB_s": sum(sizes) / raw / 1e9, "sync_over_raw": s / raw}
+            "first_sync_s": first_s, "sync_s": s, "export_s": median(export), "raw_broadcast_s": raw, "sync_GB_s": nbytes / s / 1e9,
+            "raw_GB_s": sum(sizes) / raw / 1e9, "sync_over_raw": s / raw,
+            "transfer_over_raw": (s - median(export)) / raw}
 
 
 def grpo(a: argparse.Namespace, work: str) -> list[dict]:
@@ -191,11 +202,12 @@ def main(argv=None) -> None:
     print(f"device: {dev} x {torch.cuda.device_count() if a.device == 'cuda' else 1}, torch {torch.__version__}", flush=True)
     sync_rows = [sync_shape(s, a, work) for s in a.shapes]
     print("\nweight sync from distributed (trainer GPU 0 -> polyrl serve GPU 1)\n")
-    print(markdown_table(["shape", "params M", "GiB", "buckets", "first sync s", "sync s", "raw broadcast s", "sync GB/s",
-                          "raw GB/s", "sync / raw"],
+    print(markdown_table(["shape", "params M", "GiB", "buckets", "first sync s", "sync s", "of it export s", "raw broadcast s", "sync GB/s",
+                          "raw GB/s", "sync / raw", "(sync - export) / raw"],
                          [[r["shape"], fmt(r["params_M"], "{:.0f}"), fmt(r["GiB"], "{:.2f}"), r["buckets"],
-                           fmt(r["first_sync_s"], "{:.3f}"), fmt(r["sync_s"], "{:.3f}"), fmt(r["raw_broadcast_s"], "{:.3f}"),
-                           fmt(r["sync_GB_s"], "{:.1f}"), fmt(r["raw_GB_s"], "{:.1f}"), fmt(r["sync_over_raw"], "{:.2f}")]
+                           fmt(r["first_sync_s"], "{:.3f}"), fmt(r["sync_s"], "{:.3f}"), fmt(r["export_s"], "{:.3f}"), fmt(r["raw_broadcast_s"], "{:.3f}"),
+                           fmt(r["sync_GB_s"], "{:.1f}"), fmt(r["raw_GB_s"], "{:.1f}"), fmt(r["sync_over_raw"], "{:.2f}"),
+                           fmt(r["transfer_over_raw"], "{:.2f}")]
                           for r in sync_rows]))
     grpo_rows = grpo(a, work) if a.grpo else []
     if grpo_rows:

@@ -21,17 +21,16 @@ def init_distributed(device: str, backend: str = "auto") -> None:
     (FSDP2 and DCP always run inside a process group, even alone)."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl":  # small CPU-side reductions (metrics, counts) ride on gloo beside NCCL
         backend = "cpu:gloo,cuda:nccl"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 @dataclass
