@@ -694,13 +694,17 @@ class EngineServer:
             raise bad(f"names, dtypes and shapes must have the same length ({len(names)}, {len(dts)}, {len(shapes)})")
         name = _field(body, "group_name", lambda v: isinstance(v, str), "a string", "weight_update_group")
         version = _field(body, "weight_version", lambda v: isinstance(v, str), "a string", None)
+        load_format = _field(body, "load_format", lambda v: v in (None, "auto", "flattened_bucket"),
+                             'null, "auto" or "flattened_bucket"', None)
+        if load_format == "flattened_bucket" and len(set(dts)) > 1:
+            raise bad(f"a flattened bucket holds tensors of one dtype, got {sorted(set(dts))}")
         if name not in self.receiver.groups:
             raise bad(f"no weight-update group {name!r}; call /init_weights_update_group first")
         self._check_weights(names, shapes)
         if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
             self._abort(lambda it: True, "aborted by a weight update")
         try:
-            weights = await self._comm.run(self.receiver.receive, names, dts, shapes, name)
+            weights = await self._comm.run(self.receiver.receive, names, dts, shapes, name, load_format)
         except Exception as e:
             await self._comm.run(self.receiver.destroy_group, name)  # a broken group is not reused; the trainer rebuilds it
             return self._json({"success": False, "message": f"Failed to receive the weights: {e}"}, 400)

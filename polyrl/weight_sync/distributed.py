@@ -30,6 +30,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -154,7 +155,10 @@ class WeightReceiver:
         self.groups[group_name] = (*new_group(backend, master_address, int(master_port), int(rank_offset), int(world_size),
                                               group_name, timeout_s), timeout_s)
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> list[tuple[str, torch.Tensor]]:
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+        """load_format "flattened_bucket" (SGLang's name): the bucket's tensors, all of one dtype, arrive as
+        one broadcast of their concatenation; otherwise one broadcast per tensor, in order."""
         if group_name not in self.groups:
             raise ValueError(f"no weight-update group {group_name!r}: call /init_weights_update_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -162,9 +166,17 @@ class WeightReceiver:
         pg, _, timeout_s = self.groups[group_name]
         nccl = self.device.type == "cuda" and type(pg).__name__ == "ProcessGroupNCCL"
         dev = self.device if nccl else torch.device("cpu")
-        out = [(n, torch.empty([int(x) for x in s], dtype=dtype_from_name(d), device=dev))
-               for n, d, s in zip(names, dtypes, shapes)]
-        works = [pg.broadcast([t], _broadcast_opts()) for _, t in out]  # all posted at once: no per-tensor round trip
+        shapes = [[int(x) for x in s] for s in shapes]
+        if load_format == "flattened_bucket":
+            if len(set(dtypes)) > 1:
+                raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
+            sizes = [math.prod(s) for s in shapes]
+            flat = torch.empty(sum(sizes), dtype=dtype_from_name(dtypes[0]), device=dev)
+            works = [pg.broadcast([flat], _broadcast_opts())]
+            out = [(n, x.view(s)) for n, x, s in zip(names, flat.split(sizes), shapes)]
+        else:
+            out = [(n, torch.empty(s, dtype=dtype_from_name(d), device=dev)) for n, d, s in zip(names, dtypes, shapes)]
+            works = [pg.broadcast([t], _broadcast_opts()) for _, t in out]  # all posted at once: no per-tensor round trip
         for w in works:
             if not w.wait(datetime.timedelta(seconds=timeout_s)):
                 raise WeightSyncError(f"broadcast did not finish within {timeout_s:.0f} s")
@@ -276,8 +288,9 @@ class DistributedTransport(_ServerTransport):
     route to the first server; 127.0.0.1 for loopback servers)."""
 
     def __init__(self, bucket_bytes: int, *, device: str, timeout_s: float = 600.0, check_equal: bool = False,
-                 master_address: str | None = None):
+                 master_address: str | None = None, flatten: bool = True):
         super().__init__(bucket_bytes, timeout_s, check_equal)
+        self.flatten = flatten  # SGLang's load_format "flattened_bucket" (polyrl serve and SGLang >= 0.5 take it)
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device)
         self.master_address = master_address
@@ -320,8 +333,14 @@ class DistributedTransport(_ServerTransport):
             meta = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(x.dtype) for x in xs],
                     "shapes": [list(x.shape) for x in xs], "group_name": GROUP_NAME, "flush_cache": True,
                     "weight_version": str(version)}
+            # one dtype (the usual case): one broadcast of the concatenation instead of one per tensor, since a
+            # bucket holds hundreds of small tensors and each broadcast costs a launch on both sides
+            flat = len(set(meta["dtypes"])) == 1 and self.flatten
+            if flat:
+                meta["load_format"] = "flattened_bucket"
             futs = {u: t.http.call_async(u, "/update_weights_from_distributed", meta, timeout=self.timeout_s) for u in t.urls}
-            works = [self.pg.broadcast([x], _broadcast_opts()) for x in xs]
+            sends = [torch.cat([x.reshape(-1) for x in xs])] if flat else xs
+            works = [self.pg.broadcast([x], _broadcast_opts()) for x in sends]
             self._wait(works, futs, f"bucket {k} ({len(xs)} tensors from {bucket[0][0]})")
             _check_answers(futs, "/update_weights_from_distributed", self.timeout_s)
             total += sum(x.numel() * x.element_size() for x in xs)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from polyrl.rollout.embedded import EmbeddedEngine
-from polyrl.rollout.http_client import HTTPClient
+from polyrl.rollout.http_client import EngineHTTPError, HTTPClient
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import (DiskTransport, DistributedTransport, WeightSyncError, check_weights_equal,
                                             decode_tensor)
@@ -88,6 +88,39 @@ def test_a_refused_bucket_fails_fast_naming_the_server(tiny_model, pair):
     finally:
         tr.close()
         eng.http.close()
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_flattened_and_per_tensor_buckets_arrive_bit_identical(tiny_model, pair, flatten):
+    """One dtype per bucket goes as one broadcast of the concatenation (SGLang's load_format
+    "flattened_bucket") unless turned off; a bucket of mixed dtypes always goes tensor by tensor."""
+    a = pair[0]
+    eng = FakeEngine([a.url])
+    tr = DistributedTransport(1 << 30, device="cpu", timeout_s=60, flatten=flatten)  # one bucket
+    try:
+        w = trainer_weights(tiny_model, 7)
+        tr.push(iter(w.items()), [eng], 7)
+        for name, t in w.items():
+            assert torch.equal(read_back(eng.http, a.url, name), t)
+        # a bf16 tensor among fp32 ones: per tensor; the server casts into its fp32 weights
+        mixed = dict(w, **{"model.norm.weight": w["model.norm.weight"].to(torch.bfloat16)})
+        tr.push(iter(mixed.items()), [eng], 8)
+        assert torch.equal(read_back(eng.http, a.url, "model.norm.weight"), mixed["model.norm.weight"].float())
+        assert torch.equal(read_back(eng.http, a.url, "model.embed_tokens.weight"), w["model.embed_tokens.weight"])
+        assert tr.builds == 1
+    finally:
+        tr.close()
+        eng.http.close()
+    # a flattened bucket announced with two dtypes is refused before any broadcast
+    http = HTTPClient()
+    try:
+        with pytest.raises(EngineHTTPError, match="one dtype") as e:
+            http.call(a.url, "/update_weights_from_distributed", {
+                "names": ["model.norm.weight", "lm_head.weight"], "dtypes": ["float32", "bfloat16"], "shapes": [[4], [4]],
+                "group_name": "g", "load_format": "flattened_bucket"}, timeout=10)
+        assert e.value.status == 400
+    finally:
+        http.close()
 
 
 def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, pair, tmp_path):
