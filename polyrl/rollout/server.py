@@ -703,12 +703,16 @@ class EngineServer:
         self._check_weights(names, shapes)
         if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
             self._abort(lambda it: True, "aborted by a weight update")
+        t0 = time.perf_counter()
         try:
             weights = await self._comm.run(self.receiver.receive, names, dts, shapes, name, load_format)
         except Exception as e:
             await self._comm.run(self.receiver.destroy_group, name)  # a broken group is not reused; the trainer rebuilds it
             return self._json({"success": False, "message": f"Failed to receive the weights: {e}"}, 400)
+        t1 = time.perf_counter()
         await self._load(weights, version)
+        log.info("weight update: %d tensors (%s) received in %.1f ms, loaded in %.1f ms", len(names),
+                 load_format or "per tensor", 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1))
         return self._json({"success": True, "message": "Succeeded to update parameter online."
                            + (f" Weight version updated to {version}." if version is not None else "")})
 
