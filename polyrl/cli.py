@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
         _check_backend_available(cfg)
         if args.command == "train":
-            from polyrl.loop import train
+            if cfg.rollout.async_training:
+                from polyrl.loop_async import train
+            else:
+                from polyrl.loop import train
             out = train(cfg)
         elif args.command == "sft":
             from polyrl.sft import sft

@@ -86,6 +86,11 @@ class RolloutConfig:
     rollout_mem_fraction: float = opt(0.4, "share of GPU memory the embedded GPU engine holds (weights + KV cache + "
                                            "workspace); the KV cache gets what is left")
     rollout_cuda_graph: bool = opt(True, "embedded GPU engine: decode steps replay CUDA graphs captured per batch size")
+    async_training: bool = opt(False, "asynchronous training (polyrl/loop_async.py): the rollout of later steps runs on the "
+                                      "engines while the trainer trains; weights go to the engines after every step",
+                               flag="--async")
+    max_staleness: int = opt(1, "--async: how many policy versions a sample may lag the policy it trains (1 = one-step-off; "
+                                "K > 1: generation runs up to K steps ahead and never waits for training within that bound)")
 
 
 @dataclass
@@ -391,7 +396,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_batch_size": ">= 1", "n_samples_per_prompt": ">= 1", "rollout_temperature": ">= 0",
     "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",
     "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
-    "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]",
+    "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]", "max_staleness": ">= 1",
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
@@ -534,6 +539,9 @@ def _validate_resources(cfg: Config, command: str) -> None:
 
 def _validate_engines(cfg: Config) -> None:
     e, r = cfg.engines, cfg.rollout
+    if r.max_staleness != 1 and not r.async_training:
+        raise ConfigError(f"--max-staleness {r.max_staleness} only applies with --async (the synchronous loop trains on "
+                          "samples of the current policy)")
     if e.rollout_external and not e.rollout_external_engine_addrs:
         raise ConfigError("--rollout-external needs --rollout-external-engine-addrs URL [URL ...] (running SGLang or polyrl serve servers)")
     if e.rollout_external_engine_addrs and not e.rollout_external:

@@ -1,7 +1,14 @@
-"""The synchronous RL loop: generate -> score -> advantages -> train -> sync weights."""
+"""The synchronous RL loop: generate -> score -> advantages -> train -> sync weights.
+
+`Run` holds what every loop builds (data, backend, engine, rewards, transport, logger) and the
+parts of a step that do not depend on when the samples were generated: `learn` (reward,
+advantages, train), `sync_weights`, `finish_step` (metrics, eval, checkpoint). `train` below runs
+them in order; `polyrl/loop_async.py` runs the same parts with generation one or more steps ahead.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -15,6 +22,7 @@ from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
 from polyrl.metrics import MetricsLogger, Timer, notice
 from polyrl.rewards import RewardManager
+from polyrl.types import Sample
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -26,93 +34,142 @@ def loss_settings(cfg: Config) -> LossSettings:
         norm_len=float(cfg.rollout.rollout_max_response_len))
 
 
-def train(cfg: Config) -> dict:
-    device, d = rt.setup(cfg)
-    r, a = cfg.rollout, cfg.algorithm
-    if r.rollout_batch_size % d.world:
-        raise ConfigError(f"--rollout-batch-size {r.rollout_batch_size} must be a multiple of the {d.world} ranks "
-                          "(each rank samples whole prompt groups)")
-    tok = rt.load_tokenizer(cfg)
-    dataset = rt.prompt_dataset(cfg, tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle)
-    eval_set = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data, shuffle=False) if cfg.data.eval_prompt_data else None
-    per_step = r.rollout_batch_size * r.n_samples_per_prompt
-    n_minibatches = per_step // (cfg.batch.global_batch_size or per_step)
-    need_ref = a.use_kl_loss or (a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0)
-    backend = rt.build_backend(cfg, device, total_steps=r.num_rollout * n_minibatches, need_ref=need_ref)
-    engine = rt.build_engine(cfg, device)
-    rewards = RewardManager.from_config(cfg.reward)
-    transport = rt.build_transport(cfg, device, engine)
-    logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
-                           quiet=cfg.log.quiet, enabled=d.is_main, title="polyrl train")
-    loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))
-    start = 0
-    if cfg.checkpoint.load:
-        state = load_checkpoint(cfg.checkpoint.load, backend)
-        start = state["step"]
-        dataset.load_state_dict(state["data"])
-        transport.push(backend.export_weights(), [engine], version=start)  # the engine must sample from the resumed policy
-    if start >= r.num_rollout:  # say so: a run that trains nothing must not look like one that finished
-        notice(f"nothing to train: the checkpoint is at step {start}, at or past --num-rollout {r.num_rollout}; raise "
-               "--num-rollout to train on" if cfg.checkpoint.load else "nothing to train: --num-rollout 0 (no RL step runs)")
-    elif start:
-        notice(f"resuming at step {start + 1} of --num-rollout {r.num_rollout}")
-    if eval_set is not None and cfg.log.eval_interval and start == 0:  # the curve starts from the initial policy
-        logger.log(0, rt.evaluate(cfg, engine, eval_set, rewards, d))
-    t_run = time.perf_counter()
-    for step in range(start, r.num_rollout):
-        timer, m = Timer(), {}
-        items = d.shard(dataset.next_batch(r.rollout_batch_size))
-        with timer("rollout"):
-            backend.offload()
-            samples = rt.rollout(engine, items, rt.sampling_params(cfg, seed=r.rollout_seed + step * d.world + d.rank))
+class Run:
+    """Everything a training run builds, once, and the step parts both loops share."""
+
+    def __init__(self, cfg: Config, title: str = "polyrl train"):
+        self.cfg = cfg
+        self.device, self.d = rt.setup(cfg)
+        r, a, d = cfg.rollout, cfg.algorithm, self.d
+        if r.rollout_batch_size % d.world:
+            raise ConfigError(f"--rollout-batch-size {r.rollout_batch_size} must be a multiple of the {d.world} ranks "
+                              "(each rank samples whole prompt groups)")
+        self.tok = rt.load_tokenizer(cfg)
+        self.dataset = rt.prompt_dataset(cfg, self.tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle)
+        self.eval_set = (rt.prompt_dataset(cfg, self.tok, cfg.data.eval_prompt_data, shuffle=False)
+                         if cfg.data.eval_prompt_data else None)
+        per_step = r.rollout_batch_size * r.n_samples_per_prompt
+        self.n_minibatches = per_step // (cfg.batch.global_batch_size or per_step)
+        self.kl_in_reward = a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0
+        self.need_ref = a.use_kl_loss or self.kl_in_reward
+        self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref)
+        self.engine = rt.build_engine(cfg, self.device)
+        self.rewards = RewardManager.from_config(cfg.reward)
+        self.transport = rt.build_transport(cfg, self.device, self.engine)
+        self.logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
+                                    quiet=cfg.log.quiet, enabled=d.is_main, title=title)
+        self.loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))
+        # held around every engine call; the async loop makes it a real lock for an engine whose weights cannot change
+        # under a running generate (engine.concurrent_update False: the in-process ones)
+        self.engine_lock = contextlib.nullcontext()
+        self.start = 0
+        if cfg.checkpoint.load:
+            state = load_checkpoint(cfg.checkpoint.load, self.backend)
+            self.start = state["step"]
+            self.dataset.load_state_dict(state["data"])
+            self.sync_weights(self.start)  # the engine must sample from the resumed policy
+        if self.start >= r.num_rollout:  # say so: a run that trains nothing must not look like one that finished
+            notice(f"nothing to train: the checkpoint is at step {self.start}, at or past --num-rollout {r.num_rollout}; raise "
+                   "--num-rollout to train on" if cfg.checkpoint.load else "nothing to train: --num-rollout 0 (no RL step runs)")
+        elif self.start:
+            notice(f"resuming at step {self.start + 1} of --num-rollout {r.num_rollout}")
+        if self.eval_set is not None and cfg.log.eval_interval and self.start == 0:  # the curve starts from the initial policy
+            self.logger.log(0, self.evaluate())
+
+    def draw(self) -> list:
+        """This rank's prompts of the next step."""
+        return self.d.shard(self.dataset.next_batch(self.cfg.rollout.rollout_batch_size))
+
+    def generate(self, items: list, step: int) -> list[Sample]:
+        r, d = self.cfg.rollout, self.d
+        with self.engine_lock:
+            return rt.rollout(self.engine, items, rt.sampling_params(self.cfg, seed=r.rollout_seed + step * d.world + d.rank))
+
+    def evaluate(self) -> dict[str, float]:
+        with self.engine_lock:
+            return rt.evaluate(self.cfg, self.engine, self.eval_set, self.rewards, self.d)
+
+    def learn(self, samples: list[Sample], step: int, m: dict, timer: Timer) -> None:
+        """Score, compute advantages and train on one step's samples (whatever policy version produced them)."""
+        r, a, d, backend = self.cfg.rollout, self.cfg.algorithm, self.d, self.backend
         with timer("reward"):
-            rm = rewards.score(samples)
+            rm = self.rewards.score(samples)
             m.update({k: v / d.world for k, v in zip(rm, d.sum(list(rm.values())))})
         with timer("train"):
-            engine.sleep()
             backend.onload()
             batch = rt.to_train_batch(samples)
-            kl_in_reward = a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0
-            if n_minibatches > 1 or kl_in_reward:  # later minibatches are off-policy: keep the pre-update logprobs
+            if self.n_minibatches > 1 or self.kl_in_reward:  # later minibatches are off-policy: keep the pre-update logprobs
                 batch.token_fields["old_logprobs"] = backend.compute_logprobs(batch, temperature=r.rollout_temperature)
-            if need_ref:
+            if self.need_ref:
                 batch.token_fields["ref_logprobs"] = backend.compute_logprobs(batch, model="ref", temperature=r.rollout_temperature)
             lens = batch.response_lens
             seq_ids = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens))
             kl = None
-            if kl_in_reward:
+            if self.kl_in_reward:
                 kl = torch.cat(batch.token_fields["old_logprobs"]) - torch.cat(batch.token_fields["ref_logprobs"])
             adv = compute_advantages(a.advantage_estimator, torch.tensor([s.reward for s in samples]), seq_ids,
                                      group_size=r.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization,
                                      kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]),
                                      reduce=d.sum)
             batch.token_fields["advantages"] = list(adv.split(lens))
-            per_rank = len(samples) // n_minibatches
-            for k in range(n_minibatches):
-                tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), loss_fn,
+            per_rank = len(samples) // self.n_minibatches
+            for k in range(self.n_minibatches):
+                tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), self.loss_fn,
                                         temperature=r.rollout_temperature, with_entropy=True)
                 for key, v in tm.items():
-                    m[key] = m.get(key, 0.0) + v / n_minibatches
+                    m[key] = m.get(key, 0.0) + v / self.n_minibatches
             if a.ref_update_interval and (step + 1) % a.ref_update_interval == 0:
                 backend.sync_ref_from_actor()
+
+    def sync_weights(self, version: int) -> None:
+        self.backend.offload()
+        self.engine.wake()
+        with self.engine_lock:
+            self.transport.push(self.backend.export_weights(), [self.engine], version=version)
+
+    def finish_step(self, step: int, samples: list[Sample], m: dict, timer: Timer, rollout_s: float,
+                    data_state: dict | None = None) -> None:
+        """Step metrics, eval, checkpoint; `step` is 0-based, the policy is now at version step + 1.
+        data_state: where a resume draws the next step's prompts (default: the dataset's position now)."""
+        cfg, d = self.cfg, self.d
+        n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
+                                        sum(s.finish_reason == "length" for s in samples)])
+        m.update(self.engine.stats())
+        m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.dataset.num_dropped,
+                  "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9),
+                  **{f"time/{k}": v for k, v in timer.times.items()}})
+        last = step + 1 == cfg.rollout.num_rollout
+        if self.eval_set is not None and cfg.log.eval_interval and ((step + 1) % cfg.log.eval_interval == 0 or last):
+            m.update(self.evaluate())
+        self.logger.log(step + 1, m)
+        if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
+            self.save(step + 1, data_state if data_state is not None else self.dataset.state_dict())
+
+    def save(self, step: int, data_state: dict) -> None:
+        save_checkpoint(self.cfg.checkpoint.save, step, self.backend,
+                        {"step": step, "data": data_state, "config": dataclasses.asdict(self.cfg)},
+                        keep=self.cfg.checkpoint.max_ckpt_to_keep)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.engine.close()  # launched servers stop here (and at exit, on an error)
+        if self.cfg.checkpoint.save_hf:
+            self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
+
+
+def train(cfg: Config) -> dict:
+    run = Run(cfg)
+    n, m = cfg.rollout.num_rollout, {}
+    t_run = time.perf_counter()
+    for step in range(run.start, n):
+        timer, m = Timer(), {}
+        with timer("rollout"):
+            run.backend.offload()
+            samples = run.generate(run.draw(), step)
+            run.engine.sleep()  # colocated: the trainer gets the GPU
+        run.learn(samples, step, m, timer)
         with timer("weight_sync"):
-            backend.offload()
-            engine.wake()
-            transport.push(backend.export_weights(), [engine], version=step + 1)
-        n_resp, n_tok, n_trunc = d.sum([len(samples), sum(lens), sum(s.finish_reason == "length" for s in samples)])
-        m.update(engine.stats())
-        m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": dataset.num_dropped,
-                  "truncated_frac": n_trunc / max(n_resp, 1),
-                  "tokens_per_s": n_tok / max(timer.times["rollout"], 1e-9), **{f"time/{k}": v for k, v in timer.times.items()}})
-        if eval_set is not None and cfg.log.eval_interval and ((step + 1) % cfg.log.eval_interval == 0 or step + 1 == r.num_rollout):
-            m.update(rt.evaluate(cfg, engine, eval_set, rewards, d))
-        logger.log(step + 1, m)
-        if cfg.checkpoint.save and (step + 1 == r.num_rollout or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
-            save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "data": dataset.state_dict(),
-                                                                    "config": dataclasses.asdict(cfg)},
-                            keep=cfg.checkpoint.max_ckpt_to_keep)
-    logger.close()
-    engine.close()  # launched servers stop here (and at exit, on an error)
-    if cfg.checkpoint.save_hf:
-        backend.save_hf(cfg.checkpoint.save_hf, tok)
-    return {"steps": r.num_rollout - start, "wall_seconds": time.perf_counter() - t_run, "last": m if r.num_rollout > start else {}}
+            run.sync_weights(step + 1)
+        run.finish_step(step, samples, m, timer, timer.times["rollout"])
+    run.close()
+    return {"steps": n - run.start, "wall_seconds": time.perf_counter() - t_run, "last": m if n > run.start else {}}

@@ -53,10 +53,16 @@ class Dist:
         return items[self.rank * per:(self.rank + 1) * per]
 
     def sum(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: list[float], op) -> list[float]:
         if self.world == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
 
@@ -139,8 +145,11 @@ def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False) -> Sampl
 
 
 def rollout(engine, items: list, params: SamplingParams) -> list[Sample]:
+    version = getattr(engine, "version", None)  # in-process engines: no update can land during their generate
     samples = engine.generate([ids for ids, _ in items], params)
     for s in samples:
+        if s.weight_version is None:  # engine servers report the version each response was generated with
+            s.weight_version = version
         rec = items[s.group_index][1]
         s.prompt, s.label, s.metadata = rec.prompt if isinstance(rec.prompt, str) else str(rec.prompt), rec.label, rec.metadata
     return samples

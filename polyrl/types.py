@@ -40,6 +40,7 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     reward: float = 0.0
     loss_mask: list[int] | None = None  # per response token; None means all ones
+    weight_version: int | None = None  # the policy version (trainer step) whose weights generated it
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,9 @@ ENGINES = {  # --rollout-engine (and "external" for --rollout-external) -> class
 
 
 class RolloutEngine(Protocol):
+    version: int  # the weight version (trainer step) it holds
+    concurrent_update: bool  # update_weights may run while a generate is in flight (the async loop relies on it)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         """params.n samples per prompt, grouped: samples[i * n + j] answers prompts[i]
         (group_index i); each carries response ids, per-token logprobs and finish reason."""
@@ -39,6 +42,8 @@ class RolloutEngine(Protocol):
 
 class InProcessEngine:
     """What an engine in the trainer's process has nothing to say about."""
+
+    concurrent_update = False  # one model in this process: a weight update must wait for the running generate
 
     def stats(self) -> dict[str, float]:
         return {}

@@ -146,6 +146,8 @@ def plan_gpus(n_engines: int, per_engine: int, trainer_gpus: int, visible: int) 
 class HTTPEngine:
     """`--rollout-engine server|sglang` (launched) or `--rollout-external` (attached)."""
 
+    concurrent_update = True  # servers load weights between engine calls, each response reports its version
+
     @classmethod
     def from_config(cls, cfg: Config, device: str) -> "HTTPEngine":
         return cls(cfg, device)
@@ -347,8 +349,9 @@ class HTTPEngine:
 
     def _to_sample(self, prompt: list[int], i: int, o: dict) -> Sample:
         ids, lps, finish = self._to_sample_fields(o)
+        v = str(o["meta_info"].get("weight_version", ""))
         return Sample(prompt_ids=list(prompt), response_ids=ids, rollout_logprobs=lps, finish_reason=finish, group_index=i,
-                      response=self.tokenizer.decode(ids, skip_special_tokens=True))
+                      response=self.tokenizer.decode(ids, skip_special_tokens=True), weight_version=int(v) if v.isdigit() else None)
 
     # ---- health and restarts ---------------------------------------------------------------------
     def _health_loop(self) -> None:

@@ -1,0 +1,94 @@
+"""`polyrl train --async` (polyrl/loop_async.py) on CPU: the same data and seeds as the synchronous
+loop, the staleness each sample carries and its bound, engine servers updated while they generate,
+resume, and the flag checks. Servers are started on loopback by the run and stopped by it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyrl.cli import main
+from polyrl.loop_async import StalenessError, staleness
+from polyrl.runtime import Dist
+from polyrl.types import Sample
+
+RECORDER = '''
+import json, os
+def record(sample):
+    with open(os.environ["POLYRL_TEST_SAMPLES"], "a") as f:
+        f.write(json.dumps([sample.prompt_ids, sample.response_ids, sample.weight_version]) + "\\n")
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+GROUP = 4 * 4  # samples per step: --rollout-batch-size 4 x --n-samples-per-prompt 4
+
+
+def _train(tiny_model, arith_data, tmp_path, monkeypatch, name: str, *extra: str, steps: int = 3) -> tuple[list, list]:
+    rm = tmp_path / "rm.py"
+    rm.write_text(RECORDER)
+    out = tmp_path / f"{name}.jsonl"
+    monkeypatch.setenv("POLYRL_TEST_SAMPLES", str(out))
+    run = tmp_path / name
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:record",
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+                 "--num-rollout", str(steps), "--quiet", "--seed", "3", "--device", "cpu", "--run-dir", str(run), *extra]) == 0
+    rows = [json.loads(line) for line in open(out)]
+    return [rows[k:k + GROUP] for k in range(0, len(rows), GROUP)], [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_one_step_off_draws_and_seeds_like_the_synchronous_loop(tiny_model, arith_data, tmp_path, monkeypatch):
+    # lr 1e-12: Adam moves each weight by ~1e-12, below one fp32 ulp of weights ~1e-2, so the policy stays
+    # bit-identical and generation must give the synchronous loop's samples exactly, whatever version ran it
+    sync, _ = _train(tiny_model, arith_data, tmp_path, monkeypatch, "sync", "--lr", "1e-12")
+    asyn, m = _train(tiny_model, arith_data, tmp_path, monkeypatch, "async", "--lr", "1e-12", "--async")
+    assert [[r[:2] for r in step] for step in asyn] == [[r[:2] for r in step] for step in sync]
+    # one-step-off: step 1 from the initial weights, step s from the weights after step s - 2
+    assert [sorted({r[2] for r in step}) for step in asyn] == [[0], [0], [1]]
+    assert [(x["staleness/mean"], x["staleness/max"]) for x in m] == [(0, 0), (1, 1), (1, 1)]
+    assert all("time/wait_rollout" in x and "time/weight_sync" in x for x in m)
+
+
+@pytest.mark.slow
+def test_two_servers_stay_within_max_staleness_and_report_versions(tiny_model, arith_data, tmp_path, monkeypatch):
+    steps, k = 4, 2
+    got, m = _train(tiny_model, arith_data, tmp_path, monkeypatch, "servers", "--lr", "1e-3", "--async", "--max-staleness",
+                    str(k), "--rollout-engine", "server", "--rollout-num-engines", "2", "--check-weight-update-equal",
+                    steps=steps)
+    assert len(got) == steps
+    for s, step in enumerate(got):  # versions come from the servers' meta_info: the weights that produced each response
+        versions = {r[2] for r in step}
+        assert versions and all(v is not None and max(0, s - k) <= v <= s for v in versions), (s, versions)
+    assert all(x["staleness/max"] <= k and x["staleness/unknown"] == 0 for x in m)
+    assert m[0]["staleness/max"] == 0 and m[-1]["rollout/engines_up"] == 2
+
+
+@pytest.mark.slow
+def test_resume_draws_the_steps_that_were_queued_but_not_trained(tiny_model, arith_data, tmp_path, monkeypatch):
+    full, _ = _train(tiny_model, arith_data, tmp_path, monkeypatch, "full", "--lr", "1e-3", "--async", "--max-staleness", "2",
+                     steps=4)
+    save = tmp_path / "ckpt"
+    _train(tiny_model, arith_data, tmp_path, monkeypatch, "first", "--lr", "1e-3", "--async", "--max-staleness", "2",
+           "--save", str(save), "--save-interval", "2", steps=4)
+    # the checkpoint after step 2 was written while steps 3 and 4 were queued: a resume draws them again
+    resumed, m = _train(tiny_model, arith_data, tmp_path, monkeypatch, "resumed", "--lr", "1e-3", "--async", "--max-staleness",
+                        "2", "--load", str(save / "step_000002"), steps=4)
+    assert [sorted({tuple(r[0]) for r in step}) for step in resumed] == [sorted({tuple(r[0]) for r in step}) for step in full[2:]]
+    assert [x["step"] for x in m] == [3, 4]
+    assert {r[2] for r in resumed[0]} == {2}  # generated with the resumed weights
+
+
+def test_a_sample_past_the_bound_stops_the_run():
+    class R:
+        d = Dist(0, 1)
+
+    s = [Sample([1], [2], [0.0], "stop", weight_version=v) for v in (4, 5, None)]
+    assert staleness(R, s, 5, 1) == {"staleness/mean": 0.5, "staleness/max": 1, "staleness/unknown": 1}
+    with pytest.raises(StalenessError, match="step 7 .* 2 versions old, past --max-staleness 1"):
+        staleness(R, s, 6, 1)
+
+
+def test_max_staleness_without_async_is_a_flag_error(tiny_model, arith_data, capsys):
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--max-staleness", "2", "--device", "cpu"]) == 2
+    assert "--max-staleness 2 only applies with --async" in capsys.readouterr().err
