@@ -12,7 +12,7 @@ from polyrl.config import ConfigError, add_config_args, config_from_args, valida
 
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
-    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL),
+    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray",)),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export-hf" and not (cfg.checkpoint.load and cfg.checkpoint.save_hf):
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
         _check_backend_available(cfg)
-        if args.command == "train":
+        if args.command == "train" and cfg.ray.use_ray:
+            from polyrl.orchestration.ray_job import train_on_ray
+            out = train_on_ray(cfg)
+        elif args.command == "train":
             if cfg.rollout.async_training:
                 from polyrl.loop_async import train
             else:

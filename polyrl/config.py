@@ -256,6 +256,20 @@ class MegatronConfig:
 
 
 @dataclass
+class RayConfig:
+    """Ray placement (`--use-ray`), slime's flag names."""
+    use_ray: bool = opt(False, "place the train ranks (and engine servers) as Ray actors: on the cluster RAY_ADDRESS or "
+                               "--ray-address names, else on a local Ray instance started under the run dir")
+    ray_address: str = opt("", "Ray cluster to join (default: RAY_ADDRESS, as `ray job submit` sets it; none: start a local one)")
+    actor_num_nodes: int = opt(1, "nodes of train actors")
+    actor_num_gpus_per_node: int = opt(1, "train actors (one per GPU; on CPU one per slot) per node")
+    colocate: bool = opt(False, "engines share the train actors' GPUs and take turns (the embedded engine inside each train "
+                                "actor, weights from tensor); default: engine actors on GPUs of their own (--rollout-num-gpus), "
+                                "weights from distributed")
+    ray_num_cpus: int = opt(0, "local Ray instance only: logical CPUs (0 = this machine's)")
+
+
+@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -270,13 +284,14 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 SECTION_TITLES = {
     "cluster": "cluster / backend", "data": "data", "rollout": "rollout",
     "engines": "rollout engine servers", "server": "server (polyrl serve)", "batch": "batching",
     "algorithm": "algorithm", "reward": "reward", "optimizer": "optimizer", "model": "model / backend",
-    "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend",
+    "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend", "ray": "ray placement",
 }
 
 
@@ -418,6 +433,8 @@ VALUE_RANGES: dict[str, str] = {
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
     "num_layers_per_virtual_pipeline_stage": ">= 1", "context_parallel_size": ">= 1", "expert_model_parallel_size": ">= 1",
     "expert_tensor_parallel_size": ">= 1", "moe_router_topk": ">= 1", "recompute_num_layers": ">= 1",
+    # ray
+    "actor_num_nodes": ">= 1", "actor_num_gpus_per_node": ">= 1", "ray_num_cpus": ">= 0",
 }
 _HINTS = {"eps_clip_c": "; it is the dual-clip constant, leave it unset to disable dual clip",
           "rollout_top_k": " (-1 keeps every token)", "clip_grad": " (0 turns clipping off)",
@@ -492,6 +509,8 @@ def validate(cfg: Config, command: str = "train") -> None:
         _validate_megatron(cfg.megatron)
     if command in ("train", "eval"):
         _validate_engines(cfg)
+    if command == "train":
+        _validate_ray(cfg)
     if c.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -535,6 +554,27 @@ def _validate_resources(cfg: Config, command: str) -> None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no file {mod}")
         if mod and not mod.endswith(".py") and importlib.util.find_spec(mod.split(".")[0]) is None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no module {mod.split('.')[0]!r} on the path")
+
+
+def _validate_ray(cfg: Config) -> None:
+    y, e, r = cfg.ray, cfg.engines, cfg.rollout
+    if not y.use_ray:
+        if y.colocate or y.actor_num_nodes != 1 or y.actor_num_gpus_per_node != 1 or y.ray_address:
+            raise ConfigError("--colocate, --actor-num-nodes, --actor-num-gpus-per-node and --ray-address place Ray actors: "
+                              "add --use-ray (under torchrun, --nproc-per-node sets the ranks)")
+        return
+    if os.environ.get("RANK") is not None:
+        raise ConfigError("--use-ray places the train ranks itself: run `polyrl train --use-ray ...` once, not under torchrun")
+    if e.rollout_external:
+        raise ConfigError("--use-ray starts its engines as Ray actors; --rollout-external attaches to running servers: "
+                          "drop one of them")
+    if y.colocate and r.rollout_engine != "embedded":
+        raise ConfigError(f"--use-ray --colocate runs the engine inside each train actor (--rollout-engine embedded, weights "
+                          f"from tensor); --rollout-engine {r.rollout_engine} servers on the train actors' GPUs are not "
+                          "supported under Ray: drop --colocate to give the servers GPUs of their own")
+    if not y.colocate and r.rollout_engine == "embedded":
+        raise ConfigError("--use-ray without --colocate puts the engines on GPUs of their own, as servers: add "
+                          "--rollout-engine server (or sglang), or --colocate to keep the embedded engine in the train actors")
 
 
 def _validate_engines(cfg: Config) -> None:

@@ -104,18 +104,18 @@ def _dtype_flags(cfg: Config) -> list[str]:
     return ["--fp16"] if m.fp16 else ["--bf16"] if m.bf16 else ["--fp32"] if m.fp32 else []
 
 
-def server_command(cfg: Config, kind: str, port: int, device: str) -> list[str]:
-    """argv of one launched engine server."""
+def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "127.0.0.1") -> list[str]:
+    """argv of one launched engine server (host: where it listens; off loopback it needs an api key)."""
     e = cfg.engines
     key = ["--api-key", e.api_key] if e.api_key else []
     if kind == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise ImportError(SGLANG_HINT)
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_checkpoint,
-                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
+                "--host", host, "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                 "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction), *key, *e.sglang_args]
     r = cfg.rollout
-    return [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", cfg.model.hf_checkpoint, "--host", "127.0.0.1",
+    return [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", cfg.model.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", device, "--seed", str(cfg.cluster.seed),
             "--rollout-mem-fraction", str(r.rollout_mem_fraction), "--rollout-batch-generate", str(r.rollout_batch_generate),
             "--attn-implementation", cfg.model.attn_implementation,
@@ -190,7 +190,7 @@ class HTTPEngine:
         else:
             n = num_engines(cfg)
             log_dir = e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
-            urls: list = [None]
+            urls: list = [None, None]  # (server urls, colocated): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
                 urls = [[s.url for s in self.servers], self.colocated]

@@ -1,0 +1,1 @@
+"""Where processes run: Ray placement (`--use-ray`); torchrun needs nothing here."""
