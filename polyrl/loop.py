@@ -75,6 +75,7 @@ class Run:
             notice(f"resuming at step {self.start + 1} of --num-rollout {r.num_rollout}")
         if self.eval_set is not None and cfg.log.eval_interval and self.start == 0:  # the curve starts from the initial policy
             self.logger.log(0, self.evaluate())
+        self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
 
     def draw(self) -> list:
         """This rank's prompts of the next step."""
@@ -89,11 +90,13 @@ class Run:
         with self.engine_lock:
             return rt.evaluate(self.cfg, self.engine, self.eval_set, self.rewards, self.d)
 
-    def learn(self, samples: list[Sample], step: int, m: dict, timer: Timer) -> None:
-        """Score, compute advantages and train on one step's samples (whatever policy version produced them)."""
+    def learn(self, samples: list[Sample], step: int, m: dict, timer: Timer, scored: dict | None = None) -> None:
+        """Score, compute advantages and train on one step's samples (whatever policy version produced them).
+        scored: this rank's reward metrics when the samples were scored already (the async loop scores them
+        on its rollout thread); the ranks' metrics are averaged here, on the thread that runs the collectives."""
         r, a, d, backend = self.cfg.rollout, self.cfg.algorithm, self.d, self.backend
         with timer("reward"):
-            rm = self.rewards.score(samples)
+            rm = scored if scored is not None else self.rewards.score(samples)
             m.update({k: v / d.world for k, v in zip(rm, d.sum(list(rm.values())))})
         with timer("train"):
             backend.onload()
@@ -141,6 +144,8 @@ class Run:
         last = step + 1 == cfg.rollout.num_rollout
         if self.eval_set is not None and cfg.log.eval_interval and ((step + 1) % cfg.log.eval_interval == 0 or last):
             m.update(self.evaluate())
+        now = time.perf_counter()
+        m["time/step"], self._t_step = now - self._t_step, now
         self.logger.log(step + 1, m)
         if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
             self.save(step + 1, data_state if data_state is not None else self.dataset.state_dict())

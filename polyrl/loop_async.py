@@ -16,6 +16,8 @@ between engine calls (`polyrl serve` serialises them with generation, as SGLang'
 so each response comes from one version and reports it. In-process engines (embedded) cannot
 change weights under a running generate: their generate and weight update take turns on a lock,
 so training still overlaps generation but the push waits for the running call.
+Rewards are computed on the rollout thread right after generation, so a slow reward function (a
+sandbox, a remote verifier) overlaps training as generation does; `time/reward_overlapped` is its time.
 `--use-tis` corrects the lag with rollout log-probs, as in the synchronous loop.
 
 Resume: a checkpoint records the data position of the first step it has not trained, so the steps
@@ -50,12 +52,20 @@ def train(cfg: Config) -> dict:
         run.engine_lock = threading.Lock()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="polyrl-rollout")
     queued: collections.deque = collections.deque()  # (step, data state before its prompts, future)
-    wait_s = 4 * cfg.engines.rollout_request_timeout  # generous: the engine bounds every request itself
+    # generous: the engine bounds every request, the reward manager every call (sequential calls: one per sample at most);
+    # --rm-timeout 0 (no limit, the user's choice) leaves the wait unbounded too
+    per_rank = r.rollout_batch_size * r.n_samples_per_prompt // run.d.world
+    rm_t = cfg.reward.rm_timeout
+    wait_s = 4 * cfg.engines.rollout_request_timeout + per_rank * rm_t if rm_t else None
 
-    def generate(items: list, step: int) -> tuple[list[Sample], float]:
+    def generate(items: list, step: int) -> tuple[list[Sample], float, dict, float]:
+        # generation and reward (often a sandbox or a remote verifier: I/O, not the trainer's GPU) both run here,
+        # overlapping training; no collective runs on this thread (their order must be the same on every rank)
         t = time.perf_counter()
         samples = run.generate(items, step)
-        return samples, time.perf_counter() - t
+        t_rm = time.perf_counter()
+        scored = run.rewards.score(samples)
+        return samples, t_rm - t, scored, time.perf_counter() - t_rm
 
     def queue(step: int) -> None:
         state = run.dataset.state_dict()
@@ -72,14 +82,16 @@ def train(cfg: Config) -> dict:
                 s, _, fut = queued.popleft()
                 assert s == step
                 try:
-                    samples, rollout_s = fut.result(timeout=wait_s)
+                    samples, rollout_s, scored, reward_s = fut.result(timeout=wait_s)
                 except concurrent.futures.TimeoutError:
-                    raise TimeoutError(f"the rollout of step {step + 1} did not finish within {wait_s:.0f} s "
-                                       "(4x --rollout-request-timeout)") from None
+                    raise TimeoutError(f"the rollout and reward of step {step + 1} did not finish within {wait_s:.0f} s "
+                                       "(4x --rollout-request-timeout + one --rm-timeout per sample)") from None
             if step + K < r.num_rollout:
                 queue(step + K)  # generated while this step trains
             m.update(staleness(run, samples, step, K))
-            run.learn(samples, step, m, timer)
+            run.learn(samples, step, m, timer, scored=scored)
+            # spent on the rollout thread, overlapping training (time/reward is only the ranks' reduction here)
+            m.update({"time/rollout_overlapped": rollout_s, "time/reward_overlapped": reward_s})
             with timer("weight_sync"):
                 with run.engine_lock:
                     run.transport.push(run.backend.export_weights(), [engine], version=step + 1)
