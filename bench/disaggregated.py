@@ -11,7 +11,11 @@ Part 2 (--grpo), the GRPO step a user runs, same model and settings, three place
   embedded-colocated   --rollout-engine embedded on GPU 0 (in-process tensor sync)
   server-disaggregated --rollout-engine server, trainer GPU 0, engine GPU 1 (NCCL sync)
   server-colocated     --rollout-engine server with one visible GPU (engine releases its memory while training)
-and prints the median step time, its parts, and train_rollout_logprob_abs_diff per step.
+  server-disagg-async  as server-disaggregated, plus --async (one-step-off: step k+1 generates and is scored
+                       while step k trains; --max-staleness 1)
+and prints the median step time (time/step: wall time between two steps' logs), its parts,
+train_rollout_logprob_abs_diff per step, and how busy each GPU was over steps 2..N: nvidia-smi's
+utilization (share of time a kernel ran), sampled every 100 ms while the run logged its steps.
 
   python bench/disaggregated.py --model-shapes qwen2.5-0.5b,qwen2.5-1.5b --grpo qwen2.5-0.5b
   python bench/disaggregated.py --device cpu --model-shapes tiny --grpo tiny      (the same code on CPU, gloo)
@@ -31,6 +35,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import SHAPES, build_model_dir, fmt, markdown_table, median  # noqa: E402
 
 
+# placement -> (extra flags, CUDA_VISIBLE_DEVICES)
+PLACEMENTS = {"embedded-colocated": ([], "0"), "server-disaggregated": (["--rollout-engine", "server"], "0,1"),
+              "server-colocated": (["--rollout-engine", "server"], "0"),
+              "server-disagg-async": (["--rollout-engine", "server", "--async"], "0,1")}
+
+
+class GpuBusy:
+    """nvidia-smi's per-GPU utilization every 100 ms, kept only while `metrics` has at least one line (steps 2..N)."""
+
+    def __init__(self, metrics: str):
+        import threading
+        self.metrics, self.samples = metrics, {}
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                gpu, util = (int(x) for x in line.split(","))
+            except ValueError:
+                continue
+            if os.path.exists(self.metrics) and os.path.getsize(self.metrics) > 0:
+                self.samples.setdefault(gpu, []).append(util)
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        self.proc.wait(10)
+        return {f"gpu{g}_busy": sum(u) / len(u) / 100 for g, u in sorted(self.samples.items()) if u}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/disaggregated.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mib", type=int, default=512)
     p.add_argument("--grpo", default="", help="shape for the GRPO placement comparison (empty: skip)")
     p.add_argument("--grpo-steps", type=int, default=4)
+    p.add_argument("--placements", default=",".join(PLACEMENTS), help="GRPO placements to run, comma-separated")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -48,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw-worker", nargs=4, metavar=("RANK", "PORT", "SIZES_JSON", "REPEATS"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.shapes = [s for s in a.model_shapes.split(",") if s]
+    a.placement_list = [s for s in a.placements.split(",") if s]
+    for s in a.placement_list:
+        if s not in PLACEMENTS:
+            p.error(f"unknown placement {s}; choose from {', '.join(PLACEMENTS)}")
     for s in a.shapes + ([a.grpo] if a.grpo else []):
         if s not in SHAPES:
             p.error(f"unknown shape {s}; choose from {', '.join(SHAPES)}")
@@ -168,15 +214,16 @@ def grpo(a: argparse.Namespace, work: str) -> list[dict]:
               "--rollout-batch-size", str(a.prompts_per_step), "--n-samples-per-prompt", str(a.samples_per_prompt),
               "--rollout-max-response-len", str(a.max_new_tokens), "--num-rollout", str(a.grpo_steps),
               "--micro-batch-size", str(a.prompts_per_step * a.samples_per_prompt), "--lr", "1e-6", "--device", a.device]
-    gpus = {"cuda": ("0", "0,1", "0")}.get(a.device, ("", "", ""))
     rows = []
-    for (name, extra), vis in zip((("embedded-colocated", []), ("server-disaggregated", ["--rollout-engine", "server"]),
-                                   ("server-colocated", ["--rollout-engine", "server"])), gpus):
+    for name in a.placement_list:
+        extra, vis = PLACEMENTS[name]
         run = os.path.join(work, name)
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": vis} if vis else {})}
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": vis} if a.device == "cuda" else {})}
+        busy = GpuBusy(os.path.join(run, "metrics.jsonl")) if a.device == "cuda" else None
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "polyrl", "train", *common, *extra, "--run-dir", run], env=env,
                            capture_output=True, text=True, timeout=1200)
+        gpu_busy = busy.stop() if busy else {}
         if r.returncode:
             print(r.stderr[-3000:], file=sys.stderr)
             rows.append({"placement": name, "error": r.returncode})
@@ -184,8 +231,9 @@ def grpo(a: argparse.Namespace, work: str) -> list[dict]:
         m = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
         steady = m[1:] or m
         row = {"placement": name, "wall_s": time.perf_counter() - t,
-               "step_s": median([sum(v for k, v in x.items() if k.startswith("time/")) for x in steady]),
-               **{k: median([x[k] for x in steady]) for k in ("time/rollout", "time/train", "time/weight_sync")},
+               "step_s": median([x["time/step"] for x in steady]), **gpu_busy,
+               **{k: median([x.get(k, x.get(k + "_overlapped", 0.0)) for x in steady])
+                  for k in ("time/rollout", "time/reward", "time/train", "time/weight_sync", "time/wait_rollout")},
                "logprob_diff_per_step": [round(x["train_rollout_logprob_abs_diff"], 5) for x in m]}
         rows.append(row)
     return rows
@@ -213,9 +261,13 @@ def main(argv=None) -> None:
     if grpo_rows:
         print(f"\nGRPO step, {a.grpo}, {a.prompts_per_step} prompts x {a.samples_per_prompt} samples x {a.max_new_tokens} "
               f"new tokens, median of steps 2..{a.grpo_steps}\n")
-        print(markdown_table(["placement", "step s", "rollout s", "train s", "weight sync s", "train/rollout logprob diff per step"],
-                             [[r["placement"], *([fmt(r.get(k), "{:.3f}") for k in ("step_s", "time/rollout", "time/train",
-                                                                                     "time/weight_sync")]),
+        print("(async: rollout and reward run on the rollout thread, overlapped; wait = the trainer waiting for them)\n")
+        print(markdown_table(["placement", "step s", "rollout s", "reward s", "train s", "weight sync s", "wait s", "GPU0 busy",
+                              "GPU1 busy", "train/rollout logprob diff per step"],
+                             [[r["placement"], *([fmt(r.get(k), "{:.3f}") for k in ("step_s", "time/rollout", "time/reward",
+                                                                                     "time/train", "time/weight_sync",
+                                                                                     "time/wait_rollout")]),
+                               fmt(r.get("gpu0_busy"), "{:.0%}"), fmt(r.get("gpu1_busy"), "{:.0%}"),
                                str(r.get("logprob_diff_per_step", r.get("error")))] for r in grpo_rows]))
     if a.out:
         json.dump({"sync": sync_rows, "grpo": grpo_rows}, open(a.out, "w"), indent=1)
