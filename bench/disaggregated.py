@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--reward-sleep-ms", type=float, default=0.0,
+                   help="GRPO part: a reward that waits this long per sample (a sandbox, a remote verifier) before scoring")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--raw-worker", nargs=4, metavar=("RANK", "PORT", "SIZES_JSON", "REPEATS"), help=argparse.SUPPRESS)
@@ -210,7 +212,15 @@ def grpo(a: argparse.Namespace, work: str) -> list[dict]:
     if not os.path.isdir(model_dir):
         build_model_dir(model_dir, a.grpo)
     data = write_datasets(os.path.join(work, "data"), digits=2, n_train=2048, n_eval=16, seed=0)
-    common = ["--hf-checkpoint", model_dir, "--prompt-data", data["train"], "--rm-type", "arithmetic", "--quiet",
+    reward = ["--rm-type", "arithmetic"]
+    if a.reward_sleep_ms:
+        rm = os.path.join(work, "slow_reward.py")
+        with open(rm, "w") as f:
+            f.write("import time\nfrom polyrl.rewards import resolve_reward_fn\nSCORE = resolve_reward_fn('arithmetic', None)\n\n"
+                    "def slow(sample):\n"
+                    f"    time.sleep({a.reward_sleep_ms / 1000!r})\n    return SCORE(sample)\n")
+        reward = ["--custom-rm-path", f"{rm}:slow"]
+    common = ["--hf-checkpoint", model_dir, "--prompt-data", data["train"], *reward, "--quiet",
               "--rollout-batch-size", str(a.prompts_per_step), "--n-samples-per-prompt", str(a.samples_per_prompt),
               "--rollout-max-response-len", str(a.max_new_tokens), "--num-rollout", str(a.grpo_steps),
               "--micro-batch-size", str(a.prompts_per_step * a.samples_per_prompt), "--lr", "1e-6", "--device", a.device]
@@ -260,7 +270,7 @@ def main(argv=None) -> None:
     grpo_rows = grpo(a, work) if a.grpo else []
     if grpo_rows:
         print(f"\nGRPO step, {a.grpo}, {a.prompts_per_step} prompts x {a.samples_per_prompt} samples x {a.max_new_tokens} "
-              f"new tokens, median of steps 2..{a.grpo_steps}\n")
+              f"new tokens, reward sleep {a.reward_sleep_ms:g} ms/sample, median of steps 2..{a.grpo_steps}\n")
         print("(async: rollout and reward run on the rollout thread, overlapped; wait = the trainer waiting for them)\n")
         print(markdown_table(["placement", "step s", "rollout s", "reward s", "train s", "weight sync s", "wait s", "GPU0 busy",
                               "GPU1 busy", "train/rollout logprob diff per step"],

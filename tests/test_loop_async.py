@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from polyrl.cli import main
 from polyrl.loop_async import StalenessError, staleness
@@ -104,40 +103,19 @@ def slow(sample):  # a reward that waits on something else (a sandbox, a remote 
 
 
 @pytest.mark.slow
-def test_a_slow_reward_overlaps_training_and_the_async_run_is_faster(tiny_model, arith_data, tmp_path, monkeypatch):
-    # one core each for the trainer and the engine server, as each would have a GPU of its own: torch's OpenMP threads
-    # of two processes on the same cores spin against each other and make any timing meaningless
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _slow_reward_run(tiny_model, arith_data, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _slow_reward_run(tiny_model, arith_data, tmp_path):
+def test_a_slow_reward_runs_on_the_rollout_thread_beside_training(tiny_model, arith_data, tmp_path):
+    # How much wall time this saves is a timing claim, measured in bench/ (bench/disaggregated.py --reward-sleep-ms,
+    # bench/RESULTS.md): on a loaded 2-core machine the saving drowns in noise. Here: where the reward runs.
     rm = tmp_path / "slow.py"
     rm.write_text(SLOW_RM)
-    steps = 5
-
-    def run(name: str, *extra: str) -> list[dict]:
-        # engine server: generation in another process; --micro-batch-size 1 makes training take time worth overlapping
-        assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path",
-                     f"{rm}:slow", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len",
-                     "8", "--micro-batch-size", "1", "--num-rollout", str(steps), "--quiet", "--seed", "3", "--device", "cpu",
-                     "--rollout-engine", "server", "--run-dir", str(tmp_path / name), *extra]) == 0
-        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-
-    sync, asyn = run("sync"), run("async", "--async")
-    assert all(x["staleness/max"] <= 1 for x in asyn)
-    # steps 2..N: the synchronous loop runs rollout (G), reward (R), train (T) and sync (S) one after another; one-step-off
-    # runs G + R of step k+1 on the rollout thread while step k trains, so each step saves min(G + R, T + S) of the sync
-    # run's phases (step 1 has nothing to overlap with). Demand half of that saving: the other half is slack for the
-    # threads' contention and scheduling noise, whatever the machine's speed (the phases scale together).
-    later = slice(1, steps)
-    sync_wall = sum(x["time/step"] for x in sync[later])
-    async_wall = sum(x["time/step"] for x in asyn[later])
-    saving = sum(min(x["time/rollout"] + x["time/reward"], x["time/train"] + x["time/weight_sync"]) for x in sync[later])
-    assert async_wall <= sync_wall - 0.5 * saving, (async_wall, sync_wall, saving)
-    assert all(x["time/reward_overlapped"] >= 32 * 0.01 for x in asyn)  # the reward ran on the rollout thread, every sample
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path",
+                 f"{rm}:slow", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+                 "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu", "--rollout-engine", "server",
+                 "--async", "--run-dir", str(tmp_path / "run")]) == 0
+    m = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [x["staleness/max"] for x in m] == [0, 1, 1]
+    for x in m:
+        # every sample was scored on the rollout thread (16 calls of >= 10 ms); what the trainer's thread spends under
+        # time/reward is only the ranks' reduction of the metrics, far below one call
+        assert x["time/reward_overlapped"] >= 16 * 0.01 and x["time/reward"] < 0.01, x
+        assert x["time/step"] > 0 and "time/wait_rollout" in x and "time/rollout_overlapped" in x
