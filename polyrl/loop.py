@@ -157,6 +157,8 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+        if self.rewards is not None:
+            self.rewards.close()
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
             self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
