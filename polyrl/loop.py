@@ -20,7 +20,7 @@ from polyrl.algorithms.advantages import compute_advantages
 from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
-from polyrl.metrics import MetricsLogger, Timer, notice
+from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.rewards import RewardManager
 from polyrl.types import Sample
 
@@ -56,8 +56,7 @@ class Run:
         self.engine = rt.build_engine(cfg, self.device)
         self.rewards = RewardManager.from_config(cfg.reward)
         self.transport = rt.build_transport(cfg, self.device, self.engine)
-        self.logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
-                                    quiet=cfg.log.quiet, enabled=d.is_main, title=title)
+        self.logger = logger_from_config(cfg, total_steps=r.num_rollout, enabled=d.is_main, title=title)
         self.loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))
         # held around every engine call; the async loop makes it a real lock for an engine whose weights cannot change
         # under a running generate (engine.concurrent_update False: the in-process ones)
