@@ -539,7 +539,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
     _validate_remote_rm(rw)
-    _validate_logging(cfg.log)
+    _validate_logging(cfg.log, command)
     if command == "train":
         _validate_debug(cfg)
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
@@ -607,7 +607,10 @@ def _validate_remote_rm(rw: RewardConfig) -> None:
         raise ConfigError(f"--rm-url {rw.rm_url!r}: expected an http:// or https:// URL (or host:port/path)")
 
 
-def _validate_logging(lg: LogConfig) -> None:
+def _validate_logging(lg: LogConfig, command: str) -> None:
+    if lg.use_wandb and command not in ("train", "sft"):
+        raise ConfigError(f"--use-wandb logs the steps of polyrl train and polyrl sft; polyrl {command} writes its results "
+                          "to RUN_DIR: drop --use-wandb")
     if not lg.use_wandb:
         if lg.wandb_project != "polyrl" or lg.wandb_group or lg.wandb_run_name or lg.wandb_mode != "online":
             raise ConfigError("--wandb-project, --wandb-group, --wandb-run-name and --wandb-mode configure Weights & Biases "

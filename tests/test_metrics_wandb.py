@@ -90,9 +90,12 @@ def test_missing_wandb_is_a_clear_error_with_the_install_hint(monkeypatch, tiny_
         start_wandb(str(tmp_path), project="p")
 
 
-def test_wandb_flags_without_use_wandb(tiny_model, arith_data, tmp_path, capsys):
+def test_wandb_flags_without_use_wandb_or_outside_training(tiny_model, arith_data, tmp_path, capsys):
     assert main(_args(tiny_model, arith_data, tmp_path / "run", "--wandb-project", "x")) == 2
     assert "add --use-wandb" in capsys.readouterr().err
+    assert main(["eval", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["eval"], "--rm-type", "arithmetic",
+                 "--use-wandb", "--wandb-mode", "disabled"]) == 2
+    assert "polyrl eval writes its results to RUN_DIR: drop --use-wandb" in capsys.readouterr().err
 
 
 def test_offline_run_writes_its_directory_under_the_run_dir(tiny_model, arith_data, tmp_path, monkeypatch):
