@@ -12,7 +12,7 @@ from polyrl.config import ConfigError, add_config_args, config_from_args, valida
 
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
-    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray",)),
+    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray", "debug")),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
@@ -70,6 +70,7 @@ def run_eval(cfg) -> dict:
     ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
     rewards = RewardManager.from_config(cfg.reward)
     result = rt.evaluate(cfg, engine, ds, rewards, d)
+    rewards.close()
     engine.close()
     if d.is_main:
         os.makedirs(cfg.log.run_dir, exist_ok=True)

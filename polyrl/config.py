@@ -172,7 +172,15 @@ class RewardConfig:
     custom_rm_path: str | None = opt(None, "custom reward 'module:function' or 'file.py:function' (sync or async)")
     group_rm: bool = opt(False, "call the custom reward once per prompt group with a list of samples")
     rm_timeout: float = opt(60.0, "seconds one reward call (one sample, or one group with --group-rm) may take; past it the "
-                                  "sample gets reward 0 and counts in reward/timeouts, and the run goes on (0 = no limit)")
+                                  "sample gets reward 0 and counts in reward/timeouts, and the run goes on (0 = no limit); "
+                                  "with --rm-url: seconds per HTTP request")
+    rm_url: str | None = opt(None, "remote reward model: POST {prompts, responses, labels, metadata} (JSON lists, one entry per "
+                                   "sample) to this URL, answer {rewards: [float, ...]} (polyrl/rewards/remote.py)")
+    rm_batch_size: int = opt(64, "--rm-url: samples per request")
+    rm_max_concurrency: int = opt(8, "--rm-url: requests in flight at once")
+    rm_retries: int = opt(3, "--rm-url: times a failed request (connection error, timeout, HTTP 5xx/408/429) is sent again, "
+                             "waiting 0.5 s, 1 s, 2 s, ... in between; after that its samples get reward 0 and count in "
+                             "reward/errors, the request in reward/remote_failures")
 
 
 @dataclass
@@ -230,6 +238,30 @@ class LogConfig:
     use_tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb")
     eval_interval: int = opt(0, "evaluate on --eval-prompt-data every N steps (0 = off)")
     quiet: bool = opt(False, "no live console view")
+    use_wandb: bool = opt(False, "log the metrics.jsonl keys to Weights & Biases too (rank 0; pip install 'polyrl[wandb]'); "
+                                 "its files go to RUN_DIR/wandb")
+    wandb_project: str = opt("polyrl", "W&B project")
+    wandb_group: str | None = opt(None, "W&B run group (e.g. one per experiment)")
+    wandb_run_name: str | None = opt(None, "W&B run name (default: W&B picks one)")
+    wandb_mode: str = opt("online", "online | offline (written under RUN_DIR/wandb, `wandb sync` later) | disabled",
+                          ("online", "offline", "disabled"))
+
+
+@dataclass
+class DebugConfig:
+    """Debug modes, slime's names: one half of the loop alone, on saved or live rollouts."""
+
+    debug_rollout_only: bool = opt(False, "generate and score only: no training, no weight sync (metrics still logged)")
+    debug_train_only: bool = opt(False, "train on rollouts saved by --save-debug-rollout-data (needs --load-debug-rollout-data); "
+                                        "no engine is built; rewards come from the files unless a reward flag re-scores them")
+    save_debug_rollout_data: str | None = opt(None, "write each step's scored samples to this path template, e.g. "
+                                                    "dir/rollout_{rollout_id}.jsonl (rollout_id: the 0-based step)")
+    load_debug_rollout_data: str | None = opt(None, "read each step's samples from this path template instead of generating "
+                                                    "(implies --debug-train-only)")
+
+    @property
+    def train_only(self) -> bool:
+        return self.debug_train_only or bool(self.load_debug_rollout_data)
 
 
 @dataclass
@@ -285,13 +317,14 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 SECTION_TITLES = {
     "cluster": "cluster / backend", "data": "data", "rollout": "rollout",
     "engines": "rollout engine servers", "server": "server (polyrl serve)", "batch": "batching",
     "algorithm": "algorithm", "reward": "reward", "optimizer": "optimizer", "model": "model / backend",
-    "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend", "ray": "ray placement",
+    "checkpoint": "checkpoints", "log": "logging", "megatron": "megatron backend", "ray": "ray placement", "debug": "debug modes",
 }
 
 
@@ -422,7 +455,7 @@ VALUE_RANGES: dict[str, str] = {
     "eps_clip": "> 0", "eps_clip_high": "> 0", "eps_clip_c": "> 1", "kl_loss_coef": ">= 0", "kl_coef": ">= 0",
     "gamma": "in [0, 1]", "entropy_coef": ">= 0", "tis_clip": "> 0", "ref_update_interval": ">= 0",
     # reward
-    "rm_timeout": ">= 0",
+    "rm_timeout": ">= 0", "rm_batch_size": ">= 1", "rm_max_concurrency": ">= 1", "rm_retries": ">= 0",
     # optimizer
     "lr": "> 0", "min_lr": ">= 0", "lr_warmup_steps": ">= 0", "lr_decay_steps": ">= 1", "weight_decay": ">= 0",
     "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
@@ -499,10 +532,16 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
     if sum((cfg.model.fp16, cfg.model.bf16, cfg.model.fp32)) > 1:
         raise ConfigError("--fp16, --bf16 and --fp32 are exclusive; pick one")
-    if command == "train" and not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
-        raise ConfigError("a reward is required: --rm-type {math,gsm8k,exact,arithmetic} or --custom-rm-path module:function")
+    rw = cfg.reward
+    if command == "train" and not (rw.rm_type or rw.custom_rm_path or rw.rm_url) and not cfg.debug.train_only:
+        raise ConfigError("a reward is required: --rm-type {math,gsm8k,exact,arithmetic}, --custom-rm-path module:function "
+                          "or --rm-url URL")
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
+    _validate_remote_rm(rw)
+    _validate_logging(cfg.log, command)
+    if command == "train":
+        _validate_debug(cfg)
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
     if c.train_backend == "megatron":
@@ -554,6 +593,54 @@ def _validate_resources(cfg: Config, command: str) -> None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no file {mod}")
         if mod and not mod.endswith(".py") and importlib.util.find_spec(mod.split(".")[0]) is None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no module {mod.split('.')[0]!r} on the path")
+
+
+def _validate_remote_rm(rw: RewardConfig) -> None:
+    if not rw.rm_url:
+        return
+    if rw.custom_rm_path or rw.rm_type:
+        given = "--custom-rm-path" if rw.custom_rm_path else "--rm-type"
+        raise ConfigError(f"--rm-url and {given} both choose the reward: keep one (a custom function may call the remote "
+                          "model itself)")
+    scheme = rw.rm_url.partition("://")[0] if "://" in rw.rm_url else "http"
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"--rm-url {rw.rm_url!r}: expected an http:// or https:// URL (or host:port/path)")
+
+
+def _validate_logging(lg: LogConfig, command: str) -> None:
+    if lg.use_wandb and command not in ("train", "sft"):
+        raise ConfigError(f"--use-wandb logs the steps of polyrl train and polyrl sft; polyrl {command} writes its results "
+                          "to RUN_DIR: drop --use-wandb")
+    if not lg.use_wandb:
+        if lg.wandb_project != "polyrl" or lg.wandb_group or lg.wandb_run_name or lg.wandb_mode != "online":
+            raise ConfigError("--wandb-project, --wandb-group, --wandb-run-name and --wandb-mode configure Weights & Biases "
+                              "logging: add --use-wandb")
+        return
+    if lg.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--use-wandb needs the wandb package: pip install 'polyrl[wandb]' (or --wandb-mode disabled)")
+
+
+def _validate_debug(cfg: Config) -> None:
+    g = cfg.debug
+    if g.debug_rollout_only and g.train_only:
+        raise ConfigError("--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each other: "
+                          "pick the half of the loop to run")
+    if g.debug_train_only and not g.load_debug_rollout_data:
+        raise ConfigError("--debug-train-only trains on saved rollouts: add --load-debug-rollout-data PATH_TEMPLATE (files "
+                          "written by --save-debug-rollout-data)")
+    if g.save_debug_rollout_data and g.train_only:
+        raise ConfigError("--save-debug-rollout-data with --load-debug-rollout-data (--debug-train-only) would write back "
+                          "what it reads: drop one")
+    if g.save_debug_rollout_data and "{rollout_id}" not in g.save_debug_rollout_data:
+        raise ConfigError(f"--save-debug-rollout-data {g.save_debug_rollout_data!r}: put {{rollout_id}} in the path (one "
+                          "file per step, e.g. dir/rollout_{rollout_id}.jsonl); without it every step overwrites the last")
+    mode = "--debug-rollout-only" if g.debug_rollout_only else "--debug-train-only" if g.train_only else None
+    if mode and cfg.rollout.async_training:
+        raise ConfigError(f"{mode} runs one half of the synchronous loop: drop --async")
+    if mode and cfg.ray.use_ray:
+        raise ConfigError(f"{mode} is not supported with --use-ray: run it under torchrun or as one process")
+    if g.train_only and cfg.log.eval_interval:
+        raise ConfigError("--eval-interval needs a rollout engine, and --debug-train-only builds none: drop --eval-interval")
 
 
 def _validate_ray(cfg: Config) -> None:

@@ -4,6 +4,9 @@
 parts of a step that do not depend on when the samples were generated: `learn` (reward,
 advantages, train), `sync_weights`, `finish_step` (metrics, eval, checkpoint). `train` below runs
 them in order; `polyrl/loop_async.py` runs the same parts with generation one or more steps ahead.
+Debug modes live in these parts, not in `train`: --debug-train-only reads each step's samples from files
+(`generate`, no engine is built), --debug-rollout-only stops `learn` after scoring and skips `sync_weights`,
+and --save-debug-rollout-data writes the scored samples in `learn` (polyrl/debug_rollout.py: the format).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from polyrl.algorithms.advantages import compute_advantages
 from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
-from polyrl.metrics import MetricsLogger, Timer, notice
-from polyrl.rewards import RewardManager
+from polyrl.metrics import Timer, logger_from_config, notice
+from polyrl.debug_rollout import rollout_files
+from polyrl.rewards import RewardManager, reward_metrics
 from polyrl.types import Sample
 
 
@@ -53,11 +57,12 @@ class Run:
         self.kl_in_reward = a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0
         self.need_ref = a.use_kl_loss or self.kl_in_reward
         self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref)
-        self.engine = rt.build_engine(cfg, self.device)
-        self.rewards = RewardManager.from_config(cfg.reward)
+        self.engine = rt.build_engine(cfg, self.device)  # --debug-train-only: a NoEngine
+        rc = cfg.reward  # --debug-train-only without a reward flag keeps the rewards saved with the samples
+        self.rewards = RewardManager.from_config(rc) if (rc.rm_type or rc.custom_rm_path or rc.rm_url) else None
+        self.rollout_files = rollout_files(cfg, self.tok, d.rank, d.world)  # --save/--load-debug-rollout-data
         self.transport = rt.build_transport(cfg, self.device, self.engine)
-        self.logger = MetricsLogger(cfg.log.run_dir, total_steps=r.num_rollout, use_tensorboard=cfg.log.use_tensorboard,
-                                    quiet=cfg.log.quiet, enabled=d.is_main, title=title)
+        self.logger = logger_from_config(cfg, total_steps=r.num_rollout, enabled=d.is_main, title=title)
         self.loss_fn = functools.partial(rl_loss, s=loss_settings(cfg))
         # held around every engine call; the async loop makes it a real lock for an engine whose weights cannot change
         # under a running generate (engine.concurrent_update False: the in-process ones)
@@ -67,7 +72,7 @@ class Run:
             state = load_checkpoint(cfg.checkpoint.load, self.backend)
             self.start = state["step"]
             self.dataset.load_state_dict(state["data"])
-            self.sync_weights(self.start)  # the engine must sample from the resumed policy
+            self.push_weights(self.start)  # the engine must sample from the resumed policy
         if self.start >= r.num_rollout:  # say so: a run that trains nothing must not look like one that finished
             notice(f"nothing to train: the checkpoint is at step {self.start}, at or past --num-rollout {r.num_rollout}; raise "
                    "--num-rollout to train on" if cfg.checkpoint.load else "nothing to train: --num-rollout 0 (no RL step runs)")
@@ -83,6 +88,8 @@ class Run:
 
     def generate(self, items: list, step: int) -> list[Sample]:
         r, d = self.cfg.rollout, self.d
+        if self.cfg.debug.train_only:  # the step's samples as a run with --save-debug-rollout-data scored them
+            return self.rollout_files.load(step)
         with self.engine_lock:
             return rt.rollout(self.engine, items, rt.sampling_params(self.cfg, seed=r.rollout_seed + step * d.world + d.rank))
 
@@ -93,11 +100,16 @@ class Run:
     def learn(self, samples: list[Sample], step: int, m: dict, timer: Timer, scored: dict | None = None) -> None:
         """Score, compute advantages and train on one step's samples (whatever policy version produced them).
         scored: this rank's reward metrics when the samples were scored already (the async loop scores them
-        on its rollout thread); the ranks' metrics are averaged here, on the thread that runs the collectives."""
-        r, a, d, backend = self.cfg.rollout, self.cfg.algorithm, self.d, self.backend
+        on its rollout thread); the ranks' metrics are averaged here, on the thread that runs the collectives.
+        --debug-rollout-only: scoring only (and saving the samples if asked)."""
+        cfg, r, a, d, backend = self.cfg, self.cfg.rollout, self.cfg.algorithm, self.d, self.backend
         with timer("reward"):
-            rm = scored if scored is not None else self.rewards.score(samples)
+            rm = scored if scored is not None else self.rewards.score(samples) if self.rewards else reward_metrics(samples)
             m.update({k: v / d.world for k, v in zip(rm, d.sum(list(rm.values())))})
+        if cfg.debug.save_debug_rollout_data:
+            self.rollout_files.save(step, samples)
+        if cfg.debug.debug_rollout_only:
+            return
         with timer("train"):
             backend.onload()
             batch = rt.to_train_batch(samples)
@@ -125,6 +137,11 @@ class Run:
                 backend.sync_ref_from_actor()
 
     def sync_weights(self, version: int) -> None:
+        """After a step. --debug-rollout-only never changes the weights, --debug-train-only has no engine: nothing to send."""
+        if not (self.cfg.debug.debug_rollout_only or self.cfg.debug.train_only):
+            self.push_weights(version)
+
+    def push_weights(self, version: int) -> None:
         self.backend.offload()
         self.engine.wake()
         with self.engine_lock:
@@ -157,6 +174,8 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+        if self.rewards is not None:
+            self.rewards.close()
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
             self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)

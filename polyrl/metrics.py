@@ -1,4 +1,4 @@
-"""Console progress (rich), RUN_DIR/metrics.jsonl, TensorBoard, and PNG plots."""
+"""Console progress (rich), RUN_DIR/metrics.jsonl, TensorBoard, Weights & Biases, and PNG plots."""
 
 from __future__ import annotations
 
@@ -34,12 +34,25 @@ class Timer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
+def start_wandb(run_dir: str, *, project: str, group: str | None = None, name: str | None = None, mode: str = "online",
+                config: dict | None = None):
+    """A W&B run whose files go under RUN_DIR/wandb (offline runs too: `wandb sync RUN_DIR/wandb/offline-run-*`)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("--use-wandb needs the wandb package: pip install 'polyrl[wandb]'") from e
+    return wandb.init(project=project, group=group, name=name, mode=mode, dir=run_dir, config=config)
+
+
 class MetricsLogger:
+    """Each step's metrics as one row of RUN_DIR/metrics.jsonl; the same keys (and step) go to TensorBoard and W&B.
+    Only the logger with ``enabled`` (rank 0) writes anything."""
+
     def __init__(self, run_dir: str, *, total_steps: int, use_tensorboard: bool = False, quiet: bool = False,
-                 enabled: bool = True, title: str = "polyrl"):
+                 enabled: bool = True, title: str = "polyrl", wandb: dict | None = None):
         self.enabled = enabled
         self.quiet = quiet or not enabled
-        self.tb = None
+        self.tb = self.wandb = None
         self._progress = None
         if not enabled:
             return
@@ -48,6 +61,8 @@ class MetricsLogger:
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        if wandb is not None:
+            self.wandb = start_wandb(run_dir, **wandb)
         if not self.quiet:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -68,6 +83,8 @@ class MetricsLogger:
                 if k != "step":
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if self._progress is not None:
             parts = [f"step {step}"] + [f"{short} {fmt.format(row[k])}" for k, short, fmt in CONSOLE_KEYS if k in row]
             if "eval/accuracy" in row:
@@ -81,6 +98,21 @@ class MetricsLogger:
             self._progress.stop()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def logger_from_config(cfg, *, total_steps: int, enabled: bool, title: str) -> MetricsLogger:
+    """The run's MetricsLogger from the logging section (W&B gets the whole config as its run config)."""
+    import dataclasses
+    lg = cfg.log
+    wandb = None
+    if lg.use_wandb and enabled:
+        wandb = dict(project=lg.wandb_project, group=lg.wandb_group, name=lg.wandb_run_name, mode=lg.wandb_mode,
+                     config=dataclasses.asdict(cfg))
+    return MetricsLogger(lg.run_dir, total_steps=total_steps, use_tensorboard=lg.use_tensorboard, quiet=lg.quiet,
+                         enabled=enabled, title=title, wandb=wandb)
 
 
 PLOTS = [("reward/mean", "reward"), ("response_len/mean", "response length"), ("kl", "KL"), ("entropy", "entropy"),

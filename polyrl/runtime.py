@@ -83,7 +83,11 @@ def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool)
 
 
 def build_engine(cfg: Config, device: str):
-    """The one engine object the loop talks to: in this process, or N servers behind a client."""
+    """The one engine object the loop talks to: in this process, or N servers behind a client
+    (--debug-train-only: none, its samples come from files)."""
+    if cfg.debug.train_only:
+        from polyrl.debug_rollout import NoEngine
+        return NoEngine()
     name = "external" if cfg.engines.rollout_external else cfg.rollout.rollout_engine
     return load_engine_class(name).from_config(cfg, device)
 

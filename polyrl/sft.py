@@ -12,7 +12,7 @@ from polyrl.algorithms.losses import sft_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
-from polyrl.metrics import MetricsLogger, Timer, notice
+from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.types import TrainBatch
 
 
@@ -35,8 +35,7 @@ def sft(cfg: Config) -> dict:
         raise DataError(f"{cfg.data.prompt_data}: {len(examples)} rows is fewer than --global-batch-size {gbs}")
     total = per_epoch * cfg.batch.num_epoch
     backend = rt.build_backend(cfg, device, total_steps=total, need_ref=False)
-    logger = MetricsLogger(cfg.log.run_dir, total_steps=total, use_tensorboard=cfg.log.use_tensorboard, quiet=cfg.log.quiet,
-                           enabled=d.is_main, title="polyrl sft")
+    logger = logger_from_config(cfg, total_steps=total, enabled=d.is_main, title="polyrl sft")
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, backend)["step"]

@@ -22,6 +22,10 @@ def test_help_lists_flag_groups_with_defaults():
     for group in ("cluster / backend:", "data:", "rollout:", "algorithm:", "reward:", "optimizer:", "model / backend:", "checkpoints:"):
         assert group in out
     assert "--rollout-batch-size" in out and "(default: 8)" in out and "--eps-clip-c" in out
+    for flag in ("--rm-url", "--rm-batch-size", "--rm-max-concurrency", "--rm-retries", "--use-wandb", "--wandb-project",
+                 "--wandb-group", "--wandb-mode", "--wandb-run-name", "debug modes:", "--debug-rollout-only",
+                 "--debug-train-only", "--save-debug-rollout-data", "--load-debug-rollout-data"):
+        assert flag in out, flag
     sft = subprocess.run([sys.executable, "-m", "polyrl", "sft", "--help"], capture_output=True, text=True).stdout
     assert "--response-key" in sft and "--n-samples-per-prompt" not in sft
 
@@ -43,6 +47,9 @@ def test_yaml_sets_fields_and_flags_override(tmp_path):
     (["--use-dynamic-batch-size"], "--max-tokens-per-gpu"),
     (["--fp16", "--bf16"], "--fp16, --bf16 and --fp32"),
     (["--group-rm"], "--group-rm"),
+    (["--rm-url", "http://127.0.0.1:9/score"], "--rm-url and --rm-type"),
+    (["--debug-train-only"], "--load-debug-rollout-data"),
+    (["--wandb-mode", "offline"], "--use-wandb"),
 ])
 def test_invalid_combinations_name_the_flags(argv, needle, tiny_model, arith_data, capsys):
     base = ["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic"]

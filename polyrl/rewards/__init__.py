@@ -4,7 +4,8 @@ A reward function scores one sample, ``fn(sample) -> float``; a group function (
 scores all samples of one prompt at once, ``fn(samples) -> list[float]``. Either may be
 ``async def``. Built-ins are named in ``REWARD_FUNCTIONS`` and imported only when chosen.
 Every call has a deadline (``--rm-timeout``): a call that never returns costs its samples their
-reward, not the run.
+reward, not the run. ``--rm-url`` scores batches through a reward model server instead
+(``polyrl/rewards/remote.py`` documents its payload).
 """
 
 from __future__ import annotations
@@ -137,15 +138,18 @@ class RewardManager:
     functions run one after another in order (on a helper thread when there is a timeout, so a
     stuck call can be abandoned); async ones run concurrently, at most ``max_workers`` at a time,
     each with its own deadline (one that blocks the event loop, e.g. time.sleep in an async def,
-    stalls the calls sharing that loop, which then time out with it).
+    stalls the calls sharing that loop, which then time out with it). With ``remote`` (``--rm-url``)
+    the samples go in batches to a reward model server, which retries and bounds its own requests;
+    samples of a request that failed score 0.0 and count in ``reward/errors``.
     """
 
     def __init__(self, rm_type: str | None, custom_rm_path: str | None = None, group_rm: bool = False,
-                 max_workers: int = 64, timeout: float | None = 60.0):
+                 max_workers: int = 64, timeout: float | None = 60.0, remote=None):
         if group_rm and not custom_rm_path:
             raise ValueError("--group-rm needs --custom-rm-path to a function taking list[Sample]; "
                              "the built-in --rm-type functions score one sample at a time")
-        self.fn = resolve_reward_fn(rm_type, custom_rm_path)
+        self.remote = remote  # a RemoteRewardModel (--rm-url): batches go over HTTP, it bounds and retries them itself
+        self.fn = remote if remote is not None else resolve_reward_fn(rm_type, custom_rm_path)
         self.group_rm, self.max_workers = group_rm, max_workers
         self.timeout = timeout or None
         self.errors_total = self.timeouts_total = 0
@@ -157,11 +161,38 @@ class RewardManager:
     @classmethod
     def from_config(cls, rc) -> RewardManager:
         """From the reward section of the config (``RewardConfig``)."""
+        if rc.rm_url:
+            from polyrl.rewards.remote import RemoteRewardModel
+            return cls(None, timeout=rc.rm_timeout, remote=RemoteRewardModel.from_config(rc))
         return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, timeout=rc.rm_timeout)
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set ``sample.reward`` on every sample. Metrics: ``reward/mean``, ``reward/errors``,
-        ``reward/timeouts`` and ``reward/accuracy`` (the fraction of samples with reward > 0.5)."""
+        ``reward/timeouts`` and ``reward/accuracy`` (the fraction of samples with reward > 0.5); with
+        ``--rm-url`` also ``reward/remote_failures`` (requests that failed after their retries) and
+        ``reward/remote_retries`` (attempts sent again)."""
+        extra: dict[str, float] = {}
+        if self.remote is not None:
+            errors, timeouts = self._score_remote(samples, extra), 0
+        else:
+            errors, timeouts = self._score_calls(samples)
+        self.errors_total += errors
+        self.timeouts_total += timeouts
+        return {**reward_metrics(samples, errors, timeouts), **extra}
+
+    def _score_remote(self, samples: list[Sample], extra: dict[str, float]) -> int:
+        values, failures, retried = self.remote.score(samples)  # the remote model logs its first failure
+        errors = 0
+        for s, v in zip(samples, values):
+            if isinstance(v, BaseException):
+                errors += 1
+                v = 0.0
+            s.reward = v
+        extra.update({"reward/remote_failures": float(failures), "reward/remote_retries": float(retried)})
+        return errors
+
+    def _score_calls(self, samples: list[Sample]) -> tuple[int, int]:
+        """One call of the reward function per sample (per group with --group-rm): (errors, timeouts)."""
         if self.group_rm:
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(samples):
@@ -203,15 +234,11 @@ class RewardManager:
                     self._log_first(reward, samples[i])
                     reward = 0.0
                 samples[i].reward = reward
-        self.errors_total += errors
-        self.timeouts_total += timeouts
-        n = max(len(samples), 1)
-        return {
-            "reward/mean": sum(s.reward for s in samples) / n,
-            "reward/errors": float(errors),
-            "reward/timeouts": float(timeouts),
-            "reward/accuracy": sum(s.reward > 0.5 for s in samples) / n,
-        }
+        return errors, timeouts
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
 
     def _unit_rewards(self, out: Any, n: int) -> list[float | BaseException]:
         if isinstance(out, BaseException):
@@ -277,6 +304,17 @@ class RewardManager:
                        "(prompt %r, response %r, label %r); it gets reward 0.0 and counts in reward/timeouts, the "
                        "stuck call is abandoned and the run goes on (later timeouts are counted, not logged)",
                        name, self.timeout, sample.group_index, _clip(sample.prompt), _clip(sample.response), sample.label)
+
+
+def reward_metrics(samples: list[Sample], errors: int = 0, timeouts: int = 0) -> dict[str, float]:
+    """The reward metrics of scored samples (also of samples read back with their rewards: --debug-train-only)."""
+    n = max(len(samples), 1)
+    return {
+        "reward/mean": sum(s.reward for s in samples) / n,
+        "reward/errors": float(errors),
+        "reward/timeouts": float(timeouts),
+        "reward/accuracy": sum(s.reward > 0.5 for s in samples) / n,
+    }
 
 
 def _clip(text: Any, n: int = 200) -> Any:

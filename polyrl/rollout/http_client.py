@@ -73,7 +73,7 @@ class HTTPClient:
                     return await resp.json()
                 return body.decode(errors="replace")
         except asyncio.TimeoutError:
-            raise EngineHTTPError(url, path, f"no answer within {timeout:.0f} s") from None
+            raise EngineHTTPError(url, path, f"no answer within {timeout:g} s") from None
         except aiohttp.ClientError as e:
             raise EngineHTTPError(url, path, f"{type(e).__name__}: {e}") from None
 
