@@ -82,6 +82,13 @@ class Run:
             self.logger.log(0, self.evaluate())
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
 
+    def profiled(self, step: int):
+        """A context for step `step` (0-based): torch.profiler around it when --profile-step names it."""
+        if self.cfg.log.profile_step != step + 1:
+            return contextlib.nullcontext()
+        from polyrl.metrics import step_profiler
+        return step_profiler(self.cfg.log.run_dir, step + 1, self.device, enabled=self.d.is_main)
+
     def draw(self) -> list:
         """This rank's prompts of the next step."""
         return self.d.shard(self.dataset.next_batch(self.cfg.rollout.rollout_batch_size))
@@ -187,13 +194,14 @@ def train(cfg: Config) -> dict:
     t_run = time.perf_counter()
     for step in range(run.start, n):
         timer, m = Timer(), {}
-        with timer("rollout"):
-            run.backend.offload()
-            samples = run.generate(run.draw(), step)
-            run.engine.sleep()  # colocated: the trainer gets the GPU
-        run.learn(samples, step, m, timer)
-        with timer("weight_sync"):
-            run.sync_weights(step + 1)
+        with run.profiled(step):
+            with timer("rollout"):
+                run.backend.offload()
+                samples = run.generate(run.draw(), step)
+                run.engine.sleep()  # colocated: the trainer gets the GPU
+            run.learn(samples, step, m, timer)
+            with timer("weight_sync"):
+                run.sync_weights(step + 1)
         run.finish_step(step, samples, m, timer, timer.times["rollout"])
     run.close()
     return {"steps": n - run.start, "wall_seconds": time.perf_counter() - t_run, "last": m if n > run.start else {}}

@@ -8,6 +8,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+import torch
+
 CONSOLE_KEYS = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("response_len/mean", "len", "{:.1f}"),
     ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
@@ -144,3 +146,30 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+@contextmanager
+def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
+    """torch.profiler around one RL step: prints the ops that took the most device (CUDA) or host time and writes
+    RUN_DIR/profile_step{step}.json (open in chrome://tracing or Perfetto). Only rank 0 reports."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts, record_shapes=False) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    path = os.path.join(run_dir, f"profile_step{step}.json")
+    os.makedirs(run_dir, exist_ok=True)
+    prof.export_chrome_trace(path)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    busy = sum(getattr(e, key) for e in prof.key_averages()) / 1e6
+    where = "device" if cuda else "host"
+    print(f"\n--profile-step {step}: {wall:.3f} s wall, {busy:.3f} s of {where} time in ops "
+          f"({busy / max(wall, 1e-9):.0%} of the wall time); trace: {path}\n{table}", flush=True)

@@ -67,23 +67,25 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         gather.append(torch.arange(off + p - 1, off + l - 1))
         seq.append(torch.full((l - p,), i, dtype=torch.long))
         off += width if layout == "padded" else l
-    gather_idx = torch.cat(gather).to(device)
-    seq_ids = torch.cat(seq).to(device)
+    gather_idx, seq_ids = torch.cat(gather), torch.cat(seq)
+    # everything is built on the host and crosses in one pinned, asynchronous copy: a blocking copy per tensor
+    # would wait for the previous micro-batch's backward each time and leave the GPU idle while Python runs
     if layout == "padded":
         ids = torch.zeros(len(lens), width, dtype=torch.long)
         mask = torch.zeros(len(lens), width, dtype=torch.long)
         for i, x in enumerate(input_ids):
             ids[i, :lens[i]] = x
             mask[i, :lens[i]] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask, gather_idx, seq_ids, targets = to_device([ids, mask, gather_idx, seq_ids, ids.view(-1)[gather_idx + 1]],
+                                                            device)
         pos = torch.arange(width, device=device).expand(len(lens), -1)
-        return ids, pos, mask, gather_idx, ids.view(-1)[gather_idx + 1], seq_ids, {}
-    ids = torch.cat(input_ids).to(device)
-    pos = torch.cat([torch.arange(l) for l in lens]).to(device)
-    targets = ids[gather_idx + 1]
+        return ids, pos, mask, gather_idx, targets, seq_ids, {}
+    ids = torch.cat(input_ids)
+    host = [ids, torch.cat([torch.arange(l) for l in lens]), gather_idx, seq_ids, ids[gather_idx + 1],
+            torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)]
+    ids, pos, gather_idx, seq_ids, targets, cu = to_device(host, device)
     mask, varlen = None, {}
     if attn_impl in ("varlen", "flash_attention_2", "flash_attention_3"):
-        cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     else:
         seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
@@ -93,6 +95,14 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         else:
             mask = allowed[None, None]
     return ids[None], pos[None], mask, gather_idx, targets, seq_ids, varlen
+
+
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors to `device` without a host sync: pinned (the caching host allocator reuses the pages) and
+    non-blocking, so the copies queue behind the GPU work already launched. On CPU: the tensors themselves."""
+    if torch.device(device).type != "cuda":
+        return list(tensors)
+    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
 
 
 def _lr_lambda(o: OptimizerConfig, total_steps: int):
@@ -215,12 +225,18 @@ class FSDPBackend:
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
         m = self.model if model == "actor" else self.ref_model
         out: list[torch.Tensor | None] = [None] * len(batch)
+        order, parts = [], []
         for idx in self._micro_batches(batch):
             _, logp, _, _ = self._forward(m, batch, idx, temperature, False)
-            for i, part in zip(idx, logp.float().cpu().split(batch.select(idx).response_lens)):
-                out[i] = part
+            if idx:
+                order += idx
+                parts.append(logp.float())
         if hasattr(m, "reshard"):
             m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
+        if parts:  # one device-to-host copy for the whole batch, not one (and a host sync) per micro-batch
+            lens = [batch.response_lens[i] for i in order]
+            for i, part in zip(order, torch.cat(parts).cpu().split(lens)):
+                out[i] = part
         return out  # type: ignore[return-value]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
@@ -230,27 +246,34 @@ class FSDPBackend:
             dist.all_reduce(local)
         num_tokens, num_seqs = float(local[0]), float(local[1])
         scale = float(dist.get_world_size())  # FSDP averages gradients over ranks; the loss already has the global denominator
+        # loss and metrics add up on the device and cross once after the last micro-batch (no host sync per micro-batch)
         sums: dict[str, torch.Tensor] = {}
-        loss_total = torch.zeros((), dtype=torch.float64)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for idx in self._micro_batches(batch):
             mb, logp, ent, seq = self._forward(self.model, batch, idx, temperature, with_entropy)
-            fields = {k: torch.cat(v).to(self.device) for k, v in mb.token_fields.items()} if idx else \
-                {k: torch.zeros(1, device=self.device) for k in batch.token_fields}
+            if idx:
+                keys = list(mb.token_fields)
+                fields = dict(zip(keys, to_device([torch.cat(mb.token_fields[k]) for k in keys], self.device)))
+            else:
+                fields = {k: torch.zeros(1, device=self.device) for k in batch.token_fields}
             fields["seq_ids"] = seq
             loss, metrics = loss_fn(logp, ent, fields, num_tokens=num_tokens, num_seqs=num_seqs)
             if not idx:
                 loss = loss * 0.0
             (loss * scale).backward()
-            loss_total += loss.detach().double().cpu()
+            loss_total += loss.detach().double()
             for k, v in metrics.items():
                 if idx:
-                    sums[k] = sums.get(k, 0) + v.detach().double().cpu()
+                    sums[k] = sums.get(k, 0) + v.detach().double()
         max_norm = self.ocfg.clip_grad if self.ocfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        skipped = not math.isfinite(grad_norm) or not math.isfinite(float(loss_total))
+        keys = sorted(sums)
+        vec = torch.stack([loss_total.reshape(()), grad_norm.detach().double().reshape(()).to(self.device)]
+                          + [torch.as_tensor(sums[k], dtype=torch.float64, device=self.device).reshape(()) for k in keys]).cpu()
+        grad_norm, loss_value = float(vec[1]), float(vec[0])
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(loss_value)
         if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
             self.skipped_steps += 1
             log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
@@ -258,8 +281,7 @@ class FSDPBackend:
             self.optimizer.step()
             self.scheduler.step()  # a skipped step does not advance the schedule either
         self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)
-        vec = torch.tensor([float(loss_total)] + [float(sums[k]) for k in keys], dtype=torch.float64)
+        vec = torch.cat([vec[:1], vec[2:]])  # loss and metric sums (the grad norm is global already)
         if dist.get_world_size() > 1:
             dist.all_reduce(vec)
         out = {"loss": float(vec[0]), **{k: float(v) for k, v in zip(keys, vec[1:].tolist())}}
