@@ -98,7 +98,7 @@ class RolloutConfig:
               "until --rollout-batch-size groups pass (surplus groups of the last draw are dropped). Built-in: "
               "polyrl.rewards.filters:nonzero_std drops groups whose rewards are all equal")
     over_sampling_batch_size: int | None = opt(None, "dynamic sampling: prompts per draw, >= --rollout-batch-size "
-                                                     "(default: --rollout-batch-size)")
+                                                     "(unset: --rollout-batch-size)")
     max_dynamic_sampling_draws: int = opt(8, "dynamic sampling: most draws per step; a step still short of "
                                              "--rollout-batch-size groups after them stops the run with an error")
 
@@ -184,9 +184,9 @@ class RewardConfig:
     rm_type: str | None = opt(None, "built-in reward: math | gsm8k | exact | arithmetic")
     custom_rm_path: str | None = opt(None, "custom reward 'module:function' or 'file.py:function' (sync or async)")
     group_rm: bool = opt(False, "call the custom reward once per prompt group with a list of samples")
-    overlong_buffer_len: int = opt(0, "DAPO overlong reward shaping: responses longer than --rollout-max-response-len "
-                                      "minus this many tokens get -F * (len - (max - L)) / L added to their reward, "
-                                      "F = --overlong-penalty-factor (0 = off)")
+    overlong_buffer_len: int = opt(0, "DAPO overlong reward shaping, buffer L: a response longer than max - L tokens "
+                                      "(max = --rollout-max-response-len) gets -F * (len - (max - L)) / L added to its "
+                                      "reward, F = --overlong-penalty-factor (0 = off)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong reward shaping: the penalty at --rollout-max-response-len")
     rm_timeout: float = opt(60.0, "seconds one reward call (one sample, or one group with --group-rm) may take; past it the "
                                   "sample gets reward 0 and counts in reward/timeouts, and the run goes on (0 = no limit)")

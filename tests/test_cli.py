@@ -22,6 +22,9 @@ def test_help_lists_flag_groups_with_defaults():
     for group in ("cluster / backend:", "data:", "rollout:", "algorithm:", "reward:", "optimizer:", "model / backend:", "checkpoints:"):
         assert group in out
     assert "--rollout-batch-size" in out and "(default: 8)" in out and "--eps-clip-c" in out
+    for flag in ("--policy-loss {ppo_clip,cispo}", "--dynamic-sampling-filter-path", "--over-sampling-batch-size",
+                 "--max-dynamic-sampling-draws", "--overlong-buffer-len", "--overlong-penalty-factor"):
+        assert flag in out
     sft = subprocess.run([sys.executable, "-m", "polyrl", "sft", "--help"], capture_output=True, text=True).stdout
     assert "--response-key" in sft and "--n-samples-per-prompt" not in sft
 
