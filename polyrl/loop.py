@@ -170,7 +170,7 @@ class Run:
                 f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} dropped {total_dropped:.0f} groups. Raise "
                 "--over-sampling-batch-size or --max-dynamic-sampling-draws, or check the reward: with "
                 "polyrl.rewards.filters:nonzero_std a group whose samples all get the same reward is dropped")
-        samples = [s for i, group in enumerate(kept) for s in group]
+        samples = [s for group in kept for s in group]
         for i, group in enumerate(kept):
             for s in group:
                 s.group_index = i  # the prompt of the step it answers, as without dynamic sampling
@@ -285,7 +285,7 @@ def train(cfg: Config) -> dict:
     n, m = cfg.rollout.num_rollout, {}
     t_run = time.perf_counter()
     for step in range(run.start, n):
-        timer, m = Timer(), {}
+        timer = Timer()
         with timer("rollout"):
             run.backend.offload()
             samples, scored, m = run.rollout(step)  # scored: the reward metrics when dynamic sampling scored them

@@ -83,7 +83,7 @@ def train(cfg: Config) -> dict:
         for s in range(run.start, min(run.start + K, r.num_rollout)):
             queue(s)
         for step in range(run.start, r.num_rollout):
-            timer, m = Timer(), {}
+            timer = Timer()
             with timer("wait_rollout"):  # the trainer idles here only when generation fell behind
                 s, fut = queued.popleft()
                 assert s == step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,16 @@ def test_reward_metrics_of_several_draws_are_weighted():
     m = loop._merge_reward_metrics([(4, {"reward/mean": 1.0, "reward/errors": 1.0}),
                                     (12, {"reward/mean": 0.0, "reward/errors": 2.0})])
     assert m == {"reward/mean": 0.25, "reward/errors": 3.0}
+
+
+def test_a_filter_must_return_a_bool_and_its_errors_name_the_flag():
+    from types import SimpleNamespace
+    group = [sample(0.0), sample(1.0)]
+    for fn, exc, needle in [(lambda g: 1, TypeError, "returned 1 (int); return True"),
+                            (lambda g: 1 / 0, RuntimeError, "raised on a group of 2 samples")]:
+        run = SimpleNamespace(keep_group=fn, cfg=SimpleNamespace(rollout=SimpleNamespace(dynamic_sampling_filter_path="m:f")))
+        with pytest.raises(exc, match=re.escape(needle)):
+            loop.Run._keep(run, group)
 
 
 @pytest.fixture
