@@ -41,6 +41,7 @@ def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None 
 TRAIN_BACKENDS = ("fsdp", "megatron")
 ROLLOUT_ENGINES = ("embedded", "server", "sglang")
 ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+POLICY_LOSS_TYPES = ("ppo_clip", "cispo")  # polyrl.algorithms.losses.POLICY_LOSSES
 
 
 @dataclass
@@ -91,6 +92,15 @@ class RolloutConfig:
                                flag="--async")
     max_staleness: int = opt(1, "--async: how many policy versions a sample may lag the policy it trains (1 = one-step-off; "
                                 "K > 1: generation runs up to K steps ahead and never waits for training within that bound)")
+    dynamic_sampling_filter_path: str | None = opt(
+        None, "dynamic sampling (DAPO): 'module:fn' or 'file.py:fn' taking one prompt group's scored samples "
+              "(list[Sample]) and returning True to keep the group; prompts are drawn, generated and scored again "
+              "until --rollout-batch-size groups pass (surplus groups of the last draw are dropped). Built-in: "
+              "polyrl.rewards.filters:nonzero_std drops groups whose rewards are all equal")
+    over_sampling_batch_size: int | None = opt(None, "dynamic sampling: prompts per draw, >= --rollout-batch-size "
+                                                     "(unset: --rollout-batch-size)")
+    max_dynamic_sampling_draws: int = opt(8, "dynamic sampling: most draws per step; a step still short of "
+                                             "--rollout-batch-size groups after them stops the run with an error")
 
 
 @dataclass
@@ -154,6 +164,9 @@ class AlgorithmConfig:
     eps_clip: float = opt(0.2, "PPO clip range (low side)")
     eps_clip_high: float | None = opt(None, "PPO clip range high side (clip-higher); default = --eps-clip")
     eps_clip_c: float | None = opt(None, "dual-clip constant c (> 1)")
+    policy_loss: str = opt("ppo_clip", "policy loss: ppo_clip (PPO clipped surrogate, with --eps-clip-high and "
+                                       "--eps-clip-c) | cispo (MiniMax-M1: -sg(clip(ratio, 1 - eps-clip, 1 + eps-clip-high)) "
+                                       "* A * logprob; clipped tokens keep their gradient)", POLICY_LOSS_TYPES)
     loss_agg_mode: str = opt("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
     use_kl_loss: bool = opt(False, "add a KL(actor || reference) loss term")
     kl_loss_coef: float = opt(0.0, "weight of the KL loss")
@@ -171,6 +184,10 @@ class RewardConfig:
     rm_type: str | None = opt(None, "built-in reward: math | gsm8k | exact | arithmetic")
     custom_rm_path: str | None = opt(None, "custom reward 'module:function' or 'file.py:function' (sync or async)")
     group_rm: bool = opt(False, "call the custom reward once per prompt group with a list of samples")
+    overlong_buffer_len: int = opt(0, "DAPO overlong reward shaping, buffer L: a response longer than max - L tokens "
+                                      "(max = --rollout-max-response-len) gets -F * (len - (max - L)) / L added to its "
+                                      "reward, F = --overlong-penalty-factor (0 = off)")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong reward shaping: the penalty at --rollout-max-response-len")
     rm_timeout: float = opt(60.0, "seconds one reward call (one sample, or one group with --group-rm) may take; past it the "
                                   "sample gets reward 0 and counts in reward/timeouts, and the run goes on (0 = no limit); "
                                   "with --rm-url: seconds per HTTP request")
@@ -447,6 +464,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",
     "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
     "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]", "max_staleness": ">= 1",
+    "over_sampling_batch_size": ">= 1", "max_dynamic_sampling_draws": ">= 1",
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
@@ -458,6 +476,7 @@ VALUE_RANGES: dict[str, str] = {
     "gamma": "in [0, 1]", "entropy_coef": ">= 0", "tis_clip": "> 0", "ref_update_interval": ">= 0",
     # reward
     "rm_timeout": ">= 0", "rm_batch_size": ">= 1", "rm_max_concurrency": ">= 1", "rm_retries": ">= 0",
+    "overlong_buffer_len": ">= 0", "overlong_penalty_factor": ">= 0",
     # optimizer
     "lr": "> 0", "min_lr": ">= 0", "lr_warmup_steps": ">= 0", "lr_decay_steps": ">= 1", "weight_decay": ">= 0",
     "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
@@ -544,6 +563,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     _validate_logging(cfg.log, command)
     if command == "train":
         _validate_debug(cfg)
+        _validate_rl_extras(cfg)
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
     if c.train_backend == "megatron":
@@ -586,6 +606,12 @@ def _validate_resources(cfg: Config, command: str) -> None:
         from polyrl.rewards import resolve_reward_fn
         try:
             resolve_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if command == "train" and cfg.rollout.dynamic_sampling_filter_path:
+        from polyrl.rewards import resolve_filter_fn
+        try:
+            resolve_filter_fn(cfg.rollout.dynamic_sampling_filter_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     provider = cfg.megatron.custom_model_provider_path
@@ -643,6 +669,24 @@ def _validate_debug(cfg: Config) -> None:
         raise ConfigError(f"{mode} is not supported with --use-ray: run it under torchrun or as one process")
     if g.train_only and cfg.log.eval_interval:
         raise ConfigError("--eval-interval needs a rollout engine, and --debug-train-only builds none: drop --eval-interval")
+def _validate_rl_extras(cfg: Config) -> None:
+    """CISPO, dynamic sampling and overlong shaping against the flags they combine with."""
+    r, a, rw = cfg.rollout, cfg.algorithm, cfg.reward
+    if a.policy_loss == "cispo" and a.advantage_estimator == "gspo":
+        raise ConfigError("--advantage-estimator gspo is a sequence-ratio PPO-clip loss; --policy-loss cispo clips token "
+                          "ratios: use --advantage-estimator grpo with cispo, or drop --policy-loss cispo")
+    if a.policy_loss == "cispo" and a.eps_clip_c is not None:
+        raise ConfigError("--eps-clip-c (dual clip) bounds the PPO-clip loss; --policy-loss cispo has no such term: drop one")
+    if r.over_sampling_batch_size is not None:
+        if not r.dynamic_sampling_filter_path:
+            raise ConfigError("--over-sampling-batch-size draws extra prompts for dynamic sampling: set "
+                              "--dynamic-sampling-filter-path (e.g. polyrl.rewards.filters:nonzero_std) or drop it")
+        if r.over_sampling_batch_size < r.rollout_batch_size:
+            raise ConfigError(f"--over-sampling-batch-size ({r.over_sampling_batch_size}) must be >= --rollout-batch-size "
+                              f"({r.rollout_batch_size}): each draw should be able to fill the step")
+    if rw.overlong_buffer_len > r.rollout_max_response_len:
+        raise ConfigError(f"--overlong-buffer-len ({rw.overlong_buffer_len}) must be <= --rollout-max-response-len "
+                          f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")
 
 
 def _validate_ray(cfg: Config) -> None:

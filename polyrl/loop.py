@@ -1,9 +1,10 @@
 """The synchronous RL loop: generate -> score -> advantages -> train -> sync weights.
 
 `Run` holds what every loop builds (data, backend, engine, rewards, transport, logger) and the
-parts of a step that do not depend on when the samples were generated: `learn` (reward,
-advantages, train), `sync_weights`, `finish_step` (metrics, eval, checkpoint). `train` below runs
-them in order; `polyrl/loop_async.py` runs the same parts with generation one or more steps ahead.
+parts of a step both loops share: `rollout` (draw and generate; with dynamic sampling also score and
+filter, drawing again until the step is full), `learn` (reward, advantages, train), `sync_weights`,
+`finish_step` (metrics, eval, checkpoint). `train` below runs them in order; `polyrl/loop_async.py`
+runs the same parts with generation one or more steps ahead.
 Debug modes live in these parts, not in `train`: --debug-train-only reads each step's samples from files
 (`generate`, no engine is built), --debug-rollout-only stops `learn` after scoring and skips `sync_weights`,
 and --save-debug-rollout-data writes the scored samples in `learn` (polyrl/debug_rollout.py: the format).
@@ -14,28 +15,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from polyrl import runtime as rt
 from polyrl.algorithms.advantages import compute_advantages
 from polyrl.algorithms.losses import LossSettings, rl_loss
+from polyrl.algorithms.shaping import overlong_penalty
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
-from polyrl.metrics import Timer, logger_from_config, notice
+from polyrl.data import DataError
 from polyrl.debug_rollout import rollout_files
-from polyrl.rewards import RewardManager, reward_metrics
+from polyrl.metrics import Timer, logger_from_config, notice
+from polyrl.rewards import RewardManager, resolve_filter_fn, reward_metrics
 from polyrl.types import Sample
 
 
 def loss_settings(cfg: Config) -> LossSettings:
     a = cfg.algorithm
     return LossSettings(
-        eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
+        eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c, policy_loss=a.policy_loss,
+        loss_agg_mode=a.loss_agg_mode,
         sequence_ratio=a.advantage_estimator == "gspo", use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip,
         norm_len=float(cfg.rollout.rollout_max_response_len))
+
+
+class DynamicSamplingError(DataError):
+    """Dynamic sampling could not fill a step within --max-dynamic-sampling-draws."""
 
 
 class Run:
@@ -48,6 +59,16 @@ class Run:
         if r.rollout_batch_size % d.world:
             raise ConfigError(f"--rollout-batch-size {r.rollout_batch_size} must be a multiple of the {d.world} ranks "
                               "(each rank samples whole prompt groups)")
+        if (r.over_sampling_batch_size or 0) % d.world:
+            raise ConfigError(f"--over-sampling-batch-size {r.over_sampling_batch_size} must be a multiple of the {d.world} "
+                              "ranks (each rank samples whole prompt groups)")
+        self.keep_group = resolve_filter_fn(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
+        # dynamic sampling agrees on the number of draws over a group of its own: it may run on the async loop's rollout
+        # thread while the main thread's collectives (training) use the default group
+        self.ds_dist = (rt.Dist(d.rank, d.world, group=dist.new_group(backend="gloo"))
+                        if self.keep_group is not None and d.world > 1 else d)
+        self.data_lock = threading.Lock()  # the async loop draws on its rollout thread and saves on the main thread
+        self.data_states: dict[int, dict] = {}  # step -> dataset position before its prompts (drawn, not yet finished)
         self.tok = rt.load_tokenizer(cfg)
         self.dataset = rt.prompt_dataset(cfg, self.tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle)
         self.eval_set = (rt.prompt_dataset(cfg, self.tok, cfg.data.eval_prompt_data, shuffle=False)
@@ -89,16 +110,99 @@ class Run:
         from polyrl.metrics import step_profiler
         return step_profiler(self.cfg.log.run_dir, step + 1, self.device, enabled=self.d.is_main)
 
-    def draw(self) -> list:
-        """This rank's prompts of the next step."""
-        return self.d.shard(self.dataset.next_batch(self.cfg.rollout.rollout_batch_size))
+    def draw(self, step: int) -> list:
+        """This rank's prompts of the next draw of `step` (--over-sampling-batch-size of them with dynamic sampling)."""
+        r = self.cfg.rollout
+        with self.data_lock:
+            self.data_states.setdefault(step, self.dataset.state_dict())
+            return self.d.shard(self.dataset.next_batch(r.over_sampling_batch_size or r.rollout_batch_size))
 
-    def generate(self, items: list, step: int) -> list[Sample]:
+    def data_state_before(self, step: int) -> dict:
+        """The dataset position before the prompts of `step`, whether they were drawn already or not (the async loop
+        draws ahead; steps are drawn in order, so one not drawn yet starts at the current position)."""
+        with self.data_lock:
+            state = self.data_states.get(step, self.dataset.state_dict())
+            for k in [k for k in self.data_states if k <= step]:
+                del self.data_states[k]
+            return state
+
+    def generate(self, items: list, step: int, draw: int = 0) -> list[Sample]:
         r, d = self.cfg.rollout, self.d
         if self.cfg.debug.train_only:  # the step's samples as a run with --save-debug-rollout-data scored them
             return self.rollout_files.load(step)
+        seed = r.rollout_seed + step * d.world + d.rank + draw * r.num_rollout * d.world  # distinct for every (draw, step, rank)
         with self.engine_lock:
-            return rt.rollout(self.engine, items, rt.sampling_params(self.cfg, seed=r.rollout_seed + step * d.world + d.rank))
+            return rt.rollout(self.engine, items, rt.sampling_params(self.cfg, seed=seed))
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Set every sample's reward (with DAPO's overlong penalty when --overlong-buffer-len is set); this rank's
+        reward metrics (reward/mean and reward/accuracy are the reward function's, before the penalty)."""
+        m, rw = self.rewards.score(samples), self.cfg.reward
+        if rw.overlong_buffer_len:
+            pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), buffer_len=rw.overlong_buffer_len,
+                                   max_len=self.cfg.rollout.rollout_max_response_len, factor=rw.overlong_penalty_factor)
+            for s, p in zip(samples, pen.tolist()):
+                s.reward += p
+            m["reward/overlong_penalty"] = pen.sum().item() / max(len(samples), 1)
+        return m
+
+    def rollout(self, step: int) -> tuple[list[Sample], dict | None, dict]:
+        """This rank's samples of one step: (samples, reward metrics or None when not scored yet, step metrics).
+        Without a dynamic sampling filter: one draw, generated; `learn` scores it. With one: see `dynamic_sampling`."""
+        if self.keep_group is None:
+            return self.generate(self.draw(step), step), None, {}
+        return self.dynamic_sampling(step)
+
+    def dynamic_sampling(self, step: int) -> tuple[list[Sample], dict, dict]:
+        """DAPO's dynamic sampling: draw --over-sampling-batch-size prompts, generate, score and keep the groups the filter
+        passes, until this rank holds its share of --rollout-batch-size groups; groups past that are dropped (counted
+        in dynamic_sampling/surplus_groups). Every rank draws until all ranks are full, so the data position stays
+        the same on all of them (a rank that is full draws without generating)."""
+        r, d = self.cfg.rollout, self.ds_dist
+        need, kept, scored = r.rollout_batch_size // d.world, [], []
+        dropped = surplus = 0
+        for draw in range(r.max_dynamic_sampling_draws):
+            items = self.draw(step)
+            if len(kept) < need:
+                samples = self.generate(items, step, draw)
+                scored.append((len(samples), self.score(samples)))
+                for group in _groups(samples):
+                    if not self._keep(group):
+                        dropped += 1
+                    elif len(kept) < need:
+                        kept.append(group)
+                    else:
+                        surplus += 1
+            total_kept, short, total_dropped, total_surplus = d.sum([len(kept), len(kept) < need, dropped, surplus])
+            if not short:
+                break
+        else:
+            raise DynamicSamplingError(
+                f"dynamic sampling kept {total_kept:.0f} of --rollout-batch-size {r.rollout_batch_size} groups in step "
+                f"{step + 1} after --max-dynamic-sampling-draws {r.max_dynamic_sampling_draws} draws of "
+                f"{r.over_sampling_batch_size or r.rollout_batch_size} prompts (--over-sampling-batch-size); "
+                f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} dropped {total_dropped:.0f} groups. Raise "
+                "--over-sampling-batch-size or --max-dynamic-sampling-draws, or check the reward: with "
+                "polyrl.rewards.filters:nonzero_std a group whose samples all get the same reward is dropped")
+        samples = [s for group in kept for s in group]
+        for i, group in enumerate(kept):
+            for s in group:
+                s.group_index = i  # the prompt of the step it answers, as without dynamic sampling
+        return samples, _merge_reward_metrics(scored), {
+            "dynamic_sampling/kept_groups": total_kept, "dynamic_sampling/dropped_groups": total_dropped,
+            "dynamic_sampling/surplus_groups": total_surplus, "dynamic_sampling/extra_draws": draw}
+
+    def _keep(self, group: list[Sample]) -> bool:
+        path = self.cfg.rollout.dynamic_sampling_filter_path
+        try:
+            keep = self.keep_group(group)
+        except Exception as e:
+            raise RuntimeError(f"--dynamic-sampling-filter-path {path} raised on a group of {len(group)} samples "
+                               f"(prompt {group[0].prompt[:200]!r}): {type(e).__name__}: {e}") from e
+        if not isinstance(keep, (bool, np.bool_)):
+            raise TypeError(f"--dynamic-sampling-filter-path {path} returned {keep!r} ({type(keep).__name__}); "
+                            "return True (keep the group) or False (drop it)")
+        return bool(keep)
 
     def evaluate(self) -> dict[str, float]:
         with self.engine_lock:
@@ -111,7 +215,7 @@ class Run:
         --debug-rollout-only: scoring only (and saving the samples if asked)."""
         cfg, r, a, d, backend = self.cfg, self.cfg.rollout, self.cfg.algorithm, self.d, self.backend
         with timer("reward"):
-            rm = scored if scored is not None else self.rewards.score(samples) if self.rewards else reward_metrics(samples)
+            rm = scored if scored is not None else self.score(samples) if self.rewards else reward_metrics(samples)
             m.update({k: v / d.world for k, v in zip(rm, d.sum(list(rm.values())))})
         if cfg.debug.save_debug_rollout_data:
             self.rollout_files.save(step, samples)
@@ -154,11 +258,10 @@ class Run:
         with self.engine_lock:
             self.transport.push(self.backend.export_weights(), [self.engine], version=version)
 
-    def finish_step(self, step: int, samples: list[Sample], m: dict, timer: Timer, rollout_s: float,
-                    data_state: dict | None = None) -> None:
-        """Step metrics, eval, checkpoint; `step` is 0-based, the policy is now at version step + 1.
-        data_state: where a resume draws the next step's prompts (default: the dataset's position now)."""
+    def finish_step(self, step: int, samples: list[Sample], m: dict, timer: Timer, rollout_s: float) -> None:
+        """Step metrics, eval, checkpoint; `step` is 0-based, the policy is now at version step + 1."""
         cfg, d = self.cfg, self.d
+        data_state = self.data_state_before(step + 1)  # where a resume draws the next step's prompts
         n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
                                         sum(s.finish_reason == "length" for s in samples)])
         m.update(self.engine.stats())
@@ -172,7 +275,7 @@ class Run:
         m["time/step"], self._t_step = now - self._t_step, now
         self.logger.log(step + 1, m)
         if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
-            self.save(step + 1, data_state if data_state is not None else self.dataset.state_dict())
+            self.save(step + 1, data_state)
 
     def save(self, step: int, data_state: dict) -> None:
         save_checkpoint(self.cfg.checkpoint.save, step, self.backend,
@@ -188,18 +291,33 @@ class Run:
             self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
 
 
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples split by prompt (group_index), in order."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
+
+
+def _merge_reward_metrics(scored: list[tuple[int, dict]]) -> dict[str, float]:
+    """One step's reward metrics from those of several draws [(samples, metrics)]: counts add, means are weighted."""
+    n = max(sum(k for k, _ in scored), 1)
+    return {key: sum(m[key] * (1 if key in ("reward/errors", "reward/timeouts") else k / n) for k, m in scored)
+            for key in scored[0][1]}
+
+
 def train(cfg: Config) -> dict:
     run = Run(cfg)
     n, m = cfg.rollout.num_rollout, {}
     t_run = time.perf_counter()
     for step in range(run.start, n):
-        timer, m = Timer(), {}
+        timer = Timer()
         with run.profiled(step):
             with timer("rollout"):
                 run.backend.offload()
-                samples = run.generate(run.draw(), step)
+                samples, scored, m = run.rollout(step)  # scored: the reward metrics when dynamic sampling scored them
                 run.engine.sleep()  # colocated: the trainer gets the GPU
-            run.learn(samples, step, m, timer)
+            run.learn(samples, step, m, timer, scored)
             with timer("weight_sync"):
                 run.sync_weights(step + 1)
         run.finish_step(step, samples, m, timer, timer.times["rollout"])

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ def seed_everything(seed: int) -> None:
 class Dist:
     rank: int
     world: int
+    group: Any = None  # the process group of the reductions (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -62,7 +64,7 @@ class Dist:
         if self.world == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
 

@@ -24,7 +24,9 @@ def test_help_lists_flag_groups_with_defaults():
     assert "--rollout-batch-size" in out and "(default: 8)" in out and "--eps-clip-c" in out
     for flag in ("--rm-url", "--rm-batch-size", "--rm-max-concurrency", "--rm-retries", "--use-wandb", "--wandb-project",
                  "--wandb-group", "--wandb-mode", "--wandb-run-name", "debug modes:", "--debug-rollout-only",
-                 "--debug-train-only", "--save-debug-rollout-data", "--load-debug-rollout-data"):
+                 "--debug-train-only", "--save-debug-rollout-data", "--load-debug-rollout-data",
+                 "--policy-loss {ppo_clip,cispo}", "--dynamic-sampling-filter-path", "--over-sampling-batch-size",
+                 "--max-dynamic-sampling-draws", "--overlong-buffer-len", "--overlong-penalty-factor", "--profile-step"):
         assert flag in out, flag
     sft = subprocess.run([sys.executable, "-m", "polyrl", "sft", "--help"], capture_output=True, text=True).stdout
     assert "--response-key" in sft and "--n-samples-per-prompt" not in sft

@@ -113,6 +113,31 @@ def policy_loss(
     return loss, clipped, ratio
 
 
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, detached token importance ratio.
+
+    loss_t = -sg(clip(r_t, 1 - eps_clip, 1 + eps_clip_high)) * A_t * logprobs_t,  r_t = exp(logprobs_t - old_t),
+    so d loss_t / d logprobs_t = -clip(r_t) * A_t: a clipped token keeps its gradient (bounded weight),
+    where PPO-clip would zero it. All inputs [T]; returns (per-token loss [T], clipped [T] bool, ratio [T]).
+    """
+    ratio = torch.exp((logprobs - old_logprobs).detach().clamp(max=20.0))  # clamp: a diverged token must not give inf
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    return -weight * advantages * logprobs, weight != ratio, ratio
+
+
+# --policy-loss name -> (logprobs, old_logprobs, advantages, *, eps_clip, eps_clip_high, ...) -> (loss [T], clipped [T], ratio [T])
+POLICY_LOSSES = {"ppo_clip": policy_loss, "cispo": cispo_loss}
+
+
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clip: float) -> torch.Tensor:
     """Truncated importance sampling: min(pi_train_old / pi_rollout, clip), detached. [T] -> [T]"""
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=clip).detach()
@@ -125,6 +150,7 @@ class LossSettings:
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
+    policy_loss: str = "ppo_clip"  # a POLICY_LOSSES name
     loss_agg_mode: str = "token-mean"
     sequence_ratio: bool = False  # GSPO
     use_kl_loss: bool = False
@@ -158,7 +184,7 @@ def rl_loss(
 
     # one optimizer step per rollout is on-policy: the pre-update logprobs are these, detached
     old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
-    pg, clipped, ratio = policy_loss(
+    pg, clipped, ratio = POLICY_LOSSES[s.policy_loss](
         logprobs, old, mb["advantages"], eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high,
         eps_clip_c=s.eps_clip_c, seq_ids=seq_ids, mask=mask, sequence_ratio=s.sequence_ratio,
     )

@@ -83,6 +83,11 @@ def resolve_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> Callab
     return _load_attr(REWARD_FUNCTIONS[rm_type], "--rm-type")
 
 
+def resolve_filter_fn(path: str) -> Callable:
+    """The ``--dynamic-sampling-filter-path`` function: ``fn(samples of one group) -> bool`` (keep)."""
+    return _load_attr(path, "--dynamic-sampling-filter-path")
+
+
 def _as_reward(value: Any) -> float | Exception:
     # bool is an int, so True/False count as 1/0; None, strings, NaN and inf are errors.
     if isinstance(value, numbers.Real) and isfinite(value):

@@ -458,3 +458,69 @@ def test_sft_loss():
     a, _ = sft_loss(lp[:2].detach(), None, {"loss_mask": mb["loss_mask"][:2]}, num_tokens=6.0, num_seqs=2.0)
     b, _ = sft_loss(lp[2:].detach(), None, {"loss_mask": mb["loss_mask"][2:]}, LossSettings(), num_tokens=6.0, num_seqs=2.0)
     assert_close(a + b, t(1.5)[0])
+
+
+# ---- CISPO ----
+
+# same RATIOS/ADVS as above, old logprobs 0 so logprobs = log r; eps 0.2 -> weight w = clip(r, 0.8, 1.2), detached
+#   w = [0.8, 1.0, 1.2, 0.8, 1.0, 1.2]; clipped where w != r: [T, F, T, T, F, T]
+# loss = -w * A * logp:
+#   A=+1 r=0.5: -0.8 * ln 0.5 =  0.5545177     A=-1 r=0.5:  0.8 * ln 0.5 = -0.5545177
+#   A=+1 r=1.0: -1.0 * 0      =  0             A=-1 r=1.0:  0
+#   A=+1 r=1.5: -1.2 * ln 1.5 = -0.4865581     A=-1 r=1.5:  1.2 * ln 1.5 =  0.4865581
+CISPO_LOSS = [0.5545177, 0.0, -0.4865581, -0.5545177, 0.0, 0.4865581]
+# d loss / d logp = -w * A (w is a constant): every token has a gradient, the clipped ones too (PPO: 0 at tokens 2, 3)
+CISPO_GRAD = [-0.8, -1.0, -1.2, 0.8, 1.0, 1.2]
+
+
+def test_cispo_values_and_gradient_by_hand():
+    from polyrl.algorithms.losses import cispo_loss
+    lp = torch.tensor([math.log(r) for r in RATIOS], dtype=torch.float64, requires_grad=True)
+    loss, clipped, ratio = cispo_loss(lp, torch.zeros(6, dtype=torch.float64), t(*ADVS), eps_clip=0.2)
+    assert_close(ratio, t(*RATIOS))
+    assert_close(loss.detach(), t(*CISPO_LOSS), atol=1e-7, rtol=1e-7)
+    assert clipped.tolist() == [True, False, True, True, False, True]
+    loss.sum().backward()
+    assert_close(lp.grad, t(*CISPO_GRAD))
+    ppo_grad = torch.tensor(TOKEN_GRAD, dtype=torch.float64)
+    assert (ppo_grad[[2, 3]] == 0).all() and (lp.grad[[2, 3]] != 0).all()  # clipped tokens still learn under CISPO
+
+
+def test_cispo_gradient_is_minus_clipped_ratio_times_advantage_with_clip_higher():
+    from polyrl.algorithms.losses import cispo_loss
+    # old logprobs -1, -2, -0.5, -3; log ratios ln 1.25, ln 1.5, ln 0.5, ln 0.9; eps 0.2 / high 0.28 -> [0.8, 1.28]
+    #   w = [1.25 (inside), 1.28 (clipped high), 0.8 (clipped low), 0.9 (inside)]
+    old = t(-1.0, -2.0, -0.5, -3.0)
+    lp = (old + t(math.log(1.25), math.log(1.5), math.log(0.5), math.log(0.9))).detach().requires_grad_(True)
+    adv = t(2.0, 1.0, -1.0, -0.5)
+    loss, clipped, _ = cispo_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    w = t(1.25, 1.28, 0.8, 0.9)
+    # loss = -w * A * logp, e.g. token 0: -1.25 * 2 * (-1 + ln 1.25) = 2.5 - 2.5 ln 1.25 = 1.9421320
+    assert_close(loss.detach()[0], t(2.5 - 2.5 * math.log(1.25))[0])
+    assert_close(loss.detach(), -w * adv * lp.detach())
+    assert clipped.tolist() == [False, True, True, False]
+    loss.sum().backward()
+    assert_close(lp.grad, -w * adv)  # -clip(r) * A * d logp / d logp
+    # the diverged-token guard: the ratio saturates at exp(20), the weight at 1 + eps_high
+    _, _, ratio = cispo_loss(t(300.0), t(0.0), t(1.0), eps_clip=0.2)
+    assert torch.isfinite(ratio).all()
+
+
+def test_cispo_through_rl_loss_token_mean():
+    # rl_loss with --policy-loss cispo: token-mean over num_tokens=4 (global count), mask drops token 3
+    #   w = clip([1.5, 0.5, 1.0, 2.0], 0.8, 1.2) = [1.2, 0.8, 1.0, 1.2], A = [1, -1, 1, 1]
+    #   grad = -w * A * mask / 4 = [-0.3, 0.2, -0.25, 0]
+    old = t(-1.0, -1.0, -1.0, -1.0)
+    lp = (old + t(math.log(1.5), math.log(0.5), 0.0, math.log(2.0))).detach().requires_grad_(True)
+    mb = {"seq_ids": torch.tensor([0, 0, 1, 1]), "loss_mask": t(1.0, 1.0, 1.0, 0.0), "advantages": t(1.0, -1.0, 1.0, 1.0),
+          "old_logprobs": old}
+    loss, m = rl_loss(lp, None, mb, LossSettings(policy_loss="cispo"), num_tokens=4, num_seqs=2)
+    loss.backward()
+    assert_close(lp.grad, t(-0.3, 0.2, -0.25, 0.0))
+    assert_close(m["clip_frac"], t(0.5)[0])  # tokens 0 and 1 of 4 (token 3 is masked out)
+
+
+def test_policy_loss_table_matches_the_config_choices():
+    from polyrl.algorithms.losses import POLICY_LOSSES
+    from polyrl.config import POLICY_LOSS_TYPES
+    assert tuple(POLICY_LOSSES) == POLICY_LOSS_TYPES and POLICY_LOSSES["ppo_clip"] is policy_loss
