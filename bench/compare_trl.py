@@ -4,7 +4,8 @@ Each framework runs in a subprocess of its own (so its peak RSS / peak GPU memor
 own), one after the other:
 
   polyrl    `polyrl train` (the CLI's `main`, in the worker process), steps timed by the
-            loop's own metrics (sum of the time/* fields of a step, as in RUN_DIR/metrics.jsonl)
+            loop's own metrics (time/step of RUN_DIR/metrics.jsonl: wall time between two steps' logs; before
+            2026-11-23 the sum of the time/* phase fields)
   trl       `trl.GRPOTrainer`, generation with transformers `generate`, steps timed by a
             TrainerCallback (on_step_begin -> on_step_end)
   trl-cb    the same with TRL's transformers continuous-batching (paged KV cache) generation,
@@ -271,8 +272,9 @@ def run_polyrl(s: dict) -> dict:
     def log(self, step, metrics):  # called by polyrl's loop once per step, after the step
         original_log(self, step, metrics)
         now = time.perf_counter()
-        parts = {k[len("time/"):]: v for k, v in metrics.items() if k.startswith("time/")}
-        steps.append({"step": int(step), "step_s": sum(parts.values()), "gen_s": parts.get("rollout"), "parts": parts,
+        parts = {k[len("time/"):]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
+        # time/step: the loop's wall time between two steps' logs (every phase and what lies between them)
+        steps.append({"step": int(step), "step_s": metrics.get("time/step", sum(parts.values())), "gen_s": parts.get("rollout"), "parts": parts,
                       "wall_step_s": now - state["last"] if state["last"] is not None else None,
                       "completion_tokens": metrics["response_len/mean"] * n, "reward": metrics["reward/mean"]})
         state["last"] = now

@@ -482,7 +482,7 @@ VALUE_RANGES: dict[str, str] = {
     "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
     # model, checkpoints, logging
     "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
-    "eval_interval": ">= 0",
+    "eval_interval": ">= 0", "profile_step": ">= 0",
     # megatron
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
     "num_layers_per_virtual_pipeline_stage": ">= 1", "context_parallel_size": ">= 1", "expert_model_parallel_size": ">= 1",
@@ -564,6 +564,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command == "train":
         _validate_debug(cfg)
         _validate_rl_extras(cfg)
+        if cfg.log.profile_step > cfg.rollout.num_rollout:
+            raise ConfigError(f"--profile-step {cfg.log.profile_step} is past --num-rollout {cfg.rollout.num_rollout}: "
+                              "no such step to profile")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
     if c.train_backend == "megatron":

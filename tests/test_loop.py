@@ -103,3 +103,16 @@ def test_sft_then_eval_from_checkpoint(tiny_model, arith_data, tmp_path):
     assert ev["eval/n"] == 8 and 0.0 <= ev["eval/accuracy"] <= 1.0
     assert main(["export-hf", "--hf-checkpoint", tiny_model, "--load", str(tmp_path / "ck"), "--save-hf", str(tmp_path / "hf")]) == 0
     assert os.path.isfile(tmp_path / "hf" / "config.json")
+
+
+def test_profile_step_prints_where_the_step_goes_and_writes_a_trace(tiny_model, arith_data, tmp_path, capsys):
+    from polyrl.cli import main
+    run = tmp_path / "run"
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                 "--num-rollout", "2", "--profile-step", "2", "--quiet", "--device", "cpu", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "--profile-step 2:" in out and "Self CPU" in out and "aten::" in out
+    assert (run / "profile_step2.json").stat().st_size > 0 and not (run / "profile_step1.json").exists()
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--num-rollout", "2", "--profile-step", "3", "--device", "cpu", "--run-dir", str(run)]) == 2
