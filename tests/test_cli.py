@@ -299,3 +299,20 @@ def test_max_ckpt_to_keep_and_stale_temporaries(tiny_model, arith_data, tmp_path
     assert sorted(os.listdir(ck)) == ["latest", "step_000002", "step_000003"]
     assert open(ck / "latest").read() == "step_000003"
     assert _train(tiny_model, arith_data["train"], tmp_path, "--load", str(ck), "--num-rollout", "4") == 0  # still loadable
+
+
+def test_micro_batches_default_to_a_token_budget_on_gpu_and_8_samples_on_cpu():
+    from polyrl.backends.base import plan_micro_batches
+    from polyrl.config import GPU_TOKEN_BUDGET, BatchConfig
+    b = BatchConfig()
+    assert b.micro_batch_plan("cpu", 300) == {"micro_batch_size": 8}
+    assert b.micro_batch_plan("cuda", 300) == {"max_tokens": GPU_TOKEN_BUDGET}
+    assert b.micro_batch_plan("cuda", GPU_TOKEN_BUDGET + 5) == {"max_tokens": GPU_TOKEN_BUDGET + 5}  # never too small
+    assert BatchConfig(micro_batch_size=4).micro_batch_plan("cuda", 300) == {"micro_batch_size": 4}  # the user's choice wins
+    assert BatchConfig(max_tokens_per_gpu=1000).micro_batch_plan("cuda", 300) == {"max_tokens": 1000}
+    assert BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=64).micro_batch_plan("cpu", 9) == {"max_tokens": 64}
+    # 128 samples of ~300 tokens: 3 token-balanced micro-batches on GPU instead of 16 of 8 samples
+    lens = [290 + i % 20 for i in range(128)]
+    plans = plan_micro_batches(lens, **b.micro_batch_plan("cuda", max(lens)))
+    assert len(plans) == 3 and sorted(i for p in plans for i in p) == list(range(128))
+    assert all(sum(lens[i] for i in p) <= GPU_TOKEN_BUDGET for p in plans)

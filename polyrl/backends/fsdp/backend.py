@@ -200,8 +200,8 @@ class FSDPBackend:
     # ---- forward ------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         lens = [int(x.numel()) for x in batch.input_ids]
-        dyn = self.bcfg.use_dynamic_batch_size
-        kw = dict(max_tokens=self.bcfg.max_tokens_per_gpu) if dyn else dict(micro_batch_size=self.bcfg.micro_batch_size)
+        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1))
+        dyn = "max_tokens" in kw
         k = torch.tensor(len(plan_micro_batches(lens, **kw)) if lens else 1)
         if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
             dist.all_reduce(k, op=dist.ReduceOp.MAX)

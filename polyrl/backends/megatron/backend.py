@@ -165,14 +165,14 @@ class MegatronBackend:
         ps = self.ps
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         lens = [int(x.numel()) for x in glob.input_ids]
-        dyn = self.bcfg.use_dynamic_batch_size
+        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1))
+        dyn = "max_tokens" in kw
         if dyn:
             shards = plan_micro_batches(lens, max_tokens=max(sum(lens), 1), num_micro_batches=dp)
         else:
             shards = plan_micro_batches(lens, micro_batch_size=max(-(-len(lens) // dp), 1), num_micro_batches=dp)
         shard = shards[dp_rank] if len(lens) else []
         slens = [lens[i] for i in shard]
-        kw = dict(max_tokens=self.bcfg.max_tokens_per_gpu) if dyn else dict(micro_batch_size=self.bcfg.micro_batch_size)
         k = torch.tensor(len(plan_micro_batches(slens, **kw)) if slens else 1, device=self.device)
         dist.all_reduce(k, op=dist.ReduceOp.MAX)
         k = int(k)
