@@ -13,6 +13,8 @@ Part 2 (--grpo), the GRPO step a user runs, same model and settings, three place
   server-colocated     --rollout-engine server with one visible GPU (engine releases its memory while training)
   server-disagg-async  as server-disaggregated, plus --async (one-step-off: step k+1 generates and is scored
                        while step k trains; --max-staleness 1)
+  embedded-async       as embedded-colocated, plus --async: one GPU, generation on the rollout thread beside
+                       training (the weight update waits for a running generate: they share one process)
 and prints the median step time (time/step: wall time between two steps' logs), its parts,
 train_rollout_logprob_abs_diff per step, and how busy each GPU was over steps 2..N: nvidia-smi's
 utilization (share of time a kernel ran), sampled every 100 ms while the run logged its steps.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +41,8 @@ from common import SHAPES, build_model_dir, fmt, markdown_table, median  # noqa:
 # placement -> (extra flags, CUDA_VISIBLE_DEVICES)
 PLACEMENTS = {"embedded-colocated": ([], "0"), "server-disaggregated": (["--rollout-engine", "server"], "0,1"),
               "server-colocated": (["--rollout-engine", "server"], "0"),
-              "server-disagg-async": (["--rollout-engine", "server", "--async"], "0,1")}
+              "server-disagg-async": (["--rollout-engine", "server", "--async"], "0,1"),
+              "embedded-async": (["--async"], "0")}
 
 
 class GpuBusy:
@@ -85,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=0, help="GRPO part: samples per micro-batch (0: the whole step)")
     p.add_argument("--reward-sleep-ms", type=float, default=0.0,
                    help="GRPO part: a reward that waits this long per sample (a sandbox, a remote verifier) before scoring")
     p.add_argument("--workdir", default=None)
@@ -223,11 +228,12 @@ def grpo(a: argparse.Namespace, work: str) -> list[dict]:
     common = ["--hf-checkpoint", model_dir, "--prompt-data", data["train"], *reward, "--quiet",
               "--rollout-batch-size", str(a.prompts_per_step), "--n-samples-per-prompt", str(a.samples_per_prompt),
               "--rollout-max-response-len", str(a.max_new_tokens), "--num-rollout", str(a.grpo_steps),
-              "--micro-batch-size", str(a.prompts_per_step * a.samples_per_prompt), "--lr", "1e-6", "--device", a.device]
+              "--micro-batch-size", str(a.micro_batch_size or a.prompts_per_step * a.samples_per_prompt), "--lr", "1e-6", "--device", a.device]
     rows = []
     for name in a.placement_list:
         extra, vis = PLACEMENTS[name]
         run = os.path.join(work, name)
+        shutil.rmtree(run, ignore_errors=True)  # a reused --workdir: metrics.jsonl must hold this run's steps only
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": vis} if a.device == "cuda" else {})}
         busy = GpuBusy(os.path.join(run, "metrics.jsonl")) if a.device == "cuda" else None
         t = time.perf_counter()
