@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -165,3 +166,26 @@ def test_generate_with_timeout_and_bad_samples_name_the_function():
         return Sample(record.prompt_ids, [3, 4], [0.0, 0.0], "stop", loss_mask=[1])
     with pytest.raises(ValueError, match="2 response tokens but 1 loss_mask"):
         generate_with(short_mask, "mod:f", _Engine(), _Tok(), _items(), SamplingParams(n=1, seed=0), timeout=5, concurrency=4)
+
+
+def test_a_hung_engine_call_times_out_without_waiting_for_it():
+    class Hung(_Engine):
+        def generate(self, prompts, params):
+            time.sleep(3)
+            return super().generate(prompts, params)
+
+    async def fn(record, sp, engine, tok):
+        return (await engine.generate(record.prompt_ids, sp))[0]
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="mod:fn did not return within --rollout-request-timeout 0.2 s"):
+        generate_with(fn, "mod:fn", Hung(), _Tok(), _items(), SamplingParams(n=1, seed=0), timeout=0.2, concurrency=4)
+    assert time.perf_counter() - t0 < 2
+
+
+def test_train_stops_with_an_error_naming_a_stuck_function(tiny_model, arith_data, tmp_path, capsys):
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("import asyncio\nasync def generate(record, sampling_params, engine, tokenizer):\n"
+                     "    await asyncio.sleep(60)\n")
+    assert main(_args(tiny_model, arith_data, tmp_path, "--rm-type", "arithmetic", "--rollout-request-timeout", "0.3",
+                      "--custom-generate-function-path", f"{stuck}:generate")) == 1
+    assert f"--custom-generate-function-path {stuck}:generate did not return within" in capsys.readouterr().err

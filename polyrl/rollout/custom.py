@@ -20,12 +20,16 @@ It returns one Sample (or several) whose `prompt_ids` are the record's (left emp
 masked tokens; 0.0 by convention). polyrl calls it --n-samples-per-prompt times per prompt, at most
 --custom-generate-concurrency calls at once, each within --rollout-request-timeout seconds, and sets
 group_index, prompt, label, metadata (the record's, updated with what the function set) and weight_version.
+The function runs on an event loop: await the engine (and any other I/O); a blocking call inside it stalls every
+other call and escapes the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +37,10 @@ from polyrl.rollout.sampling import mix_seed
 from polyrl.types import Sample, SamplingParams
 
 FLAG = "--custom-generate-function-path"
+
+
+class CustomGenerateTimeout(TimeoutError):
+    """A call of the custom generate function passed --rollout-request-timeout (polyrl train exits 1 with it)."""
 
 
 @dataclass
@@ -52,9 +60,12 @@ class EngineHandle:
     the trainer's process (engine.concurrent_update False: one model) runs one call at a time; engine servers
     take the calls concurrently."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, threads: int):
         self._engine = engine
         self._lock = None if getattr(engine, "concurrent_update", False) else asyncio.Lock()
+        # engine calls block: they run on threads of our own, which a timed-out step leaves behind instead of
+        # waiting for them as asyncio.run does for its default executor
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="polyrl-custom-generate")
 
     @property
     def version(self) -> int | None:
@@ -62,10 +73,14 @@ class EngineHandle:
 
     async def generate(self, token_ids: list[int], params: SamplingParams) -> list[Sample]:
         """params.n samples continuing `token_ids`, each with response_ids, rollout_logprobs, finish_reason."""
+        call = functools.partial(self._engine.generate, [list(token_ids)], params)
         if self._lock is None:
-            return await asyncio.to_thread(self._engine.generate, [list(token_ids)], params)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
         async with self._lock:
-            return await asyncio.to_thread(self._engine.generate, [list(token_ids)], params)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def generate_with(fn: Callable, path: str, engine, tokenizer, items: list, params: SamplingParams, *,
@@ -76,7 +91,7 @@ def generate_with(fn: Callable, path: str, engine, tokenizer, items: list, param
 
 
 async def _generate_all(fn, path, engine, tokenizer, items, params, timeout, concurrency) -> list[Sample]:
-    handle, gate = EngineHandle(engine), asyncio.Semaphore(concurrency)
+    handle, gate = EngineHandle(engine, threads=concurrency), asyncio.Semaphore(concurrency)
     base = params.seed if params.seed is not None else 0
 
     async def one(i: int, j: int) -> list[Sample]:
@@ -88,13 +103,15 @@ async def _generate_all(fn, path, engine, tokenizer, items, params, timeout, con
             try:
                 out = await asyncio.wait_for(fn(record, sp, handle, tokenizer), timeout)
             except asyncio.TimeoutError:
-                raise TimeoutError(f"{FLAG} {path} did not return within --rollout-request-timeout {timeout:g} s (prompt "
+                raise CustomGenerateTimeout(f"{FLAG} {path} did not return within --rollout-request-timeout {timeout:g} s (prompt "
                                    f"{i}, sample {j}: {str(rec.prompt)[:200]!r}); raise the timeout or find where it "
                                    "waits") from None
         return [_checked(s, record, rec, path, handle.version, tokenizer) for s in (out if isinstance(out, list) else [out])]
 
-    tasks = [one(i, j) for i in range(len(items)) for j in range(params.n)]
-    results = await asyncio.gather(*tasks)
+    try:
+        results = await asyncio.gather(*(one(i, j) for i in range(len(items)) for j in range(params.n)))
+    finally:
+        handle.close()
     counts = {len(r) for r in results}
     if len(counts) > 1:
         raise ValueError(f"{FLAG} {path} returned {sorted(counts)} samples from different calls of one step; every call "
