@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import inspect
 import math
 import os
 import types
@@ -634,15 +633,11 @@ def _validate_resources(cfg: Config, command: str) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if command == "train" and cfg.rollout.custom_generate_function_path:
-        from polyrl.rewards import _load_attr
+        from polyrl.rollout.custom import resolve_generate_fn
         try:
-            fn = _load_attr(cfg.rollout.custom_generate_function_path, "--custom-generate-function-path")
+            resolve_generate_fn(cfg.rollout.custom_generate_function_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not inspect.iscoroutinefunction(fn):
-            raise ConfigError(f"--custom-generate-function-path {cfg.rollout.custom_generate_function_path!r}: "
-                              f"{getattr(fn, '__name__', fn)!r} is not an `async def` function; polyrl awaits it "
-                              "(async def fn(record, sampling_params, engine, tokenizer))")
     if command == "train" and cfg.rollout.dynamic_sampling_filter_path:
         from polyrl.rewards import resolve_filter_fn
         try:

@@ -31,8 +31,8 @@ from polyrl.config import Config, ConfigError
 from polyrl.data import DataError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
-from polyrl.rewards import RewardManager, _load_attr, resolve_filter_fn, reward_metrics
-from polyrl.rollout.custom import FLAG, generate_with
+from polyrl.rewards import RewardManager, resolve_filter_fn, reward_metrics
+from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.types import Sample
 
 
@@ -135,7 +135,7 @@ class Run:
         params = rt.sampling_params(self.cfg, seed=seed)
         with self.engine_lock:
             if r.custom_generate_function_path:  # multi-turn / tools: the user's function drives the engine
-                return generate_with(_load_attr(r.custom_generate_function_path, FLAG), r.custom_generate_function_path,
+                return generate_with(resolve_generate_fn(r.custom_generate_function_path), r.custom_generate_function_path,
                                      self.engine, self.tok, items, params, timeout=self.cfg.engines.rollout_request_timeout,
                                      concurrency=r.custom_generate_concurrency)
             return rt.rollout(self.engine, items, params)

@@ -189,3 +189,11 @@ def test_train_stops_with_an_error_naming_a_stuck_function(tiny_model, arith_dat
     assert main(_args(tiny_model, arith_data, tmp_path, "--rm-type", "arithmetic", "--rollout-request-timeout", "0.3",
                       "--custom-generate-function-path", f"{stuck}:generate")) == 1
     assert f"--custom-generate-function-path {stuck}:generate did not return within" in capsys.readouterr().err
+
+
+def test_calls_of_one_step_must_return_as_many_samples():
+    async def uneven(record, sp, engine, tok):
+        s = (await engine.generate(record.prompt_ids, sp))[0]
+        return [s] if record.sample_index == 0 else [s, Sample(record.prompt_ids, [5], [0.0], "stop")]
+    with pytest.raises(ValueError, match=r"returned \[1, 2\] samples from different calls"):
+        generate_with(uneven, "mod:f", _Engine(), _Tok(), _items(), SamplingParams(n=2, seed=0), timeout=5, concurrency=4)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -81,6 +82,16 @@ class EngineHandle:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def resolve_generate_fn(path: str) -> Callable:
+    """The --custom-generate-function-path function (imported once; start-up validation calls this first)."""
+    from polyrl.rewards import _load_attr
+    fn = _load_attr(path, FLAG)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{FLAG} {path!r}: {getattr(fn, '__name__', fn)!r} is not an `async def` function; polyrl "
+                         "awaits it (async def fn(record, sampling_params, engine, tokenizer))")
+    return fn
 
 
 def generate_with(fn: Callable, path: str, engine, tokenizer, items: list, params: SamplingParams, *,
