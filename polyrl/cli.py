@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.checkpoint import CheckpointError
     from polyrl.data import DataError
     from polyrl.rollout.http_engine import EngineDeadError
+    from polyrl.rollout.custom import CustomGenerateTimeout
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_export(cfg)
             out = {}
-    except EngineDeadError as e:
+    except (EngineDeadError, CustomGenerateTimeout) as e:
         print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, DataError, CheckpointError) as e:

@@ -101,6 +101,12 @@ class RolloutConfig:
                                                      "(unset: --rollout-batch-size)")
     max_dynamic_sampling_draws: int = opt(8, "dynamic sampling: most draws per step; a step still short of "
                                              "--rollout-batch-size groups after them stops the run with an error")
+    custom_generate_function_path: str | None = opt(
+        None, "multi-turn / tool rollouts: 'module:fn' or 'file.py:fn', `async def fn(record, sampling_params, engine, "
+              "tokenizer) -> Sample | list[Sample]` called --n-samples-per-prompt times per prompt; its samples carry "
+              "loss_mask 0 on tool tokens (polyrl/rollout/custom.py documents the contract). Each call must return "
+              "within --rollout-request-timeout")
+    custom_generate_concurrency: int = opt(64, "--custom-generate-function-path: most calls in flight at once per rank")
 
 
 @dataclass
@@ -479,7 +485,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",
     "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
     "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]", "max_staleness": ">= 1",
-    "over_sampling_batch_size": ">= 1", "max_dynamic_sampling_draws": ">= 1",
+    "over_sampling_batch_size": ">= 1", "max_dynamic_sampling_draws": ">= 1", "custom_generate_concurrency": ">= 1",
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
@@ -626,6 +632,12 @@ def _validate_resources(cfg: Config, command: str) -> None:
             resolve_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if command == "train" and cfg.rollout.custom_generate_function_path:
+        from polyrl.rollout.custom import resolve_generate_fn
+        try:
+            resolve_generate_fn(cfg.rollout.custom_generate_function_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if command == "train" and cfg.rollout.dynamic_sampling_filter_path:
         from polyrl.rewards import resolve_filter_fn
         try:
@@ -685,6 +697,9 @@ def _validate_debug(cfg: Config) -> None:
         raise ConfigError(f"{mode} runs one half of the synchronous loop: drop --async")
     if mode and cfg.ray.use_ray:
         raise ConfigError(f"{mode} is not supported with --use-ray: run it under torchrun or as one process")
+    if g.train_only and cfg.rollout.custom_generate_function_path:
+        raise ConfigError("--custom-generate-function-path generates the rollouts, and --debug-train-only reads them from "
+                          "--load-debug-rollout-data files instead: drop one")
     if g.train_only and cfg.log.eval_interval:
         raise ConfigError("--eval-interval needs a rollout engine, and --debug-train-only builds none: drop --eval-interval")
 def _validate_rl_extras(cfg: Config) -> None:

@@ -32,6 +32,7 @@ from polyrl.data import DataError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.rewards import RewardManager, resolve_filter_fn, reward_metrics
+from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.types import Sample
 
 
@@ -131,8 +132,13 @@ class Run:
         if self.cfg.debug.train_only:  # the step's samples as a run with --save-debug-rollout-data scored them
             return self.rollout_files.load(step)
         seed = r.rollout_seed + step * d.world + d.rank + draw * r.num_rollout * d.world  # distinct for every (draw, step, rank)
+        params = rt.sampling_params(self.cfg, seed=seed)
         with self.engine_lock:
-            return rt.rollout(self.engine, items, rt.sampling_params(self.cfg, seed=seed))
+            if r.custom_generate_function_path:  # multi-turn / tools: the user's function drives the engine
+                return generate_with(resolve_generate_fn(r.custom_generate_function_path), r.custom_generate_function_path,
+                                     self.engine, self.tok, items, params, timeout=self.cfg.engines.rollout_request_timeout,
+                                     concurrency=r.custom_generate_concurrency)
+            return rt.rollout(self.engine, items, params)
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set every sample's reward (with DAPO's overlong penalty when --overlong-buffer-len is set); this rank's
@@ -233,8 +239,10 @@ class Run:
             kl = None
             if self.kl_in_reward:
                 kl = torch.cat(batch.token_fields["old_logprobs"]) - torch.cat(batch.token_fields["ref_logprobs"])
+            # group_size: --n-samples-per-prompt, times the samples per call of a --custom-generate-function-path
             adv = compute_advantages(a.advantage_estimator, torch.tensor([s.reward for s in samples]), seq_ids,
-                                     group_size=r.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization,
+                                     group_size=len(samples) * d.world // r.rollout_batch_size,
+                                     normalize_std=not a.disable_grpo_std_normalization,
                                      kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]),
                                      reduce=d.sum)
             batch.token_fields["advantages"] = list(adv.split(lens))

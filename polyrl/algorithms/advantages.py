@@ -47,16 +47,32 @@ def gspo(rewards, seq_ids, *, group_size, normalize_std=True, **_) -> torch.Tens
     return grpo(rewards, seq_ids, group_size=group_size, normalize_std=normalize_std)
 
 
-def _discounted_returns(token_rewards: torch.Tensor, seq_ids: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Per-sequence reward-to-go over flat tokens (sequences are contiguous in seq_ids)."""
+def _discounted_returns(token_rewards: torch.Tensor, seq_ids: torch.Tensor, gamma: float,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sequence reward-to-go over flat tokens (sequences are contiguous in seq_ids). With a loss mask only
+    model tokens (mask 1) are steps: a masked (tool) token is not discounted over and takes the return of the
+    model token after it."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros((), dtype=token_rewards.dtype)
     for t in range(token_rewards.numel() - 1, -1, -1):
         if t == token_rewards.numel() - 1 or seq_ids[t + 1] != seq_ids[t]:
             running = torch.zeros((), dtype=token_rewards.dtype)
-        running = token_rewards[t] + gamma * running
+        if mask is None or mask[t]:
+            running = token_rewards[t] + gamma * running
         returns[t] = running
     return returns
+
+
+def _last_tokens(seq_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Index of each sequence's last model token (its last token when it has no model token). -> [N] long"""
+    pos = torch.arange(seq_ids.numel())
+    n = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+    last = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, seq_ids, pos, "amax")
+    if mask is None:
+        return last
+    model = torch.where(mask.bool(), pos, torch.full_like(pos, -1))
+    last_model = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, seq_ids, model, "amax")
+    return torch.where(last_model >= 0, last_model, last)
 
 
 def _whiten(x: torch.Tensor, mask: torch.Tensor | None, reduce: Callable | None = None) -> torch.Tensor:
@@ -79,14 +95,15 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor | None, reduce: Callable | None 
 def reinforce_plus_plus(rewards, seq_ids, *, kl=None, kl_coef=0.0, gamma=1.0, loss_mask=None, reduce=None,
                         **_) -> torch.Tensor:
     """REINFORCE++: token rewards = -kl_coef * kl_t, plus the sequence reward on the last
-    token; discounted returns; whitened over the whole (global, with `reduce`) batch. kl: [T] or None. -> [T]"""
+    token; discounted returns; whitened over the whole (global, with `reduce`) batch. kl: [T] or None. -> [T]
+    loss_mask: [T] or None; masked (tool) tokens get no KL, are no discount steps, never carry the sequence reward
+    (it goes on the last model token) and do not enter the whitening statistics."""
     token_rewards = torch.zeros(seq_ids.numel(), dtype=torch.float32)
     if kl is not None and kl_coef:
         token_rewards -= kl_coef * (kl.float() if loss_mask is None else kl.float() * loss_mask.float())  # no KL on untrained (e.g. tool) tokens
-    last = torch.ones_like(seq_ids, dtype=torch.bool)
-    last[:-1] = seq_ids[1:] != seq_ids[:-1]
+    last = _last_tokens(seq_ids, loss_mask)  # the reward lands on the last model token: tool tokens are not actions
     token_rewards[last] += rewards.float()[seq_ids[last]]
-    return _whiten(_discounted_returns(token_rewards, seq_ids, gamma), loss_mask, reduce)
+    return _whiten(_discounted_returns(token_rewards, seq_ids, gamma, loss_mask), loss_mask, reduce)
 
 
 def reinforce_plus_plus_baseline(rewards, seq_ids, *, group_size, loss_mask=None, reduce=None, **_) -> torch.Tensor:

@@ -211,3 +211,27 @@ def test_reinforce_pp_whitening_is_global_across_ranks(name):
     alone = compute_advantages(name, rewards[4:], seq_ids_for(lens[4:]), loss_mask=mask[halves[1][1]],
                                **dict(kw, kl=kw["kl"][halves[1][1]]))
     assert not torch.allclose(alone, whole[halves[1][1]])  # per-rank whitening would differ
+
+
+def test_reinforce_pp_discount_counts_only_model_tokens():
+    # one sequence of 5 tokens: model, model, tool, tool, model (mask [1,1,0,0,1]); reward 1, no KL, gamma 0.5
+    # steps are the model tokens only: G4 = 1; the tool tokens pass it on undiscounted: G3 = G2 = 1;
+    # G1 = 0 + 0.5 * 1 = 0.5; G0 = 0.5 * 0.5 = 0.25   (counting tool tokens as steps would give G1 = 0.125)
+    # whiten over the model tokens [0.25, 0.5, 1]: mean 7/12, unbiased var = sum((g - 7/12)^2) / 2
+    returns = [0.25, 0.5, 1.0, 1.0, 1.0]
+    mean = 7 / 12
+    std = math.sqrt(((0.25 - mean) ** 2 + (0.5 - mean) ** 2 + (1.0 - mean) ** 2) / 2)
+    adv = reinforce_plus_plus(torch.tensor([1.0]), seq_ids_for([5]), gamma=0.5,
+                              loss_mask=torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0]))
+    assert_close(adv, torch.tensor([(g - mean) / (std + 1e-6) for g in returns]))
+
+
+def test_reinforce_pp_reward_goes_on_the_last_model_token_not_a_trailing_tool_token():
+    # sequences [model, model, tool] (reward 1) and [model, model] (reward 0), gamma 0.5:
+    # seq0: the reward lands on t1 (the last action): G1 = 1, G0 = 0.5; the trailing tool token gets 0 (masked anyway)
+    # seq1: G = [0, 0]. Whiten over the 4 model tokens [0.5, 1, 0, 0]: mean 0.375
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])
+    adv = reinforce_plus_plus(torch.tensor([1.0, 0.0]), seq_ids_for([3, 2]), gamma=0.5, loss_mask=mask)
+    model = [0.5, 1.0, 0.0, 0.0]
+    std = math.sqrt(sum((g - 0.375) ** 2 for g in model) / 3)
+    assert_close(adv[mask.bool()], torch.tensor([(g - 0.375) / (std + 1e-6) for g in model]))
