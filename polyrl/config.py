@@ -627,6 +627,8 @@ def _validate_resources(cfg: Config, command: str) -> None:
     _check_model_dir("--hf-checkpoint", cfg.model.hf_checkpoint)
     if cfg.model.ref_load:
         _check_model_dir("--ref-load", cfg.model.ref_load)
+    if cfg.model.opd_teacher_load and command != "train":
+        raise ConfigError(f"--opd-teacher-load scores the samples of polyrl train; polyrl {command} has none: drop it")
     if cfg.model.opd_teacher_load:
         _check_model_dir("--opd-teacher-load", cfg.model.opd_teacher_load)
         _check_same_tokenizer(cfg.model.hf_checkpoint, cfg.model.opd_teacher_load)
