@@ -198,6 +198,9 @@ class AlgorithmConfig:
     use_tis: bool = opt(False, "truncated importance sampling against rollout logprobs")
     tis_clip: float = opt(2.0, "TIS weight cap")
     ref_update_interval: int = opt(0, "copy the actor into the reference model every N steps (0 = never)")
+    opd_coef: float = opt(1.0, "on-policy distillation weight C (with --opd-teacher-load): token advantage = task advantage "
+                               "+ C * (teacher_logprob - student_logprob) of each sampled token; a constant reward (task "
+                               "advantage 0) gives pure distillation")
 
 
 @dataclass
@@ -239,6 +242,9 @@ class OptimizerConfig:
 class ModelConfig:
     hf_checkpoint: str | None = opt(None, "local HF model directory (config, weights, tokenizer)")
     ref_load: str | None = opt(None, "reference model directory (default: --hf-checkpoint)")
+    opd_teacher_load: str | None = opt(None, "on-policy distillation: a frozen teacher HF directory (any size, the same "
+                                             "tokenizer as --hf-checkpoint) that scores every sampled token; see --opd-coef "
+                                             "(FSDP backend only for now)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer")
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
     compile: bool = opt(False, "torch.compile each decoder layer")
@@ -495,6 +501,7 @@ VALUE_RANGES: dict[str, str] = {
     # algorithm
     "eps_clip": "> 0", "eps_clip_high": "> 0", "eps_clip_c": "> 1", "kl_loss_coef": ">= 0", "kl_coef": ">= 0",
     "gamma": "in [0, 1]", "entropy_coef": ">= 0", "tis_clip": "> 0", "ref_update_interval": ">= 0",
+    "opd_coef": ">= 0",
     # reward
     "rm_timeout": ">= 0", "rm_batch_size": ">= 1", "rm_max_concurrency": ">= 1", "rm_retries": ">= 0",
     "overlong_buffer_len": ">= 0", "overlong_penalty_factor": ">= 0",
@@ -626,6 +633,11 @@ def _validate_resources(cfg: Config, command: str) -> None:
     _check_model_dir("--hf-checkpoint", cfg.model.hf_checkpoint)
     if cfg.model.ref_load:
         _check_model_dir("--ref-load", cfg.model.ref_load)
+    if cfg.model.opd_teacher_load and command != "train":
+        raise ConfigError(f"--opd-teacher-load scores the samples of polyrl train; polyrl {command} has none: drop it")
+    if cfg.model.opd_teacher_load:
+        _check_model_dir("--opd-teacher-load", cfg.model.opd_teacher_load)
+        _check_same_tokenizer(cfg.model.hf_checkpoint, cfg.model.opd_teacher_load)
     if command in ("train", "eval") and (cfg.reward.rm_type or cfg.reward.custom_rm_path):
         from polyrl.rewards import resolve_reward_fn
         try:
@@ -651,6 +663,29 @@ def _validate_resources(cfg: Config, command: str) -> None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no file {mod}")
         if mod and not mod.endswith(".py") and importlib.util.find_spec(mod.split(".")[0]) is None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no module {mod.split('.')[0]!r} on the path")
+
+
+def _vocab_digest(tok) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
+
+
+def _check_same_tokenizer(student: str, teacher: str) -> None:
+    """The teacher scores the student's token ids, so both must mean the same text by every id: equal tokenizer
+    vocabularies (token -> id, added tokens included), and a teacher embedding at least as wide as the student's
+    (sizes may differ by padding rows no tokenizer id reaches; a narrower teacher could not score every id)."""
+    from transformers import AutoConfig, AutoTokenizer
+    toks = [AutoTokenizer.from_pretrained(p) for p in (student, teacher)]
+    if len(toks[0]) != len(toks[1]) or _vocab_digest(toks[0]) != _vocab_digest(toks[1]):
+        raise ConfigError(f"--opd-teacher-load {teacher}: its tokenizer differs from --hf-checkpoint {student}'s "
+                          f"({len(toks[1])} vs {len(toks[0])} tokens, vocabulary sha256 {_vocab_digest(toks[1])[:12]} vs "
+                          f"{_vocab_digest(toks[0])[:12]}); on-policy distillation scores the student's token ids with the "
+                          "teacher, so both need the same tokenizer: pick a teacher of the same model family")
+    vs, vt = (getattr(AutoConfig.from_pretrained(p).get_text_config(), "vocab_size", None) for p in (student, teacher))
+    if vs is not None and vt is not None and vt < vs:
+        raise ConfigError(f"--opd-teacher-load {teacher}: vocab_size {vt} in its config.json is smaller than --hf-checkpoint "
+                          f"{student}'s {vs}: the teacher cannot score every token id the student may sample")
 
 
 def _validate_remote_rm(rw: RewardConfig) -> None:
@@ -717,6 +752,13 @@ def _validate_rl_extras(cfg: Config) -> None:
         if r.over_sampling_batch_size < r.rollout_batch_size:
             raise ConfigError(f"--over-sampling-batch-size ({r.over_sampling_batch_size}) must be >= --rollout-batch-size "
                               f"({r.rollout_batch_size}): each draw should be able to fill the step")
+    if a.opd_coef != 1.0 and not cfg.model.opd_teacher_load:
+        raise ConfigError(f"--opd-coef {a.opd_coef} weighs on-policy distillation: add --opd-teacher-load TEACHER_DIR or "
+                          "drop --opd-coef")
+    if cfg.model.opd_teacher_load and cfg.cluster.train_backend != "fsdp":
+        raise ConfigError(f"--opd-teacher-load is supported on --train-backend fsdp only for now (got "
+                          f"{cfg.cluster.train_backend}): the Megatron backend builds its reference model from the student's "
+                          "config, and a teacher of another size needs a model of its own; use --train-backend fsdp")
     if rw.overlong_buffer_len > r.rollout_max_response_len:
         raise ConfigError(f"--overlong-buffer-len ({rw.overlong_buffer_len}) must be <= --rollout-max-response-len "
                           f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from polyrl import runtime as rt
 from polyrl.algorithms.advantages import compute_advantages
+from polyrl.algorithms.distill import opd_advantages, opd_metrics, opd_sums
 from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.algorithms.shaping import overlong_penalty
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
@@ -78,7 +79,9 @@ class Run:
         self.n_minibatches = per_step // (cfg.batch.global_batch_size or per_step)
         self.kl_in_reward = a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0
         self.need_ref = a.use_kl_loss or self.kl_in_reward
-        self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref)
+        self.opd = bool(cfg.model.opd_teacher_load)  # on-policy distillation: a teacher scores every sampled token
+        self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref,
+                                        need_teacher=self.opd)
         self.engine = rt.build_engine(cfg, self.device)  # --debug-train-only: a NoEngine
         rc = cfg.reward  # --debug-train-only without a reward flag keeps the rewards saved with the samples
         self.rewards = RewardManager.from_config(rc) if (rc.rm_type or rc.custom_rm_path or rc.rm_url) else None
@@ -230,10 +233,13 @@ class Run:
         with timer("train"):
             backend.onload()
             batch = rt.to_train_batch(samples)
-            if self.n_minibatches > 1 or self.kl_in_reward:  # later minibatches are off-policy: keep the pre-update logprobs
+            # later minibatches are off-policy: keep the pre-update logprobs (OPD's student logprobs are these too)
+            if self.n_minibatches > 1 or self.kl_in_reward or self.opd:
                 batch.token_fields["old_logprobs"] = backend.compute_logprobs(batch, temperature=r.rollout_temperature)
             if self.need_ref:
                 batch.token_fields["ref_logprobs"] = backend.compute_logprobs(batch, model="ref", temperature=r.rollout_temperature)
+            if self.opd:
+                teacher = torch.cat(backend.compute_logprobs(batch, model="teacher", temperature=r.rollout_temperature))
             lens = batch.response_lens
             seq_ids = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens))
             kl = None
@@ -245,6 +251,10 @@ class Run:
                                      normalize_std=not a.disable_grpo_std_normalization,
                                      kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]),
                                      reduce=d.sum)
+            if self.opd:
+                student, mask = torch.cat(batch.token_fields["old_logprobs"]), torch.cat(batch.token_fields["loss_mask"])
+                adv = opd_advantages(adv, student, teacher, coef=a.opd_coef, loss_mask=mask)
+                m.update(opd_metrics(d.sum(opd_sums(student, teacher, mask))))
             batch.token_fields["advantages"] = list(adv.split(lens))
             per_rank = len(samples) // self.n_minibatches
             for k in range(self.n_minibatches):

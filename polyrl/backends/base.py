@@ -21,7 +21,8 @@ LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
 class TrainBackend(Protocol):
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
-        """Per-response-token log-probs, one [R_i] tensor per sample."""
+        """Per-response-token log-probs, one [R_i] tensor per sample. model: "actor", "ref" (the reference model) or
+        "teacher" (--opd-teacher-load, built with need_teacher=True; FSDP only for now)."""
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share); returns reduced metrics."""

@@ -126,7 +126,8 @@ class FSDPBackend:
     """TrainBackend on FSDP2. Every rank holds 1/dp of params, grads and optimizer state."""
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *,
-                 device: str, total_steps: int = 1, need_ref: bool = False, seed: int = 0):
+                 device: str, total_steps: int = 1, need_ref: bool = False, need_teacher: bool = False,
+                 seed: int = 0):
         self.mcfg, self.ocfg, self.bcfg = model_cfg, optim_cfg, batch_cfg
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dims = ParallelDims.from_world()
@@ -150,6 +151,9 @@ class FSDPBackend:
         torch.manual_seed(seed)
         self.model = self._build(model_cfg.hf_checkpoint, train=True)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        # --opd-teacher-load: built and offloaded like the reference model; frozen, so checkpoints do not carry it
+        # (a resume reads it from its directory again)
+        self.teacher_model = self._build(model_cfg.opd_teacher_load, train=False) if need_teacher else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
                                            eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay,
@@ -223,7 +227,9 @@ class FSDPBackend:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
-        m = self.model if model == "actor" else self.ref_model
+        m = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
+        if m is None:
+            raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
         out: list[torch.Tensor | None] = [None] * len(batch)
         order, parts = [], []
         for idx in self._micro_batches(batch):
