@@ -18,9 +18,7 @@ import functools
 import threading
 import time
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from polyrl import runtime as rt
 from polyrl.algorithms.advantages import compute_advantages
@@ -29,11 +27,11 @@ from polyrl.algorithms.losses import LossSettings, rl_loss
 from polyrl.algorithms.shaping import overlong_penalty
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
-from polyrl.data import DataError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
-from polyrl.rewards import RewardManager, resolve_filter_fn, reward_metrics
+from polyrl.rewards import RewardManager, reward_metrics
 from polyrl.rollout.custom import generate_with, resolve_generate_fn
+from polyrl.rollout.dynamic_sampling import DynamicSampler
 from polyrl.types import Sample
 
 
@@ -45,10 +43,6 @@ def loss_settings(cfg: Config) -> LossSettings:
         sequence_ratio=a.advantage_estimator == "gspo", use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip,
         norm_len=float(cfg.rollout.rollout_max_response_len))
-
-
-class DynamicSamplingError(DataError):
-    """Dynamic sampling could not fill a step within --max-dynamic-sampling-draws."""
 
 
 class Run:
@@ -64,11 +58,7 @@ class Run:
         if (r.over_sampling_batch_size or 0) % d.world:
             raise ConfigError(f"--over-sampling-batch-size {r.over_sampling_batch_size} must be a multiple of the {d.world} "
                               "ranks (each rank samples whole prompt groups)")
-        self.keep_group = resolve_filter_fn(r.dynamic_sampling_filter_path) if r.dynamic_sampling_filter_path else None
-        # dynamic sampling agrees on the number of draws over a group of its own: it may run on the async loop's rollout
-        # thread while the main thread's collectives (training) use the default group
-        self.ds_dist = (rt.Dist(d.rank, d.world, group=dist.new_group(backend="gloo"))
-                        if self.keep_group is not None and d.world > 1 else d)
+        self.sampler = DynamicSampler(r.dynamic_sampling_filter_path, d) if r.dynamic_sampling_filter_path else None
         self.data_lock = threading.Lock()  # the async loop draws on its rollout thread and saves on the main thread
         self.data_states: dict[int, dict] = {}  # step -> dataset position before its prompts (drawn, not yet finished)
         self.tok = rt.load_tokenizer(cfg)
@@ -157,61 +147,10 @@ class Run:
 
     def rollout(self, step: int) -> tuple[list[Sample], dict | None, dict]:
         """This rank's samples of one step: (samples, reward metrics or None when not scored yet, step metrics).
-        Without a dynamic sampling filter: one draw, generated; `learn` scores it. With one: see `dynamic_sampling`."""
-        if self.keep_group is None:
+        Without a dynamic sampling filter: one draw, generated; `learn` scores it. With one: DynamicSampler.fill."""
+        if self.sampler is None:
             return self.generate(self.draw(step), step), None, {}
-        return self.dynamic_sampling(step)
-
-    def dynamic_sampling(self, step: int) -> tuple[list[Sample], dict, dict]:
-        """DAPO's dynamic sampling: draw --over-sampling-batch-size prompts, generate, score and keep the groups the filter
-        passes, until this rank holds its share of --rollout-batch-size groups; groups past that are dropped (counted
-        in dynamic_sampling/surplus_groups). Every rank draws until all ranks are full, so the data position stays
-        the same on all of them (a rank that is full draws without generating)."""
-        r, d = self.cfg.rollout, self.ds_dist
-        need, kept, scored = r.rollout_batch_size // d.world, [], []
-        dropped = surplus = 0
-        for draw in range(r.max_dynamic_sampling_draws):
-            items = self.draw(step)
-            if len(kept) < need:
-                samples = self.generate(items, step, draw)
-                scored.append((len(samples), self.score(samples)))
-                for group in _groups(samples):
-                    if not self._keep(group):
-                        dropped += 1
-                    elif len(kept) < need:
-                        kept.append(group)
-                    else:
-                        surplus += 1
-            total_kept, short, total_dropped, total_surplus = d.sum([len(kept), len(kept) < need, dropped, surplus])
-            if not short:
-                break
-        else:
-            raise DynamicSamplingError(
-                f"dynamic sampling kept {total_kept:.0f} of --rollout-batch-size {r.rollout_batch_size} groups in step "
-                f"{step + 1} after --max-dynamic-sampling-draws {r.max_dynamic_sampling_draws} draws of "
-                f"{r.over_sampling_batch_size or r.rollout_batch_size} prompts (--over-sampling-batch-size); "
-                f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} dropped {total_dropped:.0f} groups. Raise "
-                "--over-sampling-batch-size or --max-dynamic-sampling-draws, or check the reward: with "
-                "polyrl.rewards.filters:nonzero_std a group whose samples all get the same reward is dropped")
-        samples = [s for group in kept for s in group]
-        for i, group in enumerate(kept):
-            for s in group:
-                s.group_index = i  # the prompt of the step it answers, as without dynamic sampling
-        return samples, _merge_reward_metrics(scored), {
-            "dynamic_sampling/kept_groups": total_kept, "dynamic_sampling/dropped_groups": total_dropped,
-            "dynamic_sampling/surplus_groups": total_surplus, "dynamic_sampling/extra_draws": draw}
-
-    def _keep(self, group: list[Sample]) -> bool:
-        path = self.cfg.rollout.dynamic_sampling_filter_path
-        try:
-            keep = self.keep_group(group)
-        except Exception as e:
-            raise RuntimeError(f"--dynamic-sampling-filter-path {path} raised on a group of {len(group)} samples "
-                               f"(prompt {group[0].prompt[:200]!r}): {type(e).__name__}: {e}") from e
-        if not isinstance(keep, (bool, np.bool_)):
-            raise TypeError(f"--dynamic-sampling-filter-path {path} returned {keep!r} ({type(keep).__name__}); "
-                            "return True (keep the group) or False (drop it)")
-        return bool(keep)
+        return self.sampler.fill(self, step)
 
     def evaluate(self) -> dict[str, float]:
         with self.engine_lock:
@@ -307,21 +246,6 @@ class Run:
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
             self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
-
-
-def _groups(samples: list[Sample]) -> list[list[Sample]]:
-    """Samples split by prompt (group_index), in order."""
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_index, []).append(s)
-    return list(groups.values())
-
-
-def _merge_reward_metrics(scored: list[tuple[int, dict]]) -> dict[str, float]:
-    """One step's reward metrics from those of several draws [(samples, metrics)]: counts add, means are weighted."""
-    n = max(sum(k for k, _ in scored), 1)
-    return {key: sum(m[key] * (1 if key in ("reward/errors", "reward/timeouts") else k / n) for k, m in scored)
-            for key in scored[0][1]}
 
 
 def train(cfg: Config) -> dict:

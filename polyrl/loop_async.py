@@ -58,7 +58,7 @@ def train(cfg: Config) -> dict:
     # generous: the engine bounds every request, the reward manager every call (sequential calls: one per sample at most);
     # --rm-timeout 0 (no limit, the user's choice) leaves the wait unbounded too
     # (dynamic sampling: for each of up to --max-dynamic-sampling-draws draws)
-    draws = r.max_dynamic_sampling_draws if run.keep_group is not None else 1
+    draws = r.max_dynamic_sampling_draws if run.sampler is not None else 1
     per_rank = (r.over_sampling_batch_size or r.rollout_batch_size) * r.n_samples_per_prompt // run.d.world
     rm_t = cfg.reward.rm_timeout
     wait_s = draws * (4 * cfg.engines.rollout_request_timeout + per_rank * rm_t) if rm_t else None
@@ -98,8 +98,7 @@ def train(cfg: Config) -> dict:
             with run.profiled(step):  # the trainer's side of the step (generation runs on the rollout thread)
                 run.learn(samples, step, m, timer, scored=scored)
                 with timer("weight_sync"):
-                    with run.engine_lock:
-                        run.transport.push(run.backend.export_weights(), [engine], version=step + 1)
+                    run.sync_weights(step + 1)  # under the engine lock: in-process engines wait for a running generate
             # spent on the rollout thread, overlapping training (time/reward is only the ranks' reduction here)
             m.update({"time/rollout_overlapped": rollout_s, "time/reward_overlapped": reward_s})
             run.finish_step(step, samples, m, timer, rollout_s)

@@ -8,8 +8,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-import torch
-
 CONSOLE_KEYS = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("response_len/mean", "len", "{:.1f}"),
     ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
@@ -155,6 +153,7 @@ def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
     if not enabled:
         yield
         return
+    import torch
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -14,7 +14,9 @@ import pytest
 
 from polyrl import loop
 from polyrl.cli import main
+from polyrl.rewards import merge_reward_metrics
 from polyrl.rewards.filters import nonzero_std
+from polyrl.rollout.dynamic_sampling import DynamicSampler
 from polyrl.types import Sample
 
 # groups of even-labelled prompts all get 1.0 (zero std: nonzero_std drops them), the others 0, 1, 0, 1
@@ -43,8 +45,8 @@ def test_nonzero_std_keeps_groups_with_different_rewards():
 
 
 def test_reward_metrics_of_several_draws_are_weighted():
-    m = loop._merge_reward_metrics([(4, {"reward/mean": 1.0, "reward/errors": 1.0}),
-                                    (12, {"reward/mean": 0.0, "reward/errors": 2.0})])
+    m = merge_reward_metrics([(4, {"reward/mean": 1.0, "reward/errors": 1.0}),
+                               (12, {"reward/mean": 0.0, "reward/errors": 2.0})])
     assert m == {"reward/mean": 0.25, "reward/errors": 3.0}
 
 
@@ -53,9 +55,9 @@ def test_a_filter_must_return_a_bool_and_its_errors_name_the_flag():
     group = [sample(0.0), sample(1.0)]
     for fn, exc, needle in [(lambda g: 1, TypeError, "returned 1 (int); return True"),
                             (lambda g: 1 / 0, RuntimeError, "raised on a group of 2 samples")]:
-        run = SimpleNamespace(keep_group=fn, cfg=SimpleNamespace(rollout=SimpleNamespace(dynamic_sampling_filter_path="m:f")))
+        sampler = SimpleNamespace(keep_group=fn, path="m:f")
         with pytest.raises(exc, match=re.escape(needle)):
-            loop.Run._keep(run, group)
+            DynamicSampler.keep(sampler, group)
 
 
 @pytest.fixture

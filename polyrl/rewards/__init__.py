@@ -311,6 +311,16 @@ class RewardManager:
                        name, self.timeout, sample.group_index, _clip(sample.prompt), _clip(sample.response), sample.label)
 
 
+# reward metrics that count events (summed over draws and ranks), unlike the means beside them
+COUNT_METRICS = ("reward/errors", "reward/timeouts", "reward/remote_failures", "reward/remote_retries")
+
+
+def merge_reward_metrics(scored: list[tuple[int, dict]]) -> dict[str, float]:
+    """One step's reward metrics from those of several scorings [(samples, metrics)]: counts add, means are weighted."""
+    n = max(sum(k for k, _ in scored), 1)
+    return {key: sum(m[key] * (1 if key in COUNT_METRICS else k / n) for k, m in scored) for key in scored[0][1]}
+
+
 def reward_metrics(samples: list[Sample], errors: int = 0, timeouts: int = 0) -> dict[str, float]:
     """The reward metrics of scored samples (also of samples read back with their rewards: --debug-train-only)."""
     n = max(len(samples), 1)
