@@ -113,7 +113,9 @@ def test_a_slow_reward_runs_on_the_rollout_thread_beside_training(tiny_model, ar
                  "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu", "--rollout-engine", "server",
                  "--async", "--run-dir", str(tmp_path / "run")]) == 0
     m = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [x["staleness/max"] for x in m] == [0, 1, 1]
+    # step 1 from the initial weights; later steps lag by at most one version (0 when a server took the new weights
+    # before the next step's requests reached it: versions are what the server reports, not a schedule)
+    assert m[0]["staleness/max"] == 0 and all(x["staleness/max"] <= 1 for x in m)
     for x in m:
         # every sample was scored on the rollout thread (16 calls of >= 10 ms); what the trainer's thread spends under
         # time/reward is only the ranks' reduction of the metrics, far below one call
