@@ -665,22 +665,18 @@ def _validate_resources(cfg: Config, command: str) -> None:
             raise ConfigError(f"--custom-model-provider-path {provider!r}: no module {mod.split('.')[0]!r} on the path")
 
 
-def _vocab_digest(tok) -> str:
-    import hashlib
-    import json
-    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
-
-
 def _check_same_tokenizer(student: str, teacher: str) -> None:
     """The teacher scores the student's token ids, so both must mean the same text by every id: equal tokenizer
     vocabularies (token -> id, added tokens included), and a teacher embedding at least as wide as the student's
     (sizes may differ by padding rows no tokenizer id reaches; a narrower teacher could not score every id)."""
     from transformers import AutoConfig, AutoTokenizer
-    toks = [AutoTokenizer.from_pretrained(p) for p in (student, teacher)]
-    if len(toks[0]) != len(toks[1]) or _vocab_digest(toks[0]) != _vocab_digest(toks[1]):
+
+    from polyrl.debug_rollout import tokenizer_identity  # vocabulary + special ids, one digest
+    s_id, t_id = (tokenizer_identity(AutoTokenizer.from_pretrained(p)) for p in (student, teacher))
+    if (s_id["vocab_size"], s_id["sha256"]) != (t_id["vocab_size"], t_id["sha256"]):
         raise ConfigError(f"--opd-teacher-load {teacher}: its tokenizer differs from --hf-checkpoint {student}'s "
-                          f"({len(toks[1])} vs {len(toks[0])} tokens, vocabulary sha256 {_vocab_digest(toks[1])[:12]} vs "
-                          f"{_vocab_digest(toks[0])[:12]}); on-policy distillation scores the student's token ids with the "
+                          f"({t_id['vocab_size']} vs {s_id['vocab_size']} tokens, vocabulary sha256 {t_id['sha256'][:12]} vs "
+                          f"{s_id['sha256'][:12]}); on-policy distillation scores the student's token ids with the "
                           "teacher, so both need the same tokenizer: pick a teacher of the same model family")
     vs, vt = (getattr(AutoConfig.from_pretrained(p).get_text_config(), "vocab_size", None) for p in (student, teacher))
     if vs is not None and vt is not None and vt < vs:
