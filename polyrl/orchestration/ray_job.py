@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 
@@ -96,12 +95,6 @@ def _init(cfg: Config, slots: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _node_ip() -> str:
     import ray
     return ray.util.get_node_ip_address()
@@ -112,7 +105,8 @@ class TrainRayActor:
     a torchrun rank; the reference model comes with the backend when the config needs one."""
 
     def master(self) -> tuple[str, int]:
-        return _node_ip(), _free_port()
+        from polyrl.rollout.http_engine import free_port
+        return _node_ip(), free_port("")  # every interface: ranks on other nodes connect to it
 
     def pid(self) -> int:
         return os.getpid()
@@ -140,8 +134,8 @@ class EngineRayActor:
         self.server = None
 
     def start(self, cfg: Config, index: int, log_dir: str, host: str) -> str:
-        from polyrl.rollout.http_client import HTTPClient, EngineHTTPError
-        from polyrl.rollout.http_engine import EngineDeadError, Server, free_port, server_command
+        from polyrl.rollout.http_client import HTTPClient
+        from polyrl.rollout.http_engine import Server, free_port, server_command, wait_healthy
         bind = _node_ip() if host == "node" else "127.0.0.1"
         port = free_port(bind)
         kind = "sglang" if cfg.rollout.rollout_engine == "sglang" else "server"
@@ -151,19 +145,9 @@ class EngineRayActor:
                              log_path=os.path.join(log_dir, f"engine{index}.log"))
         self.server.start()
         http = HTTPClient(cfg.engines.api_key or None)
-        deadline = time.monotonic() + cfg.engines.rollout_engine_startup_timeout
         try:
-            while True:
-                if self.server.exited():
-                    raise EngineDeadError(f"{self.server.name} exited while starting; last log lines:\n{self.server.tail()}")
-                try:
-                    http.call(self.server.url, "/health", timeout=5)
-                    return self.server.url
-                except EngineHTTPError:
-                    if time.monotonic() > deadline:
-                        raise EngineDeadError(f"{self.server.name} did not answer /health within "
-                                              f"{cfg.engines.rollout_engine_startup_timeout:.0f} s") from None
-                    time.sleep(0.2)
+            wait_healthy(self.server, http, cfg.engines.rollout_engine_startup_timeout)
+            return self.server.url
         finally:
             http.close()
 

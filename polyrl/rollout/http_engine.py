@@ -53,6 +53,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(s: Server, http, timeout: float) -> None:
+    """Until a starting server answers /health; an exit or the timeout is an EngineDeadError with its log's tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if s.exited():
+            raise EngineDeadError(f"{s.name} exited with code {s.proc.returncode} while starting; last log lines:\n{s.tail()}")
+        try:
+            http.call(s.url, "/health", timeout=5)
+            return
+        except EngineHTTPError as err:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"{s.name} did not answer /health within {timeout:.0f} s "
+                                      f"(--rollout-engine-startup-timeout): {err}\n{s.tail()}") from None
+        time.sleep(0.2)
+
+
 @dataclass
 class Server:
     index: int
@@ -239,19 +255,8 @@ class HTTPEngine:
         return servers
 
     def _wait_healthy(self, s: Server, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if s.exited():
-                raise EngineDeadError(f"{s.name} exited with code {s.proc.returncode} while starting; last log lines:\n{s.tail()}")
-            try:
-                self.http.call(s.url, "/health", timeout=5)
-                s.alive, s.failures = True, 0
-                return
-            except EngineHTTPError as err:
-                if time.monotonic() > deadline:
-                    raise EngineDeadError(f"{s.name} did not answer /health within {timeout:.0f} s "
-                                          f"(--rollout-engine-startup-timeout): {err}\n{s.tail()}") from None
-            time.sleep(0.2)
+        wait_healthy(s, self.http, timeout)
+        s.alive, s.failures = True, 0
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
