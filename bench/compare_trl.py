@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/compare_trl.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model-shape", choices=("tiny", "qwen2.5-0.5b"), default="tiny",
-                   help="tiny: polyrl.tasks.arithmetic.build_model; qwen2.5-0.5b: that shape, random weights (GPU)")
+    p.add_argument("--model-shape", choices=("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"), default="tiny",
+                   help="tiny: polyrl.tasks.arithmetic.build_model; qwen2.5-*: that shape, random weights (GPU)")
     p.add_argument("--frameworks", default=None,
                    help=f"comma list of {','.join(FRAMEWORKS)} (trl-cb: TRL + transformers continuous batching); "
                         f"default {DEFAULT_FRAMEWORKS['cpu']} on cpu, {DEFAULT_FRAMEWORKS['cuda']} on cuda")
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=64,
                    help="samples per forward/backward (polyrl --micro-batch-size; TRL per_device_train_batch_size, "
                         "with gradient_accumulation_steps = prompts x samples / this)")
+    p.add_argument("--polyrl-default-batching", action="store_true",
+                   help="polyrl rows: no --micro-batch-size, so polyrl's own default applies (on GPU token-budget "
+                        "micro-batches); TRL keeps --micro-batch-size")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (polyrl --use-kl-loss --kl-loss-coef; TRL beta)")
     p.add_argument("--seed", type=int, default=1)
@@ -173,7 +176,8 @@ def polyrl_argv(s: dict) -> list[str]:
     argv = ["train", "--hf-checkpoint", s["model_dir"], "--prompt-data", s["train_data"], "--rm-type", "arithmetic",
             "--rollout-batch-size", str(s["prompts_per_step"]), "--n-samples-per-prompt", str(s["samples_per_prompt"]),
             "--rollout-max-response-len", str(s["max_new_tokens"]), "--rollout-temperature", "1.0",
-            "--num-rollout", str(s["total_steps"]), "--micro-batch-size", str(s["micro_batch_size"]),
+            "--num-rollout", str(s["total_steps"]),
+            *([] if s.get("polyrl_default_batching") else ["--micro-batch-size", str(s["micro_batch_size"])]),
             "--lr", str(s["lr"]), "--lr-decay-style", "constant", "--adam-beta1", "0.9", "--adam-beta2", "0.999",
             "--adam-eps", "1e-8", "--weight-decay", "0.0", "--clip-grad", "1.0", "--eps-clip", "0.2",
             "--loss-agg-mode", "token-mean", "--advantage-estimator", "grpo", "--no-rollout-shuffle",
@@ -631,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     want_trl = any(f.startswith("trl") for f in a.framework_list)
     plan = {"device": a.device, "model_shape": a.model_shape, "prompts_per_step": a.prompts_per_step,
             "samples_per_prompt": a.samples_per_prompt, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
-            "seed": a.seed, "micro_batch_size": a.micro_batch_size, "warmup": a.warmup, "steps": a.steps,
+            "seed": a.seed, "micro_batch_size": a.micro_batch_size,
+            "polyrl_default_batching": a.polyrl_default_batching, "warmup": a.warmup, "steps": a.steps,
             "total_steps": a.warmup + a.steps, "trl_warmup": a.trl_warmup, "trl_steps": a.trl_steps,
             "reward_last_k": a.reward_last_k, "frameworks": a.framework_list, "row_budget_s": a.budgets,
             "deadline_s": a.deadline, "kill_grace_s": a.kill_grace, "polyrl_args": a.polyrl_args, "precision": a.precision,

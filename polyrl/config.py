@@ -247,7 +247,9 @@ class ModelConfig:
                                              "(FSDP backend only for now)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer")
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
-    compile: bool = opt(False, "torch.compile each decoder layer")
+    compile: bool | None = opt(None, "torch.compile each decoder layer and the log-prob chunk (FSDP backend); default: on "
+                                     "for CUDA (1.7x the train phase at the 1.5B shape, and it fits 16k-token micro-batches "
+                                     "that OOM eager), off on CPU; --no-compile turns it off")
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
@@ -255,6 +257,10 @@ class ModelConfig:
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs/entropy from hidden states")
+
+    def compiled(self, device_type: str) -> bool:
+        """--compile / --no-compile, else on for CUDA only (the first step pays the compile time)."""
+        return self.compile if self.compile is not None else device_type == "cuda"
 
     def dtype(self, device_type: str):
         """Params/compute dtype: --fp16 / --bf16 / --fp32, else BF16 on GPU and FP32 on CPU."""

@@ -21,12 +21,13 @@ from fsdp_worker import fixed_batch  # noqa: E402
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with make test-gpu on a GPU machine)")
 
 
-def _backend(model_dir, attn="auto", offload_train=False, **batch):
+def _backend(model_dir, attn="auto", offload_train=False, compile=None, **batch):
     from polyrl.backends.fsdp.backend import FSDPBackend
     from polyrl.backends.parallel_dims import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     init_distributed("cuda")
-    return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, attn_implementation=attn, offload_train=offload_train), OptimizerConfig(lr=1e-3),
+    return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, attn_implementation=attn, offload_train=offload_train,
+                                   compile=compile), OptimizerConfig(lr=1e-3),
                        BatchConfig(**batch), device="cuda")
 
 
@@ -67,6 +68,30 @@ def test_varlen_and_masked_sdpa_and_micro_batching_agree(gpu_model):
     assert norms[0] > 0
     for n in norms[1:]:
         assert n == pytest.approx(norms[0], rel=0.02)
+
+
+@gpu
+@pytest.mark.gpu
+def test_compiled_default_equals_eager(gpu_model):
+    """CUDA compiles by default (decoder layers + log-prob chunk): same log-probs, loss and grad norm as eager within
+    the BF16 tolerances above (compiled kernels fuse and reorder bf16 roundings; the arithmetic is the same), and the
+    exported weights after the step agree to Adam's lr-sized move (lr 1e-3 x 1 step, plus bf16 rounding of a weight)."""
+    from polyrl.algorithms.losses import LossSettings, rl_loss
+    loss_fn = functools.partial(rl_loss, s=LossSettings())
+    out = {}
+    for c in (True, False):
+        be = _backend(gpu_model, compile=None if c else False, micro_batch_size=3)
+        assert be.mcfg.compiled("cuda") is c
+        lp = torch.cat(be.compute_logprobs(fixed_batch()))
+        m = be.train_step(fixed_batch(), loss_fn)
+        out[c] = lp, m, {n: t.float().cpu() for n, t in be.export_weights()}
+        del be
+    d = (out[True][0] - out[False][0]).abs()
+    assert d.mean() < 0.02 and d.max() < 0.1, (d.mean(), d.max())
+    assert out[True][1]["grad_norm"] == pytest.approx(out[False][1]["grad_norm"], rel=0.02)
+    assert out[True][1]["loss"] == pytest.approx(out[False][1]["loss"], abs=0.02)
+    for n, w in out[False][2].items():
+        assert (out[True][2][n] - w).abs().max() <= 2e-3 + 1e-2 * w.abs().max(), n
 
 
 @gpu

@@ -177,9 +177,10 @@ class FSDPBackend:
             lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
-        if self.mcfg.compile:
+        compiled = self.mcfg.compiled(self.device.type)
+        if compiled:
             apply_compile(lm)
-        root = PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=self.mcfg.compile)
+        root = PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=compiled)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         # One CPU rank in FP32 has nothing to shard, cast or offload: FSDP2's hooks and DTensor
         # dispatch would be pure overhead there (~15% of a tiny model's step). DCP checkpoints of
