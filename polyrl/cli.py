@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.checkpoint import CheckpointError
     from polyrl.data import DataError
     from polyrl.rollout.http_engine import EngineDeadError
-    from polyrl.rollout.custom import CustomGenerateTimeout
+    from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_export(cfg)
             out = {}
-    except (EngineDeadError, CustomGenerateTimeout) as e:
+    except (EngineDeadError, CustomGenerateTimeout, TurnLimitError) as e:
         print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, DataError, CheckpointError) as e:

@@ -170,10 +170,12 @@ class PromptDataset:
         if not self.items:
             raise DataError(
                 f"all {len(records)} prompts are longer than --rollout-max-prompt-len={max_prompt_len} "
-                f"(shortest {min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise the limit"
+                f"(shortest {min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise the limit "
+                "(with --rollout-max-context-len, prompts longer than it - 1 are dropped too)"
             )
         if self.num_dropped:
-            logger.warning("dropped %d of %d prompts longer than %d tokens (--rollout-max-prompt-len)",
+            logger.warning("dropped %d of %d prompts longer than %d tokens (--rollout-max-prompt-len, "
+                           "--rollout-max-context-len - 1)",
                            self.num_dropped, len(records), max_prompt_len)
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
