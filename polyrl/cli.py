@@ -13,7 +13,8 @@ from polyrl.config import ConfigError, add_config_args, config_from_args, valida
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
     "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray", "debug")),
-    "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
+    "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens) or conversations (chat messages: "
+            "loss on every assistant turn)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
              ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
