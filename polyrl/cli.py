@@ -13,7 +13,8 @@ from polyrl.config import ConfigError, add_config_args, config_from_args, valida
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 COMMANDS = {
     "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray", "debug")),
-    "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens)",
+    "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens) or conversations (chat messages: "
+            "loss on every assistant turn)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
              ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.checkpoint import CheckpointError
     from polyrl.data import DataError
     from polyrl.rollout.http_engine import EngineDeadError
-    from polyrl.rollout.custom import CustomGenerateTimeout
+    from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_export(cfg)
             out = {}
-    except (EngineDeadError, CustomGenerateTimeout) as e:
+    except (EngineDeadError, CustomGenerateTimeout, TurnLimitError) as e:
         print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, DataError, CheckpointError) as e:

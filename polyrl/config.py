@@ -107,6 +107,14 @@ class RolloutConfig:
               "loss_mask 0 on tool tokens (polyrl/rollout/custom.py documents the contract). Each call must return "
               "within --rollout-request-timeout")
     custom_generate_concurrency: int = opt(64, "--custom-generate-function-path: most calls in flight at once per rank")
+    max_turns: int | None = opt(None, "--custom-generate-function-path: most engine calls (turns) per call of the function; "
+                                      "it reads record.max_turns, and a call past it stops the run with an error naming the "
+                                      "function (unset: no limit)")
+    rollout_max_context_len: int | None = opt(
+        None, "per-sample context budget in tokens (prompt + response, tool tokens included): prompts longer than this - 1 "
+              "are dropped; each engine call generates at most what is left of it; a sample past it, or past "
+              "--rollout-max-response-len, is cut to fit and gets finish reason 'length' (unset: no budget beyond "
+              "--rollout-max-response-len)")
 
 
 @dataclass
@@ -498,6 +506,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
     "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]", "max_staleness": ">= 1",
     "over_sampling_batch_size": ">= 1", "max_dynamic_sampling_draws": ">= 1", "custom_generate_concurrency": ">= 1",
+    "max_turns": ">= 1", "rollout_max_context_len": "> 1",
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
@@ -607,6 +616,7 @@ def validate(cfg: Config, command: str = "train") -> None:
         _validate_megatron(cfg.megatron)
     if command in ("train", "eval"):
         _validate_engines(cfg)
+        _validate_turns(cfg)
     if command == "train":
         _validate_ray(cfg)
     if c.device == "cuda":
@@ -650,7 +660,7 @@ def _validate_resources(cfg: Config, command: str) -> None:
             resolve_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if command == "train" and cfg.rollout.custom_generate_function_path:
+    if command in ("train", "eval") and cfg.rollout.custom_generate_function_path:
         from polyrl.rollout.custom import resolve_generate_fn
         try:
             resolve_generate_fn(cfg.rollout.custom_generate_function_path)
@@ -764,6 +774,16 @@ def _validate_rl_extras(cfg: Config) -> None:
     if rw.overlong_buffer_len > r.rollout_max_response_len:
         raise ConfigError(f"--overlong-buffer-len ({rw.overlong_buffer_len}) must be <= --rollout-max-response-len "
                           f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")
+
+
+def _validate_turns(cfg: Config) -> None:
+    r, ctx = cfg.rollout, cfg.rollout.rollout_max_context_len
+    if r.max_turns is not None and not r.custom_generate_function_path:
+        raise ConfigError(f"--max-turns {r.max_turns} limits the turns of a --custom-generate-function-path; a plain "
+                          "rollout is one turn: set the function or drop --max-turns")
+    if ctx is not None and (cfg.data.rollout_max_prompt_len or 0) >= ctx:
+        raise ConfigError(f"--rollout-max-prompt-len ({cfg.data.rollout_max_prompt_len}) must be < --rollout-max-context-len "
+                          f"({ctx}): a prompt needs room for at least one response token")
 
 
 def _validate_ray(cfg: Config) -> None:

@@ -170,10 +170,12 @@ class PromptDataset:
         if not self.items:
             raise DataError(
                 f"all {len(records)} prompts are longer than --rollout-max-prompt-len={max_prompt_len} "
-                f"(shortest {min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise the limit"
+                f"(shortest {min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise the limit "
+                "(with --rollout-max-context-len, prompts longer than it - 1 are dropped too)"
             )
         if self.num_dropped:
-            logger.warning("dropped %d of %d prompts longer than %d tokens (--rollout-max-prompt-len)",
+            logger.warning("dropped %d of %d prompts longer than %d tokens (--rollout-max-prompt-len, "
+                           "--rollout-max-context-len - 1)",
                            self.num_dropped, len(records), max_prompt_len)
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
@@ -210,13 +212,22 @@ class PromptDataset:
         self._order = self._epoch_order(self.epoch)
 
 
+def _is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and any(m["role"] == "assistant" for m in prompt)
+
+
 def load_sft_records(
     spec: str, input_key: str = "prompt", response_key: str = "response"
-) -> list[tuple[str | list[dict], str, str]]:
-    """(prompt, response, source) triples for supervised fine-tuning."""
+) -> list[tuple[str | list[dict], str | None, str]]:
+    """(prompt, response, source) triples for supervised fine-tuning. A row whose --input-key holds chat messages
+    with assistant turns and which has no --response-key column is a conversation: response None, and the loss
+    covers every assistant turn (build_conversation_example)."""
     out = []
     for source, row in _read_rows(spec):
         prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
+        if response_key not in row and _is_conversation(prompt):
+            out.append((prompt, None, source))
+            continue
         response = _get(row, response_key, source, "--response-key")
         if not isinstance(response, str):
             raise DataError(f"{source}: response {response_key!r} must be a string, got {type(response).__name__}")
@@ -225,15 +236,73 @@ def load_sft_records(
 
 
 def build_sft_example(
-    tokenizer: Any, prompt: str | list[dict], response: str, apply_chat_template: bool
+    tokenizer: Any, prompt: str | list[dict], response: str | None, apply_chat_template: bool
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)``: the prompt (mask 0) then the response and EOS (mask 1).
+    """``(input_ids, loss_mask)``: the prompt (mask 0) then the response and EOS (mask 1); with response None,
+    the conversation `prompt` with mask 1 on its assistant turns (build_conversation_example).
 
     The response is tokenized on its own rather than as part of the rendered conversation so
     the prompt/response boundary is exact; EOS teaches the model to stop.
     """
+    if response is None:
+        if not apply_chat_template:
+            raise DataError("a conversation row (chat messages with assistant turns, no response column) is rendered "
+                            "with the tokenizer's chat template: pass --apply-chat-template")
+        return build_conversation_example(tokenizer, prompt)
     prompt_ids = encode_prompt(tokenizer, prompt, apply_chat_template)
     response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
     if tokenizer.eos_token_id is not None:
         response_ids.append(tokenizer.eos_token_id)
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def build_conversation_example(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of a whole conversation rendered with the chat template: mask 1 on the tokens of
+    every assistant turn (what the template writes for it, its end-of-turn marker included: the model learns to end
+    its turn), 0 on system, user and tool turns and on the template's framing between them.
+
+    Which characters an assistant turn owns: a template with ``{% generation %}`` blocks marks them itself
+    (transformers' return_assistant_tokens_mask). Otherwise turn i owns the text between the rendering of
+    ``messages[:i]`` with the generation prompt (what the model sees when it starts the turn) and the rendering of
+    ``messages[:i + 1]``; both must be prefixes of the whole conversation's rendering, or the template rewrites
+    earlier turns (Qwen3's drops their thinking) and the turn cannot be located: a DataError says so. Each span is
+    tokenized on its own, so the boundaries are exact, as in build_sft_example.
+    """
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("the conversation has no assistant turn; nothing to train on")
+    if _GENERATION_TAG.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
+
+    def render(msgs: list[dict], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    full, spans = render(messages, False), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise DataError("the conversation starts with an assistant turn; put the system or user message it answers "
+                            "before it")
+        start, end = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (full.startswith(start) and full.startswith(end) and len(start) < len(end)
+                and len(start) >= (spans[-1][1] if spans else 0)):
+            raise DataError(f"the chat template renders the conversation up to assistant turn {i} (0-based message index) "
+                            "differently from the whole conversation (it rewrites earlier turns, as Qwen3's template "
+                            "does with their thinking), so that turn's tokens cannot be located; use a template that "
+                            "keeps earlier turns as they are, or one with {% generation %} blocks around assistant turns")
+        spans.append((len(start), len(end)))
+    ids: list[int] = []
+    mask: list[int] = []
+    pos = 0
+    for s, e in [*spans, (len(full), len(full))]:
+        for text, bit in ((full[pos:s], 0), (full[s:e], 1)):
+            if text:  # the template writes its own special tokens (BOS, turn markers): add none
+                t = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids += t
+                mask += [bit] * len(t)
+        pos = e
+    return ids, mask

@@ -30,7 +30,6 @@ from polyrl.config import Config, ConfigError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.rewards import RewardManager, reward_metrics
-from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.rollout.dynamic_sampling import DynamicSampler
 from polyrl.types import Sample
 
@@ -126,12 +125,8 @@ class Run:
             return self.rollout_files.load(step)
         seed = r.rollout_seed + step * d.world + d.rank + draw * r.num_rollout * d.world  # distinct for every (draw, step, rank)
         params = rt.sampling_params(self.cfg, seed=seed)
-        with self.engine_lock:
-            if r.custom_generate_function_path:  # multi-turn / tools: the user's function drives the engine
-                return generate_with(resolve_generate_fn(r.custom_generate_function_path), r.custom_generate_function_path,
-                                     self.engine, self.tok, items, params, timeout=self.cfg.engines.rollout_request_timeout,
-                                     concurrency=r.custom_generate_concurrency)
-            return rt.rollout(self.engine, items, params)
+        with self.engine_lock:  # with a --custom-generate-function-path, the user's function drives the engine
+            return rt.generate(self.cfg, self.engine, self.tok, items, params)
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set every sample's reward (with DAPO's overlong penalty when --overlong-buffer-len is set); this rank's

@@ -19,6 +19,8 @@ from polyrl.backends.parallel_dims import init_distributed
 from polyrl.config import Config
 from polyrl.data import PromptDataset, load_records
 from polyrl.rollout.base import load_engine_class
+from polyrl.rollout.custom import generate_with, resolve_generate_fn
+from polyrl.rollout.sampling import cut_to_budget
 from polyrl.types import Sample, SamplingParams, TrainBatch
 
 log = logging.getLogger("polyrl")
@@ -137,9 +139,11 @@ def load_tokenizer(cfg: Config):
 
 
 def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> PromptDataset:
-    d = cfg.data
+    d, ctx = cfg.data, cfg.rollout.rollout_max_context_len
     records = load_records(spec, d.input_key, d.label_key, d.metadata_key)
-    return PromptDataset(records, tokenizer, max_prompt_len=d.rollout_max_prompt_len,
+    # a prompt must leave room for one response token in the context budget (slime's rule too)
+    max_prompt_len = min((x for x in (d.rollout_max_prompt_len, ctx - 1 if ctx else None) if x is not None), default=None)
+    return PromptDataset(records, tokenizer, max_prompt_len=max_prompt_len,
                          apply_chat_template=d.apply_chat_template, shuffle=shuffle, seed=cfg.cluster.seed)
 
 
@@ -152,10 +156,14 @@ def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False) -> Sampl
         n=1 if eval_mode else r.n_samples_per_prompt, seed=seed)
 
 
-def rollout(engine, items: list, params: SamplingParams) -> list[Sample]:
+def rollout(engine, items: list, params: SamplingParams, max_context_len: int | None = None) -> list[Sample]:
+    """One engine call for every prompt of `items`; samples past --rollout-max-context-len are cut to it (engines
+    take one max_new_tokens for the whole call, so a long prompt's sample may have generated past its budget)."""
     version = getattr(engine, "version", None)  # in-process engines: no update can land during their generate
     samples = engine.generate([ids for ids, _ in items], params)
     for s in samples:
+        if cut_to_budget(s, params.max_new_tokens, max_context_len):
+            s.response = engine.tokenizer.decode(s.response_ids, skip_special_tokens=True)
         if s.weight_version is None:  # engine servers report the version each response was generated with
             s.weight_version = version
         rec = items[s.group_index][1]
@@ -173,14 +181,31 @@ def to_train_batch(samples: list[Sample]) -> TrainBatch:
     })
 
 
+def generate(cfg: Config, engine, tokenizer, items: list, params: SamplingParams) -> list[Sample]:
+    """The rollout of `items`, as training and evaluation both run it: through the --custom-generate-function-path
+    when one is set (multi-turn / tools), else one engine call; held to --max-turns and --rollout-max-context-len."""
+    r = cfg.rollout
+    if r.custom_generate_function_path:
+        return generate_with(resolve_generate_fn(r.custom_generate_function_path), r.custom_generate_function_path, engine,
+                             tokenizer, items, params, timeout=cfg.engines.rollout_request_timeout,
+                             concurrency=r.custom_generate_concurrency, max_turns=r.max_turns,
+                             max_context_len=r.rollout_max_context_len)
+    return rollout(engine, items, params, r.rollout_max_context_len)
+
+
 def evaluate(cfg: Config, engine, dataset: PromptDataset, rewards, d: Dist) -> dict[str, float]:
-    """Greedy (or --eval-temperature) accuracy on every prompt of a held-out set."""
+    """Greedy (or --eval-temperature) accuracy on every prompt of a held-out set, generated the way training
+    generates (a custom generate function included: tool use is measured as it is trained)."""
     items = [dataset[i] for i in range(len(dataset))]
     per = -(-len(items) // d.world)
     mine = items[d.rank * per:(d.rank + 1) * per]
-    samples = rollout(engine, mine, sampling_params(cfg, seed=cfg.rollout.rollout_seed, eval_mode=True)) if mine else []
+    params = sampling_params(cfg, seed=cfg.rollout.rollout_seed, eval_mode=True)
+    samples = generate(cfg, engine, engine.tokenizer, mine, params) if mine else []
     m = rewards.score(samples) if samples else {}
-    correct, total, length = d.sum([sum(s.reward > 0.5 for s in samples), len(samples),
-                                    sum(len(s.response_ids) for s in samples)])
+    custom = bool(cfg.rollout.custom_generate_function_path)  # its samples count their engine calls in "turns"
+    correct, total, length, turns = d.sum([sum(s.reward > 0.5 for s in samples), len(samples),
+                                           sum(len(s.response_ids) for s in samples),
+                                           sum(s.metadata["turns"] if custom else 1 for s in samples)])
     return {"eval/accuracy": correct / max(total, 1), "eval/response_len": length / max(total, 1), "eval/n": total,
+            "eval/turns": turns / max(total, 1),
             "eval/reward_errors": m.get("reward/errors", 0.0), "eval/reward_timeouts": m.get("reward/timeouts", 0.0)}

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning on prompt/response rows, loss on response tokens only."""
+"""Supervised fine-tuning on prompt/response rows (loss on response tokens) and conversations (loss on every
+assistant turn: polyrl.data.build_conversation_example). Either way the loss mask is the RL path's `loss_mask`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def sft(cfg: Config) -> dict:
     rows = load_sft_records(cfg.data.prompt_data, cfg.data.input_key, cfg.data.response_key)
     examples = []
     for prompt, response, source in rows:
-        ids, mask = build_sft_example(tok, prompt, response, cfg.data.apply_chat_template)
+        try:
+            ids, mask = build_sft_example(tok, prompt, response, cfg.data.apply_chat_template)
+        except DataError as e:
+            raise DataError(f"{source}: {e}") from None
         if not any(mask):
             raise DataError(f"{source}: empty response; nothing to train on")
         start = mask.index(1)

@@ -147,8 +147,8 @@ def test_generate_with_sets_fields_and_distinct_seeds():
     out = generate_with(fn, "t:fn", _Engine(), _Tok(), _items(), SamplingParams(n=3, seed=5), timeout=5, concurrency=2)
     assert [s.group_index for s in out] == [0, 0, 0, 1, 1, 1]
     assert [s.label for s in out] == [0, 0, 0, 1, 1, 1] and out[4].prompt == "p1"
-    assert out[4].metadata == {"k": 1, "j": 1} and out[0].response == str(out[0].response_ids[0])
-    assert out[4].metadata == {"k": 1, "j": 1} and all(s.weight_version == 7 and s.loss_mask == [1] for s in out)
+    assert out[4].metadata == {"k": 1, "j": 1, "turns": 1} and out[0].response == str(out[0].response_ids[0])
+    assert out[4].metadata == {"k": 1, "j": 1, "turns": 1} and all(s.weight_version == 7 and s.loss_mask == [1] for s in out)
     seeds = [s.response_ids[0] for s in out]
     again = generate_with(fn, "t:fn", _Engine(), _Tok(), _items(), SamplingParams(n=3, seed=5), timeout=5, concurrency=2)
     assert seeds == [s.response_ids[0] for s in again]  # reproducible

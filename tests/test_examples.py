@@ -28,6 +28,7 @@ def test_every_recipe_has_a_readme_with_its_command():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(os.path.dirname(p)))
 def test_recipe_validates(path, tiny_model, arith_data, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))  # recipes name their custom functions from the repository root
     world = int(re.search(r"#\s*world_size:\s*(\d+)", open(path).read()).group(1))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args, extras = build_parser().parse_known_args(
@@ -38,4 +39,4 @@ def test_recipe_validates(path, tiny_model, arith_data, monkeypatch):
         cfg.data.eval_prompt_data = arith_data["eval"]
     validate(cfg, "train")
     assert cfg.model.hf_checkpoint == tiny_model  # the flag overrides the file
-    assert cfg.rollout.num_rollout > 1 and cfg.reward.rm_type  # the file's settings arrived
+    assert cfg.rollout.num_rollout > 1 and (cfg.reward.rm_type or cfg.reward.custom_rm_path)  # the file's settings arrived

@@ -4,6 +4,9 @@ Turn 1: the model writes until it emits `=` (a calculator call: the text before 
 expression), its end of sequence, or the length limit. On `=` the tool appends the value of the expression
 (digits separated by `+`; an empty operand counts as 0) as tool tokens, masked out of the loss, and the model
 writes turn 2 (the answer) after them. The reward (`reward` below) checks the model's final turn against the sum.
+With --max-turns 1 there is no second turn, so no calculator: the model answers in one turn (the no-tool baseline).
+The response budget (`sampling_params.max_new_tokens`: --rollout-max-response-len, lowered by polyrl to what
+--rollout-max-context-len leaves after the prompt) covers both turns and the tool's digits.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ def calculate(expression: str) -> str:
 async def generate(record, sampling_params, engine, tokenizer) -> Sample:
     budget = sampling_params.max_new_tokens
     call_id = tokenizer.convert_tokens_to_ids(CALL)
-    first = dataclasses.replace(sampling_params, stop_token_ids=[*sampling_params.stop_token_ids, call_id])
+    tool = record.max_turns is None or record.max_turns >= 2  # the answer after a tool result is a second turn
+    first = dataclasses.replace(sampling_params, stop_token_ids=[*sampling_params.stop_token_ids, call_id]) if tool \
+        else sampling_params
     (t1,) = await engine.generate(record.prompt_ids, first)
     ids, logprobs, mask = list(t1.response_ids), list(t1.rollout_logprobs), [1] * len(t1.response_ids)
-    if not (ids and ids[-1] == call_id):  # no calculator call: one turn
+    if not (tool and ids and ids[-1] == call_id):  # no calculator call: one turn
         return Sample(record.prompt_ids, ids, logprobs, t1.finish_reason, metadata={"tool_calls": 0, "answer": text(tokenizer, ids)})
     result = tokenizer.encode(calculate(text(tokenizer, ids[:-1])), add_special_tokens=False)
     result = result[:budget - len(ids)]  # the response never passes --rollout-max-response-len

@@ -26,3 +26,24 @@ def sample_seed(params, base: int, i: int, j: int) -> int:
     n > 1 copies would share one seed)."""
     s = prompt_seed(params, base, i)
     return s if j == 0 else mix_seed(s, j)
+
+
+def response_budget(prompt_len: int, max_new_tokens: int, max_context_len: int | None) -> int:
+    """Most response tokens (the model's and a tool's) a sample whose prompt has `prompt_len` tokens may hold:
+    --rollout-max-response-len, and what --rollout-max-context-len leaves after the prompt."""
+    if max_context_len is None:
+        return max_new_tokens
+    return max(0, min(max_new_tokens, max_context_len - prompt_len))
+
+
+def cut_to_budget(sample, max_new_tokens: int, max_context_len: int | None) -> bool:
+    """The rule every rollout path applies to its samples: a response longer than its budget (response_budget) loses
+    its tail (tokens, logprobs, loss mask alike) and gets finish reason "length". True when it was cut."""
+    n = response_budget(len(sample.prompt_ids), max_new_tokens, max_context_len)
+    if len(sample.response_ids) <= n:
+        return False
+    sample.response_ids, sample.rollout_logprobs = sample.response_ids[:n], sample.rollout_logprobs[:n]
+    if sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask[:n]
+    sample.finish_reason = "length"
+    return True

@@ -16,7 +16,9 @@ from polyrl.types import Sample
 
 CHARS = list("0123456789+=")
 SPECIAL = ["<pad>", "<eos>"]
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# contents only (a prompt renders as itself); an assistant turn ends with EOS, as real templates end it with their
+# end-of-turn token, so multi-turn SFT teaches the model to end its turns
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
 
 
 def build_tokenizer(out_dir: str | None = None):
