@@ -61,14 +61,18 @@ def test_bridge_round_trip_is_exact(qwen3_next):
         got.update(bridge.mcore_to_hf(stage.items(), cfg, layer_offset=2 * rank))
     assert set(got) == set(hf) and all(torch.equal(got[k], hf[k]) for k in hf)
 
-    # TP: the wrapped module is replicated, megatron's own MLP / vocab still split
+    # TP: wrapped attention is replicated, the gated DeltaNet split by heads, megatron's MLP / vocab split
     tp = [bridge.hf_to_mcore(hf, cfg, tp_rank=r, tp_size=2) for r in range(2)]
-    name = "decoder.layers.2.self_attention.hf.in_proj_qkvz.weight"
-    assert torch.equal(tp[0][name], sd[name]) and torch.equal(tp[1][name], sd[name])
+    q = "decoder.layers.1.self_attention.hf.q_proj.weight"
+    assert torch.equal(tp[0][q], sd[q]) and torch.equal(tp[1][q], sd[q])
+    qkvz = "decoder.layers.2.self_attention.hf.in_proj_qkvz.weight"
+    assert torch.equal(torch.cat([tp[0][qkvz], tp[1][qkvz]]), sd[qkvz])  # whole key-head groups per rank
+    conv = "decoder.layers.2.self_attention.hf.conv1d.weight"
+    assert tp[0][conv].shape[0] == sd[conv].shape[0] // 2
     fc1 = "decoder.layers.2.mlp.linear_fc1.weight"
     assert tp[0][fc1].shape[0] == sd[fc1].shape[0] // 2
     for k in tp[0]:
-        assert torch.equal(bridge.gather_from_tp(k, [tp[0][k], tp[1][k]]), bridge.shard_for_tp(k, sd[k], 0, 1))
+        assert torch.equal(bridge.gather_from_tp(k, [tp[0][k], tp[1][k]], cfg), sd[k]), k
 
 
 def test_bridge_config(qwen3_next):
@@ -76,9 +80,12 @@ def test_bridge_config(qwen3_next):
     assert [bridge.wrapped_mixer(cfg, i) for i in range(4)] == ["linear_attn", "self_attn", "linear_attn", "self_attn"]
     assert bridge.config_to_mcore_kwargs(cfg)["layernorm_zero_centered_gamma"] is True
     assert bridge.gpt_model_kwargs(cfg)["position_embedding_type"] == "none"  # the HF attention applies RoPE
+    assert "num_moe_experts" not in bridge.config_to_mcore_kwargs(cfg)  # every layer dense: no MoE settings
     sparse = cfg.__class__.from_dict({**cfg.to_dict(), "mlp_only_layers": [0, 1]})
-    with pytest.raises(ValueError, match=r"sparse MoE layers \[2, 3\]"):
-        bridge.config_to_mcore_kwargs(sparse)
+    kw = bridge.config_to_mcore_kwargs(sparse)
+    assert kw["moe_layer_freq"] == [0, 0, 1, 1] and kw["num_moe_experts"] == cfg.num_experts
+    assert kw["moe_shared_expert_intermediate_size"] == cfg.shared_expert_intermediate_size
+    assert kw["moe_shared_expert_gate"] is True
 
 
 def test_wrapper_parameter_names_are_the_bridge_names(qwen3_next):
