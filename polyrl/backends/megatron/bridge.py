@@ -273,7 +273,7 @@ def _chunk(t: Tensor, dim: int, rank: int, size: int, name: str) -> Tensor:
     return t.chunk(size, dim=dim)[rank]
 
 
-def _conv_parts(hf_config: Any) -> list[int]:
+def gdn_conv_parts(hf_config: Any) -> list[int]:
     """Channel sizes [q, k, v] of the gated DeltaNet's depthwise conv1d."""
     if hf_config is None:
         raise ValueError("gated DeltaNet conv1d.weight: pass hf_config to split or join it over TP")
@@ -294,7 +294,7 @@ def shard_for_tp(mcore_name: str, full: Tensor, tp_rank: int, tp_size: int, hf_c
     if kind == "glu":
         return torch.cat([_chunk(half, 0, tp_rank, tp_size, mcore_name) for half in full.chunk(2, dim=0)])
     if kind == "conv":
-        parts = full.split(_conv_parts(hf_config), dim=0)
+        parts = full.split(gdn_conv_parts(hf_config), dim=0)
         return torch.cat([_chunk(p, 0, tp_rank, tp_size, mcore_name) for p in parts])
     # clone: a view would keep the whole unsharded tensor alive on every rank
     return _chunk(full, 0 if kind == "col" else 1, tp_rank, tp_size, mcore_name).clone()
@@ -309,7 +309,7 @@ def gather_from_tp(mcore_name: str, shards: Sequence[Tensor], hf_config: Any = N
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         return torch.cat([*gates, *ups])
     if kind == "conv":
-        local = [n // len(shards) for n in _conv_parts(hf_config)]
+        local = [n // len(shards) for n in gdn_conv_parts(hf_config)]
         q, k, v = zip(*(s.split(local, dim=0) for s in shards))
         return torch.cat([*q, *k, *v])
     return torch.cat(list(shards), dim=0 if kind == "col" else 1)

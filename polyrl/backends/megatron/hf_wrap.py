@@ -238,17 +238,18 @@ class HFMixer(nn.Module):
         separate slices of the full [q; k; v]: a factory saves the three parts under their own keys
         and joins them again on load."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         sd = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {f"hf.{n}": d for n, d in self.tp_dims.items()},
-            sharded_offsets, tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
         key = f"{prefix}hf.conv1d.weight"
         if "conv1d.weight" in self.tp_dims:
             base = sd[key]
             tp_axis = len(sharded_offsets)
             rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-            local = [n // size for n in bridge._conv_parts(self.hf_config)]
+            local = [n // size for n in bridge.gdn_conv_parts(self.hf_config)]
 
             def build(k, t, replica_id, flattened_range):
                 return [ShardedTensor.from_rank_offsets(f"{k}.{part}", piece, *sharded_offsets, (tp_axis, rank, size),
