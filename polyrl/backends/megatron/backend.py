@@ -361,7 +361,8 @@ class MegatronBackend:
                     if stage == pp_rank:
                         t = self._local_tensor(params[name])
                         if not fsdp:
-                            t = bridge.gather_from_tp(name, gather(t, etp_group if expert else tp_group))
+                            t = bridge.gather_from_tp(name, gather(t, etp_group if expert else tp_group),
+                                                      self.hf_config)
                         full = gather(t, ep_group) if expert else [t]
                     if pp > 1:
                         box = [None if full is None else (tuple(full[0].shape), len(full))]

@@ -17,6 +17,10 @@ module and its tests run on any machine. Target: megatron-core 0.19 `GPTModel` b
     decoder.layers.{l}.mlp.router.weight                [E, H]  replicated (MoE layers)
     decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc1.weight  [2I_moe, H]  (SequentialMLP)
     decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc2.weight  [H, I_moe]
+    decoder.layers.{l}.mlp.shared_experts.linear_fc1.weight  [2I_sh, H]  (Qwen3-Next; split as linear_fc1)
+    decoder.layers.{l}.mlp.shared_experts.linear_fc2.weight  [H, I_sh]   row parallel
+    decoder.layers.{l}.mlp.shared_experts.gate_weight        [1, H]  replicated (moe_shared_expert_gate:
+                                                        output * sigmoid(x @ gate_weight.T), as HF's shared_expert_gate)
     decoder.final_layernorm.weight                      [H]
     output_layer.weight                                 [V_pad, H]  absent when tied, except on a
                                                         last PP stage that is not also the first
@@ -26,7 +30,17 @@ Families marked `mixers` (Qwen3-Next) keep their token mixer as the HF module it
 
     decoder.layers.{l}.self_attention.hf.{rest}  <->  model.layers.{l}.{linear_attn|self_attn}.{rest}
 
-(copied 1:1, replicated over TP). Qwen3-Next's RMSNorms compute x_norm * (1 + w): the weight is
+(copied 1:1). Wrapped full attention is replicated over TP; the gated DeltaNet is split over TP by
+heads (hf_wrap.py runs each rank's heads), so its tensors are sliced per key-head group:
+
+    in_proj_qkvz.weight [nk*(2dk + 2dv*nv/nk), H]  rows grouped per key head (q, k, v, z): dim-0 chunk
+    in_proj_ba.weight   [nk*2*nv/nk, H]            rows grouped per key head (b, a): dim-0 chunk
+    conv1d.weight       [2*nk*dk + nv*dv, 1, K]    channels [q | k | v]: each part chunked, then joined
+    A_log, dt_bias      [nv]                       dim-0 chunk (value heads of a key group are adjacent)
+    out_proj.weight     [H, nv*dv]                 row parallel (dim 1)
+    norm.weight         [dv]                       replicated (shared by every head)
+
+Qwen3-Next's RMSNorms compute x_norm * (1 + w): the weight is
 stored as is and megatron's `layernorm_zero_centered_gamma` tells polyrl's norm to add the 1.
 
 The Transformer-Engine spec names things differently (norms fused into
@@ -62,6 +76,7 @@ class _Family:
     # HF layer type -> HF attribute of the token mixer that hf_wrap.py runs as is (empty: megatron's attention)
     mixers: tuple[tuple[str, str], ...] = ()
     zero_centered_norm: bool = False  # RMSNorm output x_norm * (1 + w) (megatron layernorm_zero_centered_gamma)
+    shared_expert: bool = False  # MoE layers add a sigmoid-gated shared expert (megatron moe_shared_expert_gate)
 
 
 FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between supported decoders
@@ -69,8 +84,9 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
     "qwen2": _Family(qkv_bias=True, qk_norm=False, moe=False),  # Qwen2ForCausalLM (Qwen2, Qwen2.5)
     "qwen3": _Family(qkv_bias=False, qk_norm=True, moe=False),  # Qwen3ForCausalLM
     "qwen3_moe": _Family(qkv_bias=False, qk_norm=True, moe=True),  # Qwen3MoeForCausalLM
-    # Qwen3NextForCausalLM, dense layers only: gated DeltaNet and gated full attention run as HF modules
-    "qwen3_next": _Family(qkv_bias=False, qk_norm=False, moe=False, zero_centered_norm=True,
+    # Qwen3NextForCausalLM: gated DeltaNet and gated full attention run as HF modules; dense or sparse
+    # MLPs (routed experts + gated shared expert) are megatron's
+    "qwen3_next": _Family(qkv_bias=False, qk_norm=False, moe=True, zero_centered_norm=True, shared_expert=True,
                           mixers=(("linear_attention", "linear_attn"), ("full_attention", "self_attn"))),
 }
 
@@ -82,7 +98,7 @@ def _family(cfg: Any) -> _Family:
             f"megatron bridge: unsupported model_type {getattr(cfg, 'model_type', None)!r} "
             f"(architectures={getattr(cfg, 'architectures', None)}); supported model types: "
             f"{sorted(FAMILIES)} (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-            "Qwen3MoeForCausalLM, Qwen3NextForCausalLM with dense layers)"
+            "Qwen3MoeForCausalLM, Qwen3NextForCausalLM)"
         )
     # Variants the name map cannot express: refuse rather than build a silently different model.
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
@@ -92,11 +108,6 @@ def _family(cfg: Any) -> _Family:
     if cfg.hidden_act != "silu":
         raise ValueError(f"megatron bridge: hidden_act {cfg.hidden_act!r} is not supported (silu only)")
     if cfg.model_type == "qwen3_next":
-        sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])
-                  and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0]
-        if sparse:  # routed experts + a sigmoid-gated shared expert: no megatron mapping here yet
-            raise ValueError(f"megatron bridge: Qwen3-Next sparse MoE layers {sparse} are not supported; only dense "
-                             "layers (mlp_only_layers listing every layer, or num_experts=0)")
         unknown = set(cfg.layer_types) - {t for t, _ in fam.mixers}
         if unknown:
             raise ValueError(f"megatron bridge: Qwen3-Next layer types {sorted(unknown)} are not supported")
@@ -161,7 +172,7 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
         init_method_std=cfg.initializer_range,
         layernorm_zero_centered_gamma=fam.zero_centered_norm,
     )
-    if fam.moe:
+    if any(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):  # (all-dense Qwen3-Next: none)
         aux = bool(getattr(cfg, "output_router_logits", False))  # HF only adds aux loss when set
         kw.update(
             num_moe_experts=cfg.num_experts,
@@ -176,6 +187,9 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
             moe_aux_loss_coeff=float(cfg.router_aux_loss_coef) if aux else 0.0,
             moe_grouped_gemm=False,  # the local spec builds SequentialMLP experts
         )
+        if fam.shared_expert:  # HF: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            kw.update(moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
     return kw
 
 
@@ -234,11 +248,16 @@ def _pad_vocab(t: Tensor, padded: int) -> Tensor:
 
 
 _COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+# Qwen3-Next gated DeltaNet parameter -> how it splits over TP by heads (see the module docstring).
+# Its names are unique to the DeltaNet among wrapped modules (the gated attention has q/k/v/o_proj).
+GDN_TP: dict[str, str] = {"in_proj_qkvz.weight": "col", "in_proj_ba.weight": "col", "A_log": "col",
+                          "dt_bias": "col", "out_proj.weight": "row", "conv1d.weight": "conv"}
+_WRAPPED = ".self_attention.hf."
 
 
 def _tp_kind(mcore_name: str) -> str | None:
-    if ".self_attention.hf." in mcore_name:
-        return None  # a wrapped HF module is replicated over TP (hf_wrap.py)
+    if _WRAPPED in mcore_name:  # wrapped HF modules: only the DeltaNet splits; the rest is replicated
+        return GDN_TP.get(mcore_name.rsplit(_WRAPPED, 1)[1])
     if mcore_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return "glu"  # column parallel, gate and up split separately (megatron stride=2)
     if mcore_name.endswith(_COLUMN_PARALLEL):
@@ -254,22 +273,34 @@ def _chunk(t: Tensor, dim: int, rank: int, size: int, name: str) -> Tensor:
     return t.chunk(size, dim=dim)[rank]
 
 
-def shard_for_tp(mcore_name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+def gdn_conv_parts(hf_config: Any) -> list[int]:
+    """Channel sizes [q, k, v] of the gated DeltaNet's depthwise conv1d."""
+    if hf_config is None:
+        raise ValueError("gated DeltaNet conv1d.weight: pass hf_config to split or join it over TP")
+    key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+    return [key, key, hf_config.linear_num_value_heads * hf_config.linear_value_head_dim]
+
+
+def shard_for_tp(mcore_name: str, full: Tensor, tp_rank: int, tp_size: int, hf_config: Any = None) -> Tensor:
     """This TP rank's slice of a full megatron tensor (for experts pass the expert-TP rank/size).
 
     linear_qkv: a contiguous dim-0 chunk. With ng % tp == 0 that is ng/tp whole groups; with
     ng < tp megatron's ColumnParallelLinear still takes contiguous chunks and all-gathers inside
-    attention, so the chunk is right there too."""
+    attention, so the chunk is right there too. A gated DeltaNet conv1d.weight needs `hf_config`
+    (its q / k / v channel counts)."""
     kind = _tp_kind(mcore_name)
     if tp_size == 1 or kind is None:
         return full
     if kind == "glu":
         return torch.cat([_chunk(half, 0, tp_rank, tp_size, mcore_name) for half in full.chunk(2, dim=0)])
+    if kind == "conv":
+        parts = full.split(gdn_conv_parts(hf_config), dim=0)
+        return torch.cat([_chunk(p, 0, tp_rank, tp_size, mcore_name) for p in parts])
     # clone: a view would keep the whole unsharded tensor alive on every rank
     return _chunk(full, 0 if kind == "col" else 1, tp_rank, tp_size, mcore_name).clone()
 
 
-def gather_from_tp(mcore_name: str, shards: Sequence[Tensor]) -> Tensor:
+def gather_from_tp(mcore_name: str, shards: Sequence[Tensor], hf_config: Any = None) -> Tensor:
     """Inverse of `shard_for_tp` given all ranks' shards in rank order."""
     kind = _tp_kind(mcore_name)
     if len(shards) == 1 or kind is None:
@@ -277,6 +308,10 @@ def gather_from_tp(mcore_name: str, shards: Sequence[Tensor]) -> Tensor:
     if kind == "glu":
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         return torch.cat([*gates, *ups])
+    if kind == "conv":
+        local = [n // len(shards) for n in gdn_conv_parts(hf_config)]
+        q, k, v = zip(*(s.split(local, dim=0) for s in shards))
+        return torch.cat([*q, *k, *v])
     return torch.cat(list(shards), dim=0 if kind == "col" else 1)
 
 
@@ -337,6 +372,13 @@ def _layer_rules(
             rules += [
                 (me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "glu"),
                 (me + "linear_fc2.weight", (he + "down_proj.weight",), "copy"),
+            ]
+        if fam.shared_expert:
+            ms, hs = m + "mlp.shared_experts.", h + "mlp.shared_expert."
+            rules += [
+                (ms + "linear_fc1.weight", (hs + "gate_proj.weight", hs + "up_proj.weight"), "glu"),
+                (ms + "linear_fc2.weight", (hs + "down_proj.weight",), "copy"),
+                (ms + "gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy"),  # both [1, H]
             ]
     else:
         rules += [
@@ -424,7 +466,7 @@ def hf_to_mcore(
         if ".local_experts." in name:
             out[name] = shard_for_tp(name, full, etp_rank, etp_size)
         else:
-            out[name] = shard_for_tp(name, full, tp_rank, tp_size)
+            out[name] = shard_for_tp(name, full, tp_rank, tp_size, cfg)
     return out
 
 

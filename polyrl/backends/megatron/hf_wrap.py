@@ -27,19 +27,29 @@ child's tensors as replicated over TP and DP, which is what they are. Layers dif
 attention parameters), so the backend checkpoints such models with one key per layer
 (megatron's `non_homogeneous_layers`) instead of stacking layers into one tensor per name.
 
+Tensor parallelism. The gated DeltaNet is split over TP by heads (`tp_gated_deltanet`): each rank
+builds the HF module for its nk/tp key heads and nv/tp value heads (a config with the head counts
+divided), holds those heads' rows of in_proj_qkvz / in_proj_ba, channels of conv1d, entries of
+A_log / dt_bias and columns of out_proj (bridge.GDN_TP slices them; HF groups q, k, v, z and b, a
+per key head, so a contiguous group range is a contiguous row range), and runs HF's own forward on
+them. Its out_proj is then row parallel: the ranks' partial outputs are summed by an all-reduce
+(whose backward passes the gradient through), the input's gradient is summed the same way, and so
+is the gated norm's weight gradient (one weight shared by every head). Wrapped full attention stays
+replicated (every TP rank runs it whole). With --sequence-parallel the sequence shards are gathered
+in and scattered out, with the backward megatron uses for duplicated compute.
+
 Limits.
-  - Tensor parallelism: the HF module is replicated on every TP rank, not split. TP > 1 is correct
-    (every TP rank runs the full mixer; with --sequence-parallel the sequence shards are gathered in
-    and scattered out, with the backward megatron uses for duplicated compute), but the mixer's
-    compute and memory do not shrink with TP.
+  - Full attention's compute and memory do not shrink with TP (replicated); the DeltaNet's do, and
+    TP must divide linear_num_key_heads.
   - Context parallelism is refused: the recurrent state runs along whole sequences.
   - Speed: one HF call per packed sequence (a Python loop); the gated delta rule uses HF's torch
     chunked fallback unless flash-linear-attention is installed. Right for proofs and small models,
     slow for long-context training at scale.
-  - Qwen3-Next's sparse MoE layers and its MTP head are not supported (the bridge refuses MoE
-    layers; `mtp.*` checkpoint tensors are ignored).
+  - Qwen3-Next's MTP head is not supported (`mtp.*` checkpoint tensors are ignored). Its sparse MoE
+    layers are megatron's own MoELayer with a gated shared expert (bridge.py), not wrapped.
 
-Extension point. `MIXERS` maps an HF model_type to a factory `(hf_config, layer_idx) -> Mixer`. To
+Extension point. `MIXERS` maps an HF model_type to a factory `(hf_config, layer_idx, tp_group) -> Mixer`
+(tp_group None: replicate the module; else a Mixer that splits itself over that group). To
 wrap another HF module, add an entry here and a `bridge.FAMILIES` entry whose `mixers` names the HF
 attribute per layer type (e.g. from a --custom-model-provider-path module, before the backend is
 built); `model.layer_spec` then wraps every layer of that model type.
@@ -52,11 +62,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from polyrl.backends.megatron import bridge
 
 MixerCall = Callable[[Tensor, Tensor], Tensor]  # (x [1, L, H], position_ids [1, L]) -> [1, L, H]
 
@@ -65,14 +78,77 @@ MixerCall = Callable[[Tensor, Tensor], Tensor]  # (x [1, L, H], position_ids [1,
 class Mixer:
     module: nn.Module  # registered under the wrapper as `hf`: its parameter names are the checkpoint's
     call: MixerCall  # how to run it on one sequence
+    tp_dims: dict[str, int] = field(default_factory=dict)  # parameter -> dim split over TP (empty: replicated)
 
 
-def qwen3_next_mixer(hf_config: Any, layer_idx: int) -> Mixer:
-    """Qwen3-Next layer `layer_idx`: Qwen3NextGatedDeltaNet or Qwen3NextAttention, called as
-    Qwen3NextDecoderLayer calls them without a cache or padding."""
+class _CopyToTP(torch.autograd.Function):
+    """Identity; the backward sums the gradient over the group (each rank's heads saw the whole
+    input, so each holds only its heads' share of its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # bounded by the process group's timeout
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sum over the group (row-parallel output: each rank holds its heads' partial out_proj); the
+    backward passes the (replicated) gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def gdn_local_config(hf_config: Any, tp_size: int) -> Any:
+    """Copy of a Qwen3-Next config whose gated DeltaNet has this TP rank's share of the heads."""
+    nk, nv = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
+    if nk % tp_size:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the gated DeltaNet's "
+                         f"linear_num_key_heads {nk} (its heads are split over TP)")
+    cfg = copy.deepcopy(hf_config)
+    cfg.linear_num_key_heads, cfg.linear_num_value_heads = nk // tp_size, nv // tp_size
+    return cfg
+
+
+def tp_gated_deltanet(hf_config: Any, layer_idx: int, group) -> Mixer:
+    """This rank's heads of Qwen3-Next's gated DeltaNet (module docstring, "Tensor parallelism"):
+    x [1, L, H] replicated over `group` -> [1, L, H] replicated, equal to the unsplit module. Load
+    it with `bridge.shard_for_tp(name, full, rank, size, hf_config)` of each full tensor."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    gdn = hf.Qwen3NextGatedDeltaNet(gdn_local_config(hf_config, dist.get_world_size(group)), layer_idx)
+
+    def call(x: Tensor, pos: Tensor) -> Tensor:
+        x = _CopyToTP.apply(x, group)
+        norm_w = _CopyToTP.apply(gdn.norm.weight, group)  # one weight for all heads: its grad sums over ranks
+        partial = torch.func.functional_call(gdn, {"norm.weight": norm_w}, (x,))
+        return _ReduceFromTP.apply(partial, group)
+
+    return Mixer(gdn, call, {n: int(kind == "row") for n, kind in bridge.GDN_TP.items()})
+
+
+def qwen3_next_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
+    """Qwen3-Next layer `layer_idx`: Qwen3NextGatedDeltaNet (split over `tp_group` when it has
+    more than one rank) or Qwen3NextAttention (replicated), called as Qwen3NextDecoderLayer calls
+    them without a cache or padding."""
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     if hf_config.layer_types[layer_idx] == "linear_attention":
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            return tp_gated_deltanet(hf_config, layer_idx, tp_group)
         gdn = hf.Qwen3NextGatedDeltaNet(hf_config, layer_idx)
         return Mixer(gdn, lambda x, pos: gdn(x))
     attn = hf.Qwen3NextAttention(hf_config, layer_idx)
@@ -80,7 +156,7 @@ def qwen3_next_mixer(hf_config: Any, layer_idx: int) -> Mixer:
     return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos), attention_mask=None)[0])
 
 
-MIXERS: dict[str, Callable[[Any, int], Mixer]] = {"qwen3_next": qwen3_next_mixer}
+MIXERS: dict[str, Callable[[Any, int, Any], Mixer]] = {"qwen3_next": qwen3_next_mixer}
 
 
 def mixer_config(hf_config: Any) -> Any:
@@ -108,18 +184,30 @@ class HFMixer(nn.Module):
     Built by megatron's TransformerLayer via the ModuleSpec from `wrap_layer_specs`."""
 
     def __init__(self, config, layer_number: int, hf_config: Any = None,
-                 factory: Callable[[Any, int], Mixer] | None = None, pg_collection=None, **_: Any):
+                 factory: Callable[[Any, int, Any], Mixer] | None = None, pg_collection=None, **_: Any):
         super().__init__()
         if config.context_parallel_size > 1:
             raise ValueError(f"HF-wrapped layers ({hf_config.model_type}) do not support context parallelism: "
                              "use --context-parallel-size 1")
         self.sequence_parallel = config.sequence_parallel
+        self.hf_config = hf_config
         self.tp_group = getattr(pg_collection, "tp", None)
+        tp = getattr(config, "tensor_model_parallel_size", 1)
+        if tp > 1 and self.tp_group is None:
+            from megatron.core import parallel_state
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         with device:  # build where it runs; every weight is then loaded from the checkpoint
-            mixer = factory(hf_config, layer_number - 1)  # megatron's layer_number: global, 1-based
+            # megatron's layer_number: global, 1-based
+            mixer = factory(hf_config, layer_number - 1, self.tp_group if tp > 1 else None)
         self.hf = mixer.module
         self.call = mixer.call
+        self.tp_dims = mixer.tp_dims
+        params = dict(self.hf.named_parameters())
+        for name, dim in self.tp_dims.items():
+            # megatron's TP attributes: the grad norm then counts every rank's slice (not rank 0's only)
+            p = params[name]
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def forward(self, hidden_states: Tensor, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
@@ -142,6 +230,34 @@ class HFMixer(nn.Module):
 
             out = scatter_to_sequence_parallel_region(out, group=self.tp_group)
         return out, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed-checkpoint tensors: replicated ones as megatron's default writes them,
+        TP-split ones (the gated DeltaNet) as slices of the full HF tensor along their TP dim, so a
+        checkpoint reloads at another TP size. conv1d's rank slice is [q_r; k_r; v_r], three
+        separate slices of the full [q; k; v]: a factory saves the three parts under their own keys
+        and joins them again on load."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sd = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {f"hf.{n}": d for n, d in self.tp_dims.items()},
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        key = f"{prefix}hf.conv1d.weight"
+        if "conv1d.weight" in self.tp_dims:
+            base = sd[key]
+            tp_axis = len(sharded_offsets)
+            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+            local = [n // size for n in bridge.gdn_conv_parts(self.hf_config)]
+
+            def build(k, t, replica_id, flattened_range):
+                return [ShardedTensor.from_rank_offsets(f"{k}.{part}", piece, *sharded_offsets, (tp_axis, rank, size),
+                                                        replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
+                        for part, piece in zip("qkv", t.split(local, dim=0))]
+
+            sd[key] = ShardedTensorFactory(base.key, base.data, build, torch.cat, base.replica_id)
+        return sd
 
 
 def wrap_layer_specs(layer_specs: list, hf_config: Any) -> list:

@@ -8,6 +8,7 @@
     torchrun ... harness.py resume MODEL_DIR --save-layout tp=2,pp=2 --load-layout tp=1,pp=2
     torchrun ... harness.py sft-fsdp MODEL_DIR [--layout ...]
     torchrun ... harness.py hf-wrap OUT_DIR --layouts "tp=1;pp=2;tp=2,sp=1"   (Qwen3-Next, hf_wrap.py)
+    torchrun ... harness.py hf-wrap OUT_DIR --sparse --fp32 --layouts "ep=2;tp=2;pp=2;tp=2,ep=2,etp=1"
 Results: `RESULT {json}` lines on stdout (rank 0).
 """
 
@@ -94,18 +95,19 @@ def build_models(out: str) -> dict[str, str]:
     return made
 
 
-def build_qwen3_next(out: str) -> str:
+def build_qwen3_next(out: str, sparse: bool = False) -> str:
     """Tiny Qwen3-Next for HF module wrapping (hf_wrap.py): gated DeltaNet and gated full attention
-    (partial RoPE) alternate; dense MLPs everywhere (mlp_only_layers = every layer). Every weight is
-    random; the zero-centered norms (output x_norm * (1 + w)) around 0, the gated DeltaNet norm
-    (plain x_norm * w) around 1."""
+    (partial RoPE) alternate; dense MLPs everywhere (mlp_only_layers = every layer), or with
+    `sparse` (OUT/qwen3_next_moe) layer 0 dense and layers 1-3 sparse MoE (4 routed experts, top 2,
+    and a sigmoid-gated shared expert). Every weight is random; the zero-centered norms (output
+    x_norm * (1 + w)) around 0, the gated DeltaNet norm (plain x_norm * w) around 1."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     cfg = Qwen3NextConfig(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_only_layers=[0, 1, 2, 3], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[0] if sparse else [0, 1, 2, 3], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     torch.manual_seed(0)
@@ -122,9 +124,11 @@ def build_qwen3_next(out: str) -> str:
                 p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
             elif "embed_tokens" in name:
                 p.normal_(std=1.0)
+            elif "mlp.experts." in name:  # stacked [E, out, in]
+                p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
             else:
                 p.normal_(std=1.0 / math.sqrt(p[0].numel()))
-    d = os.path.join(out, "qwen3_next")
+    d = os.path.join(out, "qwen3_next_moe" if sparse else "qwen3_next")
     model.save_pretrained(d)
     return d
 
@@ -422,11 +426,12 @@ def mode_hf_wrap(a) -> None:
 
     The FSDP reference runs padded rows with SDPA: on a packed row HF's gated DeltaNet (its torch
     fallback, without flash-linear-attention) ignores the cu_seqlens boundaries and carries state
-    from one sequence into the next."""
+    from one sequence into the next. With --sparse the model has sparse MoE layers (megatron's
+    MoELayer with a gated shared expert; layouts may then use ep=)."""
     init_distributed("cuda")
-    model_dir = os.path.join(a.arg1, "qwen3_next")
+    model_dir = os.path.join(a.arg1, "qwen3_next_moe" if a.sparse else "qwen3_next")
     if dist.get_rank() == 0:
-        build_qwen3_next(a.arg1)
+        build_qwen3_next(a.arg1, sparse=a.sparse)
     dist.barrier()
     from polyrl.backends.fsdp.backend import FSDPBackend
     be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, attn_implementation="sdpa"),
@@ -470,6 +475,7 @@ def main() -> None:
     ap.add_argument("--ckpt")
     ap.add_argument("--stop-on-error", action="store_true")
     ap.add_argument("--fp32", action="store_true", help="FP32 params and compute on both backends (tight tolerances)")
+    ap.add_argument("--sparse", action="store_true", help="hf-wrap: Qwen3-Next with sparse MoE layers")
     a = ap.parse_args()
     global FP32
     FP32 = a.fp32

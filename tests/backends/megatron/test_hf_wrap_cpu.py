@@ -6,6 +6,7 @@ the HF model's logits for every sequence of a packed batch."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,14 +62,18 @@ def test_bridge_round_trip_is_exact(qwen3_next):
         got.update(bridge.mcore_to_hf(stage.items(), cfg, layer_offset=2 * rank))
     assert set(got) == set(hf) and all(torch.equal(got[k], hf[k]) for k in hf)
 
-    # TP: the wrapped module is replicated, megatron's own MLP / vocab still split
+    # TP: wrapped attention is replicated, the gated DeltaNet split by heads, megatron's MLP / vocab split
     tp = [bridge.hf_to_mcore(hf, cfg, tp_rank=r, tp_size=2) for r in range(2)]
-    name = "decoder.layers.2.self_attention.hf.in_proj_qkvz.weight"
-    assert torch.equal(tp[0][name], sd[name]) and torch.equal(tp[1][name], sd[name])
+    q = "decoder.layers.1.self_attention.hf.q_proj.weight"
+    assert torch.equal(tp[0][q], sd[q]) and torch.equal(tp[1][q], sd[q])
+    qkvz = "decoder.layers.2.self_attention.hf.in_proj_qkvz.weight"
+    assert torch.equal(torch.cat([tp[0][qkvz], tp[1][qkvz]]), sd[qkvz])  # whole key-head groups per rank
+    conv = "decoder.layers.2.self_attention.hf.conv1d.weight"
+    assert tp[0][conv].shape[0] == sd[conv].shape[0] // 2
     fc1 = "decoder.layers.2.mlp.linear_fc1.weight"
     assert tp[0][fc1].shape[0] == sd[fc1].shape[0] // 2
     for k in tp[0]:
-        assert torch.equal(bridge.gather_from_tp(k, [tp[0][k], tp[1][k]]), bridge.shard_for_tp(k, sd[k], 0, 1))
+        assert torch.equal(bridge.gather_from_tp(k, [tp[0][k], tp[1][k]], cfg), sd[k]), k
 
 
 def test_bridge_config(qwen3_next):
@@ -76,9 +81,12 @@ def test_bridge_config(qwen3_next):
     assert [bridge.wrapped_mixer(cfg, i) for i in range(4)] == ["linear_attn", "self_attn", "linear_attn", "self_attn"]
     assert bridge.config_to_mcore_kwargs(cfg)["layernorm_zero_centered_gamma"] is True
     assert bridge.gpt_model_kwargs(cfg)["position_embedding_type"] == "none"  # the HF attention applies RoPE
+    assert "num_moe_experts" not in bridge.config_to_mcore_kwargs(cfg)  # every layer dense: no MoE settings
     sparse = cfg.__class__.from_dict({**cfg.to_dict(), "mlp_only_layers": [0, 1]})
-    with pytest.raises(ValueError, match=r"sparse MoE layers \[2, 3\]"):
-        bridge.config_to_mcore_kwargs(sparse)
+    kw = bridge.config_to_mcore_kwargs(sparse)
+    assert kw["moe_layer_freq"] == [0, 0, 1, 1] and kw["num_moe_experts"] == cfg.num_experts
+    assert kw["moe_shared_expert_intermediate_size"] == cfg.shared_expert_intermediate_size
+    assert kw["moe_shared_expert_gate"] is True
 
 
 def test_wrapper_parameter_names_are_the_bridge_names(qwen3_next):
@@ -126,14 +134,39 @@ def _zero_centered_rmsnorm(x, w, eps):  # model.HFRMSNorm with layernorm_zero_ce
     return (h * (1.0 + w.float())).to(x.dtype)
 
 
+def _glu(x, fc1, fc2):  # megatron MLP: linear_fc1 = [gate; up]
+    gate, up = F.linear(x, fc1).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, fc2)
+
+
+def _megatron_mlp(sd: dict, p: str, x: torch.Tensor, topk: int) -> torch.Tensor:
+    """Layer `p`'s MLP as megatron computes it from the bridge's tensors: a dense MLP, or MoELayer
+    with moe_router_pre_softmax=False (softmax over the top-k logits), probabilities applied to
+    each expert's output, plus the shared expert scaled by sigmoid(x @ gate_weight.T)."""
+    if p + "mlp.linear_fc1.weight" in sd:
+        return _glu(x, sd[p + "mlp.linear_fc1.weight"], sd[p + "mlp.linear_fc2.weight"])
+    top, idx = F.linear(x, sd[p + "mlp.router.weight"]).topk(topk, dim=-1)
+    probs = top.softmax(-1)
+    out = torch.zeros_like(x)
+    for k in range(topk):
+        for e in idx[:, k].unique().tolist():
+            rows = idx[:, k] == e
+            ex = f"{p}mlp.experts.local_experts.{e}."
+            out[rows] += probs[rows, k, None] * _glu(x[rows], sd[ex + "linear_fc1.weight"], sd[ex + "linear_fc2.weight"])
+    sh = p + "mlp.shared_experts."
+    shared = _glu(x, sd[sh + "linear_fc1.weight"], sd[sh + "linear_fc2.weight"])
+    return out + shared * torch.sigmoid(F.linear(x, sd[sh + "gate_weight"]))
+
+
 @torch.no_grad()
-def test_megatron_layout_matches_hf_model_per_sequence(qwen3_next):
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_next_moe"])
+def test_megatron_layout_matches_hf_model_per_sequence(variant, request):
     """The megatron model as polyrl builds it for Qwen3-Next (bridge tensors, zero-centered norms,
-    megatron's fused [gate; up] MLP, HF mixers per packed sequence), written out in torch: logits
-    of a packed batch == HF's logits of each sequence alone. HF on the packed row without
-    boundaries differs: its linear attention carries state across sequences (the wrapper's
-    per-sequence calls are what keeps them apart)."""
-    d, cfg, model = qwen3_next
+    megatron's fused [gate; up] MLP or its MoE layer with the gated shared expert, HF mixers per
+    packed sequence), written out in torch: logits of a packed batch == HF's logits of each
+    sequence alone. HF on the packed row without boundaries differs: its linear attention carries
+    state across sequences (the wrapper's per-sequence calls are what keeps them apart)."""
+    d, cfg, model = request.getfixturevalue(variant)
     sd = bridge.hf_to_mcore(bridge.load_hf_safetensors(d), cfg)
     eps = cfg.rms_norm_eps
     g = torch.Generator().manual_seed(1)
@@ -147,14 +180,14 @@ def test_megatron_layout_matches_hf_model_per_sequence(qwen3_next):
         out, _ = _mixer(cfg, layer, sd)(_zero_centered_rmsnorm(h, sd[p + "input_layernorm.weight"], eps),
                                         packed_seq_params=psp)
         h = h + out
-        gate, up = F.linear(_zero_centered_rmsnorm(h, sd[p + "pre_mlp_layernorm.weight"], eps),
-                            sd[p + "mlp.linear_fc1.weight"]).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, sd[p + "mlp.linear_fc2.weight"])
+        x = _zero_centered_rmsnorm(h[:, 0], sd[p + "pre_mlp_layernorm.weight"], eps)
+        h = h + _megatron_mlp(sd, p, x, cfg.num_experts_per_tok)[:, None]
     h = _zero_centered_rmsnorm(h, sd["decoder.final_layernorm.weight"], eps)
     logits = F.linear(h[:, 0], sd["output_layer.weight"])[:, : cfg.vocab_size]
 
     ref = torch.cat([model(s[None]).logits[0] for s in seqs])
-    # FP32; logits are O(10); the fused [gate; up] matmul only reorders fp32 sums (~3e-5 measured)
+    # FP32; logits are O(10); the fused [gate; up] matmul and the order experts are summed in only
+    # reorder fp32 sums (~3e-5 measured); a router near-tie would flip an expert (O(1) change)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     leaky = model(torch.cat(seqs)[None]).logits[0]  # one row, no boundaries
     first = LENS[0]
@@ -185,3 +218,48 @@ def test_fsdp_backend_uses_padded_rows_for_recurrent_layers(qwen3_next):
         with torch.no_grad():
             ref = torch.log_softmax(model(x[None]).logits[0].float(), -1)[p - 1:-1].gather(-1, x[p:, None])[:, 0]
         torch.testing.assert_close(lp, ref, atol=1e-4, rtol=1e-4)
+
+
+_GLOBAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_moe(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = _harness().build_qwen3_next(str(tmp_path_factory.mktemp("q3n_moe")), sparse=True)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return d, AutoConfig.from_pretrained(d), model
+
+
+def test_sparse_moe_bridge_round_trips_over_tp_pp_ep(qwen3_next_moe):
+    """Sparse Qwen3-Next: routed experts, the shared expert and its gate map to megatron's MoELayer
+    names (mlp.router, mlp.experts.local_experts.{i}, mlp.shared_experts.{linear_fc1, linear_fc2,
+    gate_weight}) and every TP x PP x EP split gathers back to the checkpoint bit for bit, also as
+    the transformers>=5 stacked in-memory experts the rollout engine holds."""
+    d, cfg, model = qwen3_next_moe
+    hf = bridge.load_hf_safetensors(d)
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in hf and "model.layers.1.mlp.experts.3.up_proj.weight" in hf
+    kw = bridge.config_to_mcore_kwargs(cfg)
+    assert kw["moe_layer_freq"] == [0, 1, 1, 1] and kw["moe_shared_expert_gate"] is True
+    sd = bridge.hf_to_mcore(hf, cfg)
+    m = "decoder.layers.1.mlp."
+    assert {m + "router.weight", m + "shared_experts.linear_fc1.weight", m + "shared_experts.linear_fc2.weight",
+            m + "shared_experts.gate_weight", m + "experts.local_experts.3.linear_fc1.weight"} <= set(sd)
+    assert sd[m + "shared_experts.gate_weight"].shape == (1, cfg.hidden_size)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in sd  # layer 0 stays dense
+    for tp, pp, ep in [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]:
+        per_layer, per_expert = cfg.num_hidden_layers // pp, cfg.num_experts // ep
+        got, fused = {}, {}
+        for p in range(pp):
+            stage = []  # this stage's TP-gathered tensors of every EP rank, experts renumbered globally
+            for e in range(ep):
+                ranks = [bridge.hf_to_mcore(hf, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e,
+                                            ep_size=ep) for t in range(tp)]
+                full = [(k, bridge.gather_from_tp(k, [r[k] for r in ranks], cfg)) for k in ranks[0]]
+                got.update(bridge.mcore_to_hf(full, cfg, layer_offset=p * per_layer, expert_offset=e * per_expert))
+                stage += [(_GLOBAL_EXPERT.sub(lambda x: f"local_experts.{int(x[1]) + e * per_expert}.", k), t)
+                          for k, t in full if e == 0 or ".local_experts." in k]
+            fused.update(bridge.mcore_to_hf(stage, cfg, layer_offset=p * per_layer, fused_experts=True))
+        assert set(got) == set(hf) and all(torch.equal(got[k], hf[k]) for k in hf), (tp, pp, ep)
+        mem = model.state_dict()
+        assert set(fused) == set(mem) and all(torch.equal(fused[k], mem[k]) for k in mem), (tp, pp, ep)

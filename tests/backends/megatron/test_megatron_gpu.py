@@ -206,3 +206,18 @@ def test_hf_wrap_qwen3_next(tmp_path):
     tmp_path = tmp_path / "bf16"
     _assert_ok(_run(["resume", "--model", str(tmp_path / "qwen3_next"), "--save-layout", "tp=1",
                      "--load-layout", "tp=1"], nproc=1), 1)
+
+
+@pytest.mark.multigpu
+def test_hf_wrap_qwen3_next_sparse_ep_tp_pp(tmp_path):
+    """Sparse Qwen3-Next (megatron's MoELayer with the gated shared expert; HF-wrapped mixers, the
+    gated DeltaNet split over TP by heads) against FSDP in FP32: log-prob parity, exact export
+    round trip and grad-norm parity at EP=2, TP=2 (MoE turns sequence parallelism on), PP=2 and
+    TP=2 x EP=2 (ETP=1); then a checkpoint saved at TP=2 resumes at TP=1 (the DeltaNet's head
+    slices, conv1d's three parts included, reshard)."""
+    _need(2)
+    layouts = "ep=2;tp=2;pp=2;tp=2,ep=2,etp=1"
+    _assert_ok(_run(["hf-wrap", str(tmp_path), "--sparse", "--fp32", "--layouts", layouts], nproc=2),
+               3 * len(layouts.split(";")) + 1)
+    _assert_ok(_run(["resume", "--model", str(tmp_path / "qwen3_next_moe"), "--save-layout", "tp=2",
+                     "--load-layout", "tp=1"], nproc=2), 1)
