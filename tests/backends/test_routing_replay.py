@@ -212,3 +212,45 @@ def test_fsdp_r3_replays_rollout_routes_and_mismatch_metric(tiny_moe):
     assert off.train_step(batch, _capture_loss([]))["moe/topk_mismatch_frac"] == 0.0  # same weights as the rollout
     _perturb_router(off)
     assert off.train_step(batch, _capture_loss([]))["moe/topk_mismatch_frac"] > 0
+
+
+def _grpo(model: str, data: str, run_dir, *flags: str) -> list[dict]:
+    import json
+    from polyrl.cli import main
+    assert main(["train", "--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "arithmetic", "--quiet",
+                 "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--global-batch-size", "2", "--rollout-max-response-len", "4", "--lr", "1e-3",
+                 "--run-dir", str(run_dir), *flags]) == 0
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_grpo_cli_with_rollout_routing_replay_and_mismatch_metric(tiny_moe, arith_data, tmp_path):
+    """End to end on the tiny MoE (2 steps, 2 minibatches per step, so the old-logprob pass runs too): R3 carries the
+    engine's routes into every actor forward; with replay off, --return-routed-experts reports the top-k mismatch."""
+    rows = _grpo(tiny_moe, arith_data["train"], tmp_path / "r3", "--use-rollout-routing-replay")
+    for r in rows:
+        assert r["moe/routed_experts_bytes"] > 0 and r["moe/load_max_over_mean"] >= 1.0 and "moe/layer0/load_cv" in r
+        assert "moe/topk_mismatch_frac" not in r  # replayed, not compared
+    rows = _grpo(tiny_moe, arith_data["train"], tmp_path / "off", "--return-routed-experts", "--moe-aux-loss-coeff", "0.01")
+    assert all(0.0 <= r["moe/topk_mismatch_frac"] <= 1.0 and r["moe/aux_loss"] > 0 for r in rows)
+    rows = _grpo(tiny_moe, arith_data["train"], tmp_path / "r2", "--use-routing-replay")
+    assert all(r["moe/routed_experts_bytes"] > 0 for r in rows)  # the log-prob pass's recorded routes
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--use-routing-replay", "--use-rollout-routing-replay"], "keep one"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.1"], "the FSDP backend has aux_loss"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be >= 0"),
+])
+def test_bad_moe_flags_are_clear_errors(tiny_moe, arith_data, flags, needle, capsys):
+    from polyrl.cli import main
+    assert main(["train", "--hf-checkpoint", tiny_moe, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_replay_on_a_dense_model_is_a_clear_error(tiny_model, arith_data, capsys):
+    from polyrl.cli import main
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--use-rollout-routing-replay"]) == 2
+    assert "--use-rollout-routing-replay applies to MoE models" in capsys.readouterr().err
