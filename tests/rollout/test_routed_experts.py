@@ -119,3 +119,15 @@ def test_serve_refuses_routed_experts_for_a_dense_model(tiny_model):
     finally:
         http.close()
         st.stop()
+
+
+def test_debug_rollout_files_keep_routed_experts(tiny_moe, tmp_path):
+    """--save/--load-debug-rollout-data: a sample's routes come back as the same int16 tensor."""
+    from polyrl.debug_rollout import RolloutFiles
+    eng = EmbeddedEngine(tiny_moe, dtype=torch.float32)
+    s = eng.generate([eng.tokenizer("3+4=")["input_ids"]], SamplingParams(max_new_tokens=3, seed=0, return_routed_experts=True))
+    files = RolloutFiles(str(tmp_path / "r_{rollout_id}.jsonl"), tokenizer=eng.tokenizer, hf_checkpoint=tiny_moe,
+                         rollout_batch_size=1, n_samples_per_prompt=1)
+    files.save(0, s)
+    back = files.load(0)[0].routed_experts
+    assert back.dtype == torch.int16 and torch.equal(back, s[0].routed_experts)
