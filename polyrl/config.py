@@ -265,6 +265,19 @@ class ModelConfig:
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs/entropy from hidden states")
+    # MoE routing (polyrl/backends/routing_replay.py; megatron: its RouterReplay)
+    use_routing_replay: bool = opt(False, "MoE R2: the actor's log-prob pass (old_logprobs) records every MoE layer's "
+                                          "top-k experts per token and the training forwards of the step replay them")
+    use_rollout_routing_replay: bool = opt(False, "MoE R3: the engine returns the routed experts of every token "
+                                                  "(SGLang's return_routed_experts) and every actor forward of the step "
+                                                  "replays them (implies --return-routed-experts)")
+    return_routed_experts: bool = opt(False, "MoE: ask the engine for its routed experts; with replay off the trainer "
+                                             "reports moe/topk_mismatch_frac (rollout vs training top-k)")
+    moe_aux_loss_coeff: float = opt(0.0, "MoE load-balancing loss weight (0 = off)")
+    moe_z_loss_coeff: float = opt(0.0, "MoE router z-loss weight (0 = off)")
+    moe_router_load_balancing_type: str = opt("aux_loss", "MoE load-balancing loss (megatron's names; the FSDP backend "
+                                                          "has aux_loss and none)",
+                                              ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
 
     def compiled(self, device_type: str) -> bool:
         """--compile / --no-compile, else on for CUDA only (the first step pays the compile time)."""
@@ -524,7 +537,7 @@ VALUE_RANGES: dict[str, str] = {
     "lr": "> 0", "min_lr": ">= 0", "lr_warmup_steps": ">= 0", "lr_decay_steps": ">= 1", "weight_decay": ">= 0",
     "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
     # model, checkpoints, logging
-    "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
+    "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "moe_aux_loss_coeff": ">= 0", "moe_z_loss_coeff": ">= 0", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
     "eval_interval": ">= 0", "profile_step": ">= 0",
     # megatron
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
@@ -771,6 +784,7 @@ def _validate_rl_extras(cfg: Config) -> None:
         raise ConfigError(f"--opd-teacher-load is supported on --train-backend fsdp only for now (got "
                           f"{cfg.cluster.train_backend}): the Megatron backend builds its reference model from the student's "
                           "config, and a teacher of another size needs a model of its own; use --train-backend fsdp")
+    _validate_moe(cfg)
     if rw.overlong_buffer_len > r.rollout_max_response_len:
         raise ConfigError(f"--overlong-buffer-len ({rw.overlong_buffer_len}) must be <= --rollout-max-response-len "
                           f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")
@@ -784,6 +798,27 @@ def _validate_turns(cfg: Config) -> None:
     if ctx is not None and (cfg.data.rollout_max_prompt_len or 0) >= ctx:
         raise ConfigError(f"--rollout-max-prompt-len ({cfg.data.rollout_max_prompt_len}) must be < --rollout-max-context-len "
                           f"({ctx}): a prompt needs room for at least one response token")
+
+
+def _validate_moe(cfg: Config) -> None:
+    m = cfg.model
+    if m.use_routing_replay and m.use_rollout_routing_replay:
+        raise ConfigError("--use-routing-replay (R2) and --use-rollout-routing-replay (R3) both choose which routes the "
+                          "training forwards replay; keep one (R3 already replays the rollout's routes in every forward)")
+    if cfg.cluster.train_backend == "fsdp" and m.moe_aux_loss_coeff and m.moe_router_load_balancing_type not in (
+            "aux_loss", "none"):
+        raise ConfigError(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type}: the FSDP backend has "
+                          "aux_loss and none; use --train-backend megatron for the others")
+    if (m.use_routing_replay or m.use_rollout_routing_replay or m.return_routed_experts or m.moe_aux_loss_coeff
+            or m.moe_z_loss_coeff) and m.hf_checkpoint and os.path.isdir(m.hf_checkpoint):
+        from transformers import AutoConfig
+        text = AutoConfig.from_pretrained(m.hf_checkpoint).get_text_config()
+        if not any(getattr(text, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            flag = next(f for f, on in (("--use-routing-replay", m.use_routing_replay),
+                                        ("--use-rollout-routing-replay", m.use_rollout_routing_replay),
+                                        ("--return-routed-experts", m.return_routed_experts),
+                                        ("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", True)) if on)
+            raise ConfigError(f"{flag} applies to MoE models; --hf-checkpoint {m.hf_checkpoint} has no experts: drop it")
 
 
 def _validate_ray(cfg: Config) -> None:

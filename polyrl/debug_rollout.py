@@ -96,6 +96,10 @@ class RolloutFiles:
         except json.JSONDecodeError as e:
             raise RolloutDataError(f"{path}: not a polyrl rollout file (line {e.lineno}: {e.msg})") from None
         self._check(path, header, len(rows))
+        for row in rows:  # MoE routes were written as nested lists ([tokens - 1, layers, k])
+            if row.get("routed_experts") is not None:
+                import torch
+                row["routed_experts"] = torch.tensor(row["routed_experts"], dtype=torch.int16)
         try:
             return [Sample(**row) for row in rows]
         except TypeError as e:

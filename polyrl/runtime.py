@@ -153,7 +153,8 @@ def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False) -> Sampl
         temperature=r.eval_temperature if eval_mode else r.rollout_temperature,
         top_p=1.0 if eval_mode else r.rollout_top_p, top_k=-1 if eval_mode else r.rollout_top_k,
         max_new_tokens=r.rollout_max_response_len, stop=list(r.rollout_stop), stop_token_ids=list(r.rollout_stop_token_ids),
-        n=1 if eval_mode else r.n_samples_per_prompt, seed=seed)
+        n=1 if eval_mode else r.n_samples_per_prompt, seed=seed,
+        return_routed_experts=not eval_mode and (cfg.model.return_routed_experts or cfg.model.use_rollout_routing_replay))
 
 
 def rollout(engine, items: list, params: SamplingParams, max_context_len: int | None = None) -> list[Sample]:
@@ -175,10 +176,11 @@ def to_train_batch(samples: list[Sample]) -> TrainBatch:
     ids = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long) for s in samples]
     mask = [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids), dtype=torch.float32)
             for s in samples]
+    routes = [s.routed_experts for s in samples]  # MoE: the engine's routes (R3), when every sample has them
     return TrainBatch(ids, [len(s.prompt_ids) for s in samples], {
         "loss_mask": mask,
         "rollout_logprobs": [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples],
-    })
+    }, rollout_routed_experts=routes if samples and all(r is not None for r in routes) else None)
 
 
 def generate(cfg: Config, engine, tokenizer, items: list, params: SamplingParams) -> list[Sample]:

@@ -19,6 +19,7 @@ class SamplingParams:
     # one seed per prompt (overrides `seed`): what an HTTP client sends as SGLang's `sampling_seed`, so a sample
     # depends on (prompt seed, sample index) only, never on which server or batch produced it
     prompt_seeds: list[int] | None = None
+    return_routed_experts: bool = False  # MoE: fill Sample.routed_experts (SGLang's request field of that name)
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +42,9 @@ class Sample:
     reward: float = 0.0
     loss_mask: list[int] | None = None  # per response token; None means all ones
     weight_version: int | None = None  # the policy version (trainer step) whose weights generated it
+    # MoE: the engine's top-k experts of every forwarded token (--return-routed-experts), a small-int tensor
+    # [prompt + response tokens - 1, num_hidden_layers, k] (SGLang's `routed_experts`; -1 in layers without experts)
+    routed_experts: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +68,15 @@ class TrainBatch:
     input_ids[i]: [L_i] prompt + response tokens; prompt_lens[i]: P_i.
     token_fields[k][i]: [L_i - P_i] per-response-token values (loss_mask, advantages,
     old_logprobs, ref_logprobs, rollout_logprobs, ...).
+    MoE routes, one [L_i - 1, num_hidden_layers, k] tensor per sample (None: not carried):
+    rollout_routed_experts from the engine (R3), recorded_routed_experts from the actor's log-prob pass (R2).
     """
 
     input_ids: list  # list[torch.Tensor]
     prompt_lens: list[int]
     token_fields: dict = field(default_factory=dict)  # str -> list[torch.Tensor]
+    rollout_routed_experts: list | None = None
+    recorded_routed_experts: list | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -82,4 +90,6 @@ class TrainBatch:
             [self.input_ids[i] for i in idx],
             [self.prompt_lens[i] for i in idx],
             {k: [v[i] for i in idx] for k, v in self.token_fields.items()},
+            *([r[i] for i in idx] if r is not None else None for r in (self.rollout_routed_experts,
+                                                                        self.recorded_routed_experts)),
         )

@@ -53,6 +53,8 @@ class EmbeddedEngine(InProcessEngine):
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        from polyrl.backends.routing_replay import MoERouting
+        self.routing = MoERouting.attach(self.model)  # MoE: records the routes a request asks for (idle otherwise)
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
@@ -62,8 +64,12 @@ class EmbeddedEngine(InProcessEngine):
         flat = [(i, p, sample_seed(params, base, i, j)) for i, p in enumerate(prompts) for j in range(params.n)]
         step = self.max_batch or len(flat)
         out: list[Sample] = []
-        for s in range(0, len(flat), step):
-            out.extend(self._generate_batch(flat[s:s + step], params))
+        try:
+            for s in range(0, len(flat), step):
+                out.extend(self._generate_batch(flat[s:s + step], params))
+        finally:
+            if self.routing is not None:  # a failed request must not leave its route recording armed
+                self.routing.end()
         return out
 
     @torch.no_grad()
@@ -87,10 +93,20 @@ class EmbeddedEngine(InProcessEngine):
         noise = torch.full((B,), 0 if sp.greedy else 1, dtype=torch.long, device=self.device)
         counters = torch.tensor(lens, dtype=torch.long, device=self.device)  # the position being sampled
         filtered = not sp.greedy and (0 < sp.top_k < logits_dim(self.model) or sp.top_p < 1.0)
+        if sp.return_routed_experts and self.routing is None:
+            raise ValueError("return_routed_experts: this model has no MoE router to report")
+        # SGLang's routed_experts: every forwarded token (the prompt, then each sampled token but the last)
+        routes: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if sp.return_routed_experts else None
 
         cache = DynamicCache()
+        if routes is not None:
+            self.routing.begin_at([r * P + torch.arange(P - lens[r], P) for r in range(B)], B * P, self.device,
+                                  record=True, count=False)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                             use_cache=True).logits[:, -1]
+        if routes is not None:
+            for r, x in enumerate(self.routing.recorded(drop_last=False)):
+                routes[r].append(x)
         rows = torch.arange(B)  # live row -> original row
         next_pos = pos[:, -1] + 1
         responses: list[list[int]] = [[] for _ in range(B)]
@@ -119,13 +135,20 @@ class EmbeddedEngine(InProcessEngine):
                 rows, tok, attn, next_pos = rows[kt.cpu()], tok[kt], attn[kt], next_pos[kt]
                 seeds, inv_temp, noise, counters = seeds[kt], inv_temp[kt], noise[kt], counters[kt]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+            if routes is not None:
+                self.routing.begin_at(list(torch.arange(len(rows))[:, None]), len(rows), self.device, record=True,
+                                      count=False)
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1]
+            if routes is not None:
+                for r, x in zip(rows.tolist(), self.routing.recorded(drop_last=False)):
+                    routes[r].append(x)
             next_pos = next_pos + 1
             counters = counters + 1
         return [
             Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
-                   group_index=g, response=self.tokenizer.decode(responses[r], skip_special_tokens=True))
+                   group_index=g, response=self.tokenizer.decode(responses[r], skip_special_tokens=True),
+                   routed_experts=torch.cat(routes[r]) if routes is not None else None)
             for r, (g, p, _) in enumerate(flat)
         ]
 

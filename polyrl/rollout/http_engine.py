@@ -15,6 +15,7 @@ Sampling is reproducible across servers: every prompt carries its own `sampling_
 from __future__ import annotations
 
 import asyncio
+import base64
 import atexit
 import collections
 import importlib.util
@@ -28,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from polyrl.config import Config
@@ -120,6 +122,22 @@ def _dtype_flags(cfg: Config) -> list[str]:
     return ["--fp16"] if m.fp16 else ["--bf16"] if m.bf16 else ["--fp32"] if m.fp32 else []
 
 
+def wants_routes(cfg: Config) -> bool:
+    return cfg.model.return_routed_experts or cfg.model.use_rollout_routing_replay
+
+
+def decode_routed_experts(b64: str, tokens: int, layers: int, top_k: int) -> torch.Tensor:
+    """SGLang's meta_info.routed_experts (base64 of int32 [tokens - 1, layers, k]) as the small-int tensor a Sample
+    keeps ([tokens - 1, layers, k]; int16 holds any expert id below 2**15, at half the host memory)."""
+    raw = base64.b64decode(b64.encode("ascii"))
+    want = max(tokens - 1, 0) * layers * top_k * 4
+    if len(raw) != want:
+        raise ValueError(f"routed_experts holds {len(raw)} bytes; a sample of {tokens} tokens over {layers} layers with "
+                         f"top-{top_k} needs {want} (int32 [tokens - 1, layers, k]): does the engine serve this model?")
+    routes = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(tokens - 1, layers, top_k)
+    return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2**15 else routes
+
+
 def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "127.0.0.1") -> list[str]:
     """argv of one launched engine server (host: where it listens; off loopback it needs an api key)."""
     e = cfg.engines
@@ -129,7 +147,8 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
             raise ImportError(SGLANG_HINT)
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_checkpoint,
                 "--host", host, "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
-                "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction), *key, *e.sglang_args]
+                "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction), *key,
+                *(["--enable-return-routed-experts"] if wants_routes(cfg) else []), *e.sglang_args]
     r = cfg.rollout
     return [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", cfg.model.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", device, "--seed", str(cfg.cluster.seed),
@@ -285,7 +304,10 @@ class HTTPEngine:
         sp = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
               "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "n": n, "sampling_seed": seed,
               "no_stop_trim": True, "skip_special_tokens": True}
-        return {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        out = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        if p.return_routed_experts:
+            out["return_routed_experts"] = True
+        return out
 
     async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int) -> list[dict]:
         payload = self._payload(prompt, params, n, seed)
@@ -355,8 +377,20 @@ class HTTPEngine:
     def _to_sample(self, prompt: list[int], i: int, o: dict) -> Sample:
         ids, lps, finish = self._to_sample_fields(o)
         v = str(o["meta_info"].get("weight_version", ""))
+        routes = o["meta_info"].get("routed_experts")
+        if routes is not None:
+            routes = decode_routed_experts(routes, len(prompt) + len(ids), *self._route_shape())
         return Sample(prompt_ids=list(prompt), response_ids=ids, rollout_logprobs=lps, finish_reason=finish, group_index=i,
-                      response=self.tokenizer.decode(ids, skip_special_tokens=True), weight_version=int(v) if v.isdigit() else None)
+                      response=self.tokenizer.decode(ids, skip_special_tokens=True), weight_version=int(v) if v.isdigit() else None,
+                      routed_experts=routes)
+
+    def _route_shape(self) -> tuple[int, int]:
+        """(num_hidden_layers, experts per token) of the served model: how routed_experts reshapes."""
+        if getattr(self, "_routes_lk", None) is None:
+            from transformers import AutoConfig
+            text = AutoConfig.from_pretrained(self.cfg.model.hf_checkpoint).get_text_config()
+            self._routes_lk = (int(text.num_hidden_layers), int(text.num_experts_per_tok))
+        return self._routes_lk
 
     # ---- health and restarts ---------------------------------------------------------------------
     def _health_loop(self) -> None:

@@ -29,6 +29,7 @@ Deviations from SGLang (beyond features the engine lacks, which answer 400 when 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -70,7 +71,12 @@ SAMPLING_UNSUPPORTED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalt
 # /generate fields the engine cannot honour unless they hold these values
 GENERATE_UNSUPPORTED = {"stream": False, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
                         "lora_path": None, "session_params": None, "return_hidden_states": False,
-                        "return_routed_experts": False, "custom_logit_processor": None}
+                        "custom_logit_processor": None}
+
+
+def encode_routed_experts(routes) -> str:
+    """SGLang's meta_info.routed_experts: base64 (ASCII) of the raw int32 bytes of [tokens - 1, layers, k]."""
+    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4", copy=False).tobytes()).decode("ascii")
 
 
 class _DropMalformedHTTP(logging.Filter):
@@ -150,6 +156,7 @@ class OutSettings:
     no_stop_trim: bool
     return_logprob: bool
     return_text_in_logprobs: bool
+    return_routed_experts: bool = False  # MoE: meta_info.routed_experts, SGLang's base64 of int32 [tokens - 1, layers, k]
 
 
 @dataclass
@@ -333,12 +340,17 @@ class EngineServer:
             isinstance(x, bool) for x in v)), f"a bool or a list of {B} bools", False)
         lps = lp if isinstance(lp, list) else [lp] * B
         text_lp = _field(body, "return_text_in_logprobs", lambda v: isinstance(v, bool), "a bool", False)
+        routed = _field(body, "return_routed_experts", lambda v: isinstance(v, bool), "a bool", False)
+        if routed and getattr(self.engine, "routing", None) is None:
+            raise bad("'return_routed_experts': the served model has no MoE router")
+        if body.get("routed_experts_start_len") not in (None, 0):
+            raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")
         rids = self._rids(body.get("rid"), B, single)
         if self._inflight >= self.cfg.max_running_requests:
             raise HTTPError(503, f"server busy: {self._inflight} requests queued or running (--max-running-requests "
                                  f"{self.cfg.max_running_requests}); retry later")
         loop = asyncio.get_running_loop()
-        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp), seed, rids[i], loop.create_future())
+        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future())
                  for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
         self._inflight += 1
         self.stats["requests"] += 1
@@ -482,7 +494,8 @@ class EngineServer:
         g = batch[0].gen
         sp = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
                             stop=list(g.stop), stop_token_ids=list(g.stop_token_ids), n=g.n,
-                            prompt_seeds=[it.seed for it in batch])
+                            prompt_seeds=[it.seed for it in batch],
+                            return_routed_experts=any(it.out.return_routed_experts for it in batch))
         version = self.weight_version
         samples = self.engine.generate([it.prompt for it in batch], sp)
         self.stats["engine_calls"] += 1
@@ -513,6 +526,8 @@ class EngineServer:
         if o.return_logprob:
             toks = [self.tokenizer.decode([t]) for t in ids] if o.return_text_in_logprobs else [None] * len(ids)
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(s.rollout_logprobs, ids, toks)]
+        if o.return_routed_experts:
+            meta["routed_experts"] = encode_routed_experts(s.routed_experts)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _abort(self, which: Callable[[Item], bool], message: str) -> int:

@@ -40,14 +40,15 @@ def build_model(out_dir: str, *, hidden: int = 128, layers: int = 4, heads: int 
                 seed: int = 0, arch: str = "qwen2"):
     """A tiny causal LM with random weights, saved with the tokenizer as a local HF directory."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     tok = build_tokenizer(out_dir)
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, norm_topk_prob=True) if arch == "qwen3_moe" else {}
     cfg = cls(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
               tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-              bos_token_id=tok.eos_token_id, head_dim=hidden // heads)
+              bos_token_id=tok.eos_token_id, head_dim=hidden // heads, **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out_dir)

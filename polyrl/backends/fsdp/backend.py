@@ -154,6 +154,7 @@ class FSDPBackend:
         # --opd-teacher-load: built and offloaded like the reference model; frozen, so checkpoints do not carry it
         # (a resume reads it from its directory again)
         self.teacher_model = self._build(model_cfg.opd_teacher_load, train=False) if need_teacher else None
+        self.routing = self._attach_routing()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
                                            eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay,
@@ -202,6 +203,40 @@ class FSDPBackend:
             root.eval().requires_grad_(False)
         return root
 
+    def _attach_routing(self):
+        """MoE routing hooks on the actor (replay, metrics, aux losses); None for a dense model."""
+        from polyrl.backends.routing_replay import MoERouting, unsupported_router
+        m = self.mcfg
+        routing = MoERouting.attach(self.model.lm, aux_loss_coeff=m.moe_aux_loss_coeff, z_loss_coeff=m.moe_z_loss_coeff,
+                                    load_balancing_type=m.moe_router_load_balancing_type)
+        wanted = m.use_routing_replay or m.use_rollout_routing_replay or m.moe_aux_loss_coeff or m.moe_z_loss_coeff
+        if routing is None and wanted:
+            other = unsupported_router(self.model.lm)
+            raise ValueError(f"--use-routing-replay / --use-rollout-routing-replay / --moe-*-loss-coeff: {m.hf_checkpoint} "
+                             + (f"routes with {other}, which the FSDP backend cannot replay (softmax top-k routers only)"
+                                if other else "has no MoE router"))
+        return routing
+
+    def _begin_routing(self, model: PolicyModel, mb: TrainBatch, real: bool, *, record: bool = False) -> None:
+        """Set the MoE hooks up for one actor forward over `mb`: replay the rollout's routes (R3) or the log-prob
+        pass's (R2), else route freely (recording if asked, comparing with the rollout's routes when it has them)."""
+        if self.routing is None or model is not self.model:
+            return
+        m, lens = self.mcfg, [int(x.numel()) for x in mb.input_ids]
+        if not real:  # the dummy forward of a rank without samples: route it, count nothing
+            self.routing.begin(lens, self.layout, self.device, count=False)
+            return
+        if m.use_rollout_routing_replay and mb.rollout_routed_experts is None:
+            raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the rollout engine "
+                             "must return them (SGLang: launch with --enable-return-routed-experts)")
+        if m.use_rollout_routing_replay:
+            routes, replay = mb.rollout_routed_experts, True
+        elif m.use_routing_replay and mb.recorded_routed_experts is not None:
+            routes, replay = mb.recorded_routed_experts, True
+        else:
+            routes, replay = mb.rollout_routed_experts, False
+        self.routing.begin(lens, self.layout, self.device, routes=routes, replay=replay, record=record)
+
     # ---- forward ------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         lens = [int(x.numel()) for x in batch.input_ids]
@@ -216,11 +251,13 @@ class FSDPBackend:
             plans = [sorted(order[i] for i in p) for p in plans]
         return plans
 
-    def _forward(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float, with_entropy: bool):
+    def _forward(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float, with_entropy: bool,
+                 record: bool = False):
         if not idx:  # this rank has no samples for this micro-batch: run a 2-token dummy for the collectives
             mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1])
         else:
             mb = batch.select(idx)
+        self._begin_routing(model, mb, bool(idx), record=record)
         ids, pos, mask, gidx, tgt, seq, varlen = pack(mb.input_ids, mb.prompt_lens, self.attn_impl, self.device, self.dtype,
                                                       self.layout)
         logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
@@ -233,11 +270,22 @@ class FSDPBackend:
             raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
         out: list[torch.Tensor | None] = [None] * len(batch)
         order, parts = [], []
+        # R2: the actor's pass records its routes for the train forwards (R3 replays the rollout's instead)
+        record = (self.routing is not None and m is self.model and self.mcfg.use_routing_replay
+                  and batch.recorded_routed_experts is None)
+        routes: list = [None] * len(batch)
         for idx in self._micro_batches(batch):
-            _, logp, _, _ = self._forward(m, batch, idx, temperature, False)
+            _, logp, _, _ = self._forward(m, batch, idx, temperature, False, record=record)
             if idx:
                 order += idx
                 parts.append(logp.float())
+                if record:
+                    for i, r in zip(idx, self.routing.recorded()):
+                        routes[i] = r
+        if self.routing is not None:
+            self.routing.end()
+        if record:
+            batch.recorded_routed_experts = routes
         if hasattr(m, "reshard"):
             m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
         if parts:  # one device-to-host copy for the whole batch, not one (and a host sync) per micro-batch
@@ -248,15 +296,17 @@ class FSDPBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         self.model.train()
-        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields["loss_mask"])), float(len(batch))], dtype=torch.float64)
+        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields["loss_mask"])), float(len(batch)),
+                              float(sum(int(x.numel()) for x in batch.input_ids))], dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(local)
-        num_tokens, num_seqs = float(local[0]), float(local[1])
+        num_tokens, num_seqs, routed_tokens = float(local[0]), float(local[1]), float(local[2])
         scale = float(dist.get_world_size())  # FSDP averages gradients over ranks; the loss already has the global denominator
         # loss and metrics add up on the device and cross once after the last micro-batch (no host sync per micro-batch)
         sums: dict[str, torch.Tensor] = {}
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for idx in self._micro_batches(batch):
+        plans = self._micro_batches(batch)
+        for idx in plans:
             mb, logp, ent, seq = self._forward(self.model, batch, idx, temperature, with_entropy)
             if idx:
                 keys = list(mb.token_fields)
@@ -265,6 +315,9 @@ class FSDPBackend:
                 fields = {k: torch.zeros(1, device=self.device) for k in batch.token_fields}
             fields["seq_ids"] = seq
             loss, metrics = loss_fn(logp, ent, fields, num_tokens=num_tokens, num_seqs=num_seqs)
+            aux = self.routing.take_aux_loss() if self.routing is not None else None
+            if aux is not None:  # a per-token mean over this micro-batch, weighted to a mean over all ranks' tokens
+                loss = loss + aux * (sum(int(x.numel()) for x in mb.input_ids) / routed_tokens)
             if not idx:
                 loss = loss * 0.0
             (loss * scale).backward()
@@ -293,6 +346,13 @@ class FSDPBackend:
             dist.all_reduce(vec)
         out = {"loss": float(vec[0]), **{k: float(v) for k, v in zip(keys, vec[1:].tolist())}}
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_step=float(skipped))
+        if self.routing is not None:
+            self.routing.end()
+            world = dist.get_world_size()
+            out.update(self.routing.drain_metrics(dist.all_reduce if world > 1 else None, forwards=len(plans), world=world))
+            from polyrl.backends.routing_replay import routes_nbytes
+            out["moe/routed_experts_bytes"] = float(routes_nbytes(batch.rollout_routed_experts)
+                                                    + routes_nbytes(batch.recorded_routed_experts))
         return out
 
     # ---- weights ------------------------------------------------------------------------

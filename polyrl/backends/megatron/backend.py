@@ -59,6 +59,7 @@ class _Micro:
     fields: dict
     dummy: bool
     index: list[int]  # global sample indices
+    routes: dict | None = None  # MoE: router-order targets / masks of this rank's tokens (_route_plan)
 
 
 class MegatronBackend:
@@ -85,7 +86,7 @@ class MegatronBackend:
                                             mg.num_layers_per_virtual_pipeline_stage)
         mm.init_parallel_state(self.dims, self.vpp, seed)
         self.dtype = model_cfg.dtype("cuda")
-        self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype)
+        self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype, model_cfg)
         self.ddp_config = mm.ddp_config(mg)
         if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
             log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
@@ -97,6 +98,11 @@ class MegatronBackend:
         self.skipped_steps = 0
         self._set_lr()
         self._fused_experts = self._hf_uses_fused_experts()
+        self.routing = None  # MoE: RouterReplay control and routing metrics (polyrl/backends/megatron/routing.py)
+        if getattr(self.config, "num_moe_experts", None):
+            from polyrl.backends.megatron.routing import MegatronRouting
+            self.routing = MegatronRouting(self.model, self.hf_config.num_hidden_layers, self.config.num_moe_experts,
+                                           self.config.moe_router_topk)
         from polyrl.backends.megatron import bridge, thd
         self._wrapped_layers = any(bridge.wrapped_mixer(self.hf_config, i) is not None
                                    for i in range(self.hf_config.num_hidden_layers))
@@ -147,19 +153,58 @@ class MegatronBackend:
 
     # ---- data ---------------------------------------------------------------------------
     def _gather_batch(self, batch: TrainBatch, with_fields: bool) -> tuple[TrainBatch, list[int]]:
-        mine = (batch.input_ids, batch.prompt_lens, batch.token_fields if with_fields else {})
+        mine = (batch.input_ids, batch.prompt_lens, batch.token_fields if with_fields else {},
+                batch.rollout_routed_experts, batch.recorded_routed_experts)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         ids, plens, fields, counts = [], [], {}, []
-        for p_ids, p_pl, p_f in parts:
+        routes: list[list | None] = [[], []]
+        for p_ids, p_pl, p_f, *p_routes in parts:
             counts.append(len(p_ids))
             ids += p_ids
             plens += p_pl
             for k, v in p_f.items():
                 fields.setdefault(k, []).extend(v)
-        return TrainBatch(ids, plens, fields), counts
+            for j, r in enumerate(p_routes):  # a route list counts only when every rank carries one
+                routes[j] = routes[j] + r if (routes[j] is not None and r is not None) else None
+        return TrainBatch(ids, plens, fields, *(r if r else None for r in routes)), counts
 
-    def _plan(self, glob: TrainBatch) -> list[_Micro]:
+    def _route_mode(self, glob: TrainBatch, *, actor: bool, logprob_pass: bool) -> tuple[str | None, list | None]:
+        """(what the routers do, the per-sample routes that go with it) for one pass over `glob`: replay the
+        rollout's routes (R3) or the log-prob pass's (R2), record (R2's log-prob pass), compare with the rollout's
+        routes (moe/topk_mismatch_frac), or route freely (None)."""
+        m = self.mcfg
+        if self.routing is None or not actor:
+            return None, None
+        if m.use_rollout_routing_replay:
+            if glob.rollout_routed_experts is None:
+                raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the rollout "
+                                 "engine must return them (SGLang: launch with --enable-return-routed-experts)")
+            return "replay", glob.rollout_routed_experts
+        if m.use_routing_replay and glob.recorded_routed_experts is not None:
+            return "replay", glob.recorded_routed_experts
+        if m.use_routing_replay and logprob_pass:
+            return "record", glob.rollout_routed_experts
+        return ("compare", glob.rollout_routed_experts) if glob.rollout_routed_experts is not None else (None, None)
+
+    def _route_plan(self, pb, mb: TrainBatch, routes: list | None) -> dict:
+        """Router-order targets (or experts 0..k-1 where none is given) and masks of one micro-batch."""
+        from polyrl.backends.megatron.routing import router_targets
+        offs = [int(x) for x in pb.cu_seqlens.cpu()]
+        lens = [int(x.numel()) for x in mb.input_ids]
+        sp = self.dims.tp if self.config.sequence_parallel else 1
+        sp_rank = self.ps.get_tensor_model_parallel_rank() if sp > 1 else 0
+        given = routes if routes is not None else [torch.zeros(max(n - 1, 0), self.hf_config.num_hidden_layers,
+                                                               self.config.moe_router_topk, dtype=torch.long) for n in lens]
+        targets, has, glob_idx = router_targets(pb.token_index, offs, given, self.hf_config.num_hidden_layers,
+                                                self.config.moe_router_topk, sp, sp_rank)
+        real = torch.zeros(offs[-1], dtype=torch.bool)
+        for off, n in zip(offs, lens):
+            real[off:off + n] = True
+        return dict(targets=targets.to(self.device) if routes is not None else None, has=has.to(self.device),
+                    valid=real[glob_idx].to(self.device), glob=glob_idx, offsets=offs, lens=lens)
+
+    def _plan(self, glob: TrainBatch, routes: list | None = None) -> list[_Micro]:
         """This data-parallel rank's micro-batches, as many on every rank (EP all-to-alls and
         Megatron-FSDP gathers run per forward), a multiple of PP with virtual stages."""
         ps = self.ps
@@ -192,18 +237,28 @@ class MegatronBackend:
             pb = thd.pack_thd(mb.input_ids, mb.prompt_lens, cp_size=cp, cp_rank=cp_rank, sp_size=sp, device=self.device)
             fields = {k_: torch.cat(v).to(self.device) for k_, v in mb.token_fields.items()}
             fields["seq_ids"] = pb.seq_ids
-            out.append(_Micro(pb, fields, not gidx, gidx))
+            rp = None
+            if self.routing is not None:
+                rp = self._route_plan(pb, mb, [routes[i] for i in gidx] if (routes is not None and gidx) else None)
+            out.append(_Micro(pb, fields, not gidx, gidx, rp))
         return out
 
     def _run(self, model: list, micros: list[_Micro], loss_func, *, forward_only: bool, temperature: float,
-             with_entropy: bool):
+             with_entropy: bool, route_mode: str | None = None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mm = self.mm
         cp_group = self.ps.get_context_parallel_group()
+        chunk_ids = {id(c): i for i, c in enumerate(model)}
+        micro_ids = {id(m): i for i, m in enumerate(micros)}
 
         def forward_step(data_iterator, chunk):
             item = next(data_iterator)
+            if self.routing is not None and model is self.model:
+                rp = item.routes
+                self.routing.begin(chunk_ids[id(chunk)], micro_ids[id(item)], targets=rp["targets"], has=rp["has"],
+                                   valid=rp["valid"], replay=route_mode == "replay" and not item.dummy,
+                                   record=route_mode == "record" and not item.dummy)
             ids, pos, psp = mm.packed_inputs(item.pb, cp_group, self._rope)
             ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
                                  with_entropy)
@@ -213,17 +268,22 @@ class MegatronBackend:
 
         its = [iter(micros) for _ in model]
         fb = get_forward_backward_func()
-        return fb(forward_step_func=forward_step, data_iterator=its if len(model) > 1 else its[0],
-                  model=model if len(model) > 1 else model[0], num_microbatches=len(micros),
-                  seq_length=max(int(m.pb.input_ids.numel()) for m in micros), micro_batch_size=1,
-                  forward_only=forward_only)
+        try:
+            return fb(forward_step_func=forward_step, data_iterator=its if len(model) > 1 else its[0],
+                      model=model if len(model) > 1 else model[0], num_microbatches=len(micros),
+                      seq_length=max(int(m.pb.input_ids.numel()) for m in micros), micro_batch_size=1,
+                      forward_only=forward_only)
+        finally:
+            if self.routing is not None and model is self.model:
+                self.routing.end()
 
     # ---- TrainBackend ---------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
         m = self.model if model == "actor" else self.ref_model
         glob, counts = self._gather_batch(batch, with_fields=False)
-        micros = self._plan(glob)
+        mode, routes = self._route_mode(glob, actor=model == "actor", logprob_pass=True)
+        micros = self._plan(glob, routes)
         found: dict[int, torch.Tensor] = {}
 
         def collect(item: _Micro, output):
@@ -235,14 +295,30 @@ class MegatronBackend:
 
         for c in m:
             c.eval()
-        self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False)
+        self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False, route_mode=mode)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, found if self._reporting_rank() else {})
         merged: dict[int, torch.Tensor] = {}
         for p in parts:
             merged.update(p)
         start = sum(counts[:dist.get_rank()])
-        return [merged[i] for i in range(start, start + counts[dist.get_rank()])]
+        mine = range(start, start + counts[dist.get_rank()])
+        if mode == "record":  # R2: every rank holds its CP / SP / stage share of each sample's routes; merge them
+            shares: dict[int, torch.Tensor] = {}
+            for k, item in enumerate(micros):
+                if item.dummy:
+                    continue
+                got = self.routing.take_recorded(k, item.routes["glob"], item.routes["offsets"], item.routes["lens"])
+                for j, r in got.items():
+                    shares[item.index[j]] = r
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, shares)
+            full: dict[int, torch.Tensor] = {}
+            for p in parts:
+                for i, r in p.items():
+                    full[i] = torch.maximum(full[i], r) if i in full else r  # -1 where a rank does not hold the value
+            batch.recorded_routed_experts = [full[i] for i in mine]
+        return [merged[i] for i in mine]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         for c in self.model:
@@ -250,7 +326,8 @@ class MegatronBackend:
         glob, _ = self._gather_batch(batch, with_fields=True)
         num_tokens = float(sum(float(x.sum()) for x in glob.token_fields["loss_mask"]))
         num_seqs = float(len(glob))
-        micros = self._plan(glob)
+        mode, routes = self._route_mode(glob, actor=True, logprob_pass=False)
+        micros = self._plan(glob, routes)
         scale = self.ps.get_data_parallel_world_size() * len(micros)  # megatron: x cp / n_micro; DDP: / (dp x cp)
         report = self._reporting_rank()
         sums: dict[str, float] = {}
@@ -270,7 +347,8 @@ class MegatronBackend:
         for c in self.model:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(self.model, micros, loss_func, forward_only=False, temperature=temperature, with_entropy=with_entropy)
+        self._run(self.model, micros, loss_func, forward_only=False, temperature=temperature, with_entropy=with_entropy,
+                  route_mode=mode)
 
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
@@ -295,6 +373,11 @@ class MegatronBackend:
         out = {"loss": loss_total, **total}
         out.update(grad_norm=grad_norm, lr=self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step),
                    skipped_step=float(skipped))
+        if self.routing is not None:
+            from polyrl.backends.routing_replay import routes_nbytes
+            out.update(self.routing.drain_metrics())
+            out["moe/routed_experts_bytes"] = float(routes_nbytes(batch.rollout_routed_experts)
+                                                    + routes_nbytes(batch.recorded_routed_experts))
         return out
 
     def _set_lr(self) -> None:

@@ -172,8 +172,21 @@ def virtual_pipeline_size(num_layers: int, pp: int, layers_per_vstage: int | Non
     return v if v > 1 else None
 
 
-def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype: torch.dtype,
+                       model_cfg=None) -> TransformerConfig:
     kw = bridge.config_to_mcore_kwargs(hf_config)
+    if model_cfg is not None and "num_moe_experts" in kw:  # MoE flags (polyrl/backends/megatron/routing.py)
+        m = model_cfg
+        if m.moe_aux_loss_coeff:  # else the bridge's choice from the HF config (output_router_logits)
+            kw.update(moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
+        if m.moe_z_loss_coeff:
+            kw["moe_z_loss_coeff"] = m.moe_z_loss_coeff
+        if m.use_routing_replay or m.use_rollout_routing_replay:
+            if mg.recompute_granularity == "full":
+                raise ValueError("--use-routing-replay / --use-rollout-routing-replay with --recompute-granularity full: "
+                                 "the recomputed router would need megatron's backward replay queue, which polyrl does "
+                                 "not drive; use selective recompute or none")
+            kw["moe_enable_routing_replay"] = True
     if mg.moe_router_topk is not None and "moe_router_topk" in kw:
         kw["moe_router_topk"] = mg.moe_router_topk
     kw["moe_token_dispatcher_type"] = "alltoall"  # megatron refuses allgather with variable_seq_lengths (even dense)

@@ -62,6 +62,7 @@ class PackedBatch:
     num_response: int  # R
     seq_ids: Tensor  # long [R] sample index (within the micro-batch) of each response token
     response_lens: list[int]
+    token_index: Tensor | None = None  # long [T_local] (host) packed index of each local token: where MoE routes go
 
 
 def local_chunks(lens: list[int], cp: int, rank: int) -> list[tuple[int, int]]:
@@ -156,7 +157,7 @@ def pack_thd(input_ids: list[Tensor], prompt_lens: list[int], *, cp_size: int = 
         cu_seqlens=torch.tensor(offs, dtype=torch.int32, device=device), max_seqlen=max(lens), plan=plan,
         logp_index=logp_index.to(device), logp_slot=logp_slot.to(device), targets=targets.to(device),
         num_response=r, seq_ids=(torch.cat(seq_ids) if seq_ids else torch.zeros(0, dtype=torch.long)).to(device),
-        response_lens=rlens)
+        response_lens=rlens, token_index=local_index)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -459,6 +459,64 @@ def mode_hf_wrap(a) -> None:
         emit(check="hf_wrap_refuses_cp", error=err[:300], ok="--context-parallel-size" in err)
 
 
+def mode_replay(a) -> None:
+    """MoE routing replay on megatron (--model: the tiny qwen3_moe, --layout e.g. ep=2, --fp32): the HF model's routes
+    and log-probs are the reference. R3: replaying the HF routes gives the HF log-probs (FP32 tolerances). R2: the
+    log-prob pass records routes equal to HF's (but near-ties), and a train step replays them; with replay off the
+    same routes feed moe/topk_mismatch_frac."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.backends.routing_replay import MoERouting
+    init_distributed("cuda")
+    batch = fixed_batch()
+    hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).cuda().eval()
+    r = MoERouting(hf)
+    with torch.no_grad():  # every rank: the whole batch, one sample per forward
+        ref_lp, routes = [], []
+        for ids, p in zip(batch.input_ids, batch.prompt_lens):
+            r.begin([len(ids)], "packed", "cuda", record=True)
+            logits = hf(input_ids=ids[None].cuda()).logits[0].float()
+            routes.append(r.recorded()[0])
+            ref_lp.append(torch.log_softmax(logits[p - 1:-1], -1).gather(1, ids[p:, None].cuda())[:, 0].cpu())
+    r.end()
+    del hf
+    batch.rollout_routed_experts = routes
+    layout = parse_layout(a.layout)
+    tol = FP32_LOGP_TOL if FP32 else LOGP_TOL
+    from polyrl.backends.megatron.backend import MegatronBackend
+
+    def backend(**flags):
+        return MegatronBackend(ModelConfig(hf_checkpoint=a.model, fp32=FP32, **flags), OptimizerConfig(lr=1e-3, clip_grad=1.0),
+                               BatchConfig(micro_batch_size=3), device="cuda", total_steps=10, megatron_cfg=layout)
+
+    be = backend(use_rollout_routing_replay=True)
+    logp = gather_all(be.compute_logprobs(my_share(batch)))
+    d = torch.cat([(x - y).abs() for x, y in zip(logp, ref_lp)])
+    emit(check="r3_logprob_parity_vs_hf", layout=a.layout, mean_abs=float(d.mean()), max_abs=float(d.max()), tol=tol,
+         ok=float(d.mean()) <= tol["mean"] and float(d.max()) <= tol["max"], fp32=FP32)
+    m = be.train_step(my_share(batch), RL, with_entropy=True)
+    emit(check="r3_train_step", layout=a.layout, metrics={k: v for k, v in m.items() if k.startswith("moe/") and "/layer" not in k},
+         ok=math.isfinite(m["grad_norm"]) and "moe/topk_mismatch_frac" not in m)
+    del be
+    be = backend(use_routing_replay=True)
+    mine = my_share(batch)
+    mine.rollout_routed_experts = None
+    mine.token_fields["old_logprobs"] = be.compute_logprobs(mine)
+    rec = gather_all(mine.recorded_routed_experts or [])
+    same = [bool((x.long().sort(-1).values == y.long().sort(-1).values)[:, [i for i in range(y.shape[1]) if y[0, i, 0] >= 0]]
+                 .all()) for x, y in zip(rec, routes)]
+    emit(check="r2_recorded_equals_hf_routes", layout=a.layout, samples_equal=sum(same), samples=len(same),
+         ok=len(same) == len(routes) and sum(same) >= len(same) - 1)  # one near-tie flip tolerated
+    m = be.train_step(mine, RL, with_entropy=True)
+    emit(check="r2_train_step", layout=a.layout, ok=math.isfinite(m["grad_norm"]),
+         metrics={k: v for k, v in m.items() if k.startswith("moe/") and "/layer" not in k})
+    del be
+    be = backend(return_routed_experts=True)
+    m = be.train_step(my_share(batch), RL, with_entropy=True)
+    emit(check="mismatch_metric_no_replay", layout=a.layout, frac=m.get("moe/topk_mismatch_frac"),
+         ok=m.get("moe/topk_mismatch_frac", 1.0) <= (0.02 if FP32 else 0.2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -496,6 +554,8 @@ def main() -> None:
         mode_attention(a)
     elif a.mode == "hf-wrap":
         mode_hf_wrap(a)
+    elif a.mode == "replay":
+        mode_replay(a)
     else:
         raise SystemExit(f"unknown mode {a.mode}")
     if dist.is_initialized():

@@ -221,3 +221,13 @@ def test_hf_wrap_qwen3_next_sparse_ep_tp_pp(tmp_path):
                3 * len(layouts.split(";")) + 1)
     _assert_ok(_run(["resume", "--model", str(tmp_path / "qwen3_next_moe"), "--save-layout", "tp=2",
                      "--load-layout", "tp=1"], nproc=2), 1)
+
+
+@pytest.mark.multigpu
+def test_fp32_moe_routing_replay_ep2(tmp_path):
+    """MoE routing replay on megatron with EP2 in FP32 (harness `replay`): R3 replaying the HF model's routes gives its
+    log-probs, R2's recorded routes equal HF's, train steps report moe/* metrics, and with replay off the top-k
+    mismatch against HF's routes is at rounding level."""
+    _need(2)
+    _run(["models", str(tmp_path / "m")])
+    _assert_ok(_run(["replay", "--model", str(tmp_path / "m" / "qwen3_moe"), "--layout", "ep=2", "--fp32"], nproc=2), 5)

@@ -171,3 +171,28 @@ def test_packed_rope_matches_hf_per_sequence(cp, rope):
                                                                  [int(x.numel()) for x in ids])])
         keep = torch.isin(local, real)
         torch.testing.assert_close(got[keep], want[local][keep], rtol=0, atol=1e-6)
+
+
+def test_router_targets_cover_every_routed_token_once_across_cp_and_sp_ranks():
+    """MoE replay on megatron: the router-order targets of every (CP rank, SP rank) together hold each sample's
+    route exactly once, at its own packed position (thd padding and each sample's last token get placeholders)."""
+    from polyrl.backends.megatron.routing import router_targets
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in (7, 12, 5)]
+    layers, k, cp, sp = 3, 2, 2, 2
+    routes = [torch.randint(0, 8, (len(x) - 1, layers, k), generator=g, dtype=torch.int16) for x in ids]
+    seen = {}
+    for cr in range(cp):
+        pb = thd.pack_thd(ids, [2, 2, 2], cp_size=cp, cp_rank=cr, sp_size=sp)
+        offs = [int(x) for x in pb.cu_seqlens]
+        for sr in range(sp):
+            tgt, has, glob = router_targets(pb.token_index, offs, routes, layers, k, sp, sr)
+            for t, h, gi in zip(tgt, has.tolist(), glob.tolist()):
+                if h:
+                    assert gi not in seen
+                    seen[gi] = t
+    for i, r in enumerate(routes):
+        off = [int(x) for x in thd.pack_thd(ids, [2, 2, 2], cp_size=cp, cp_rank=0, sp_size=sp).cu_seqlens][i]
+        for j in range(r.shape[0]):
+            assert torch.equal(seen.pop(off + j), r[j].long())
+    assert not seen
