@@ -122,6 +122,16 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+def critic_hf_dir(save_hf: str) -> str:
+    """Where --save-hf DIR puts PPO's critic: DIR_critic."""
+    return save_hf.rstrip("/") + "_critic"
+
+
+def has_critic(path: str) -> bool:
+    """Whether the checkpoint at --load `path` (root or step directory) holds a critic."""
+    return os.path.isdir(os.path.join(resolve_checkpoint(path), CRITIC_DIR))
+
+
 def load_checkpoint(path: str, backend, critic=None) -> dict:
     path = resolve_checkpoint(path)
     with open(os.path.join(path, "loop_state.json")) as f:

@@ -25,7 +25,7 @@ from polyrl.algorithms.advantages import advantages_and_returns, needs_critic
 from polyrl.algorithms.distill import opd_advantages, opd_metrics, opd_sums
 from polyrl.algorithms.losses import CriticSettings, LossSettings, critic_loss, explained_variance, rl_loss
 from polyrl.algorithms.shaping import overlong_penalty
-from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.checkpoint import critic_hf_dir, load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
@@ -33,11 +33,6 @@ from polyrl.rewards import RewardManager, reward_metrics
 from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.rollout.dynamic_sampling import DynamicSampler
 from polyrl.types import Sample, TrainBatch
-
-
-def critic_hf_dir(save_hf: str) -> str:
-    """Where --save-hf DIR puts PPO's critic: DIR_critic."""
-    return save_hf.rstrip("/") + "_critic"
 
 
 def loss_settings(cfg: Config) -> LossSettings:
