@@ -774,6 +774,10 @@ def _validate_rl_extras(cfg: Config) -> None:
 def _validate_critic(cfg: Config) -> None:
     a, o = cfg.algorithm, cfg.optimizer
     if a.advantage_estimator == "gae":
+        if cfg.cluster.train_backend == "megatron" and cfg.megatron.use_megatron_fsdp:
+            raise ConfigError("--advantage-estimator gae with --use-megatron-fsdp: the Megatron critic runs on megatron's "
+                              "DDP only for now (its unused LM output layer gets no gradient, which Megatron-FSDP's "
+                              "hooks would wait for); drop --use-megatron-fsdp")
         return
     given = [f for f, on in (("--critic-load", cfg.model.critic_load), ("--critic-lr", o.critic_lr is not None),
                              ("--critic-num-warmup-steps", o.critic_num_warmup_steps is not None),
