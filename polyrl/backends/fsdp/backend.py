@@ -331,11 +331,29 @@ class FSDPBackend:
 
     # ---- weights ------------------------------------------------------------------------
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, gathered one parameter at a time (never a second full model
-        on one rank). Shared (tied) parameters are yielded once, under their first name."""
-        for name, p in self.model.lm.named_parameters():
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, t.detach().to(self.dtype if self.device.type == "cuda" else t.dtype)
+        """HF-named full tensors (the train dtype on GPU). Shared (tied) parameters are yielded once, under their first
+        name. Sharded models export one FSDP unit (a decoder layer, the root) at a time: the unit is all-gathered with
+        FSDP's own batched collective, its tensors are cast and copied into one new flat buffer by a single `torch.cat`
+        (chunks of EXPORT_CHUNK_BYTES), and the unit is resharded. Never a second full model on one rank, no
+        per-parameter collective or kernel, and the yielded views stay valid while a transport holds them in a bucket.
+        At one rank the local shard is the full tensor: no gather at all."""
+        names = {id(p): n for n, p in self.model.lm.named_parameters()}  # first name of each (tied) parameter
+        if not any(isinstance(p, DTensor) for p in self.model.parameters()):  # one unsharded CPU rank: the live tensors
+            for name, p in self.model.lm.named_parameters():
+                yield name, p.detach()
+            return
+        out_dtype = self.dtype if self.device.type == "cuda" else None
+        single = dist.get_world_size() == 1
+        for unit, unit_names in _fsdp_units(self.model, names):
+            if not single:
+                unit.unshard()  # this unit's parameters become plain full tensors (param dtype) until reshard()
+            full = [(n, self.model.lm.get_parameter(n)) for n in unit_names]
+            full = [(n, (p.to_local() if isinstance(p, DTensor) else p).detach()) for n, p in full]
+            chunks = _flat_copies(full, out_dtype, EXPORT_CHUNK_BYTES)
+            if not single:
+                unit.reshard()
+            for chunk in chunks:
+                yield from chunk
 
     def sync_ref_from_actor(self) -> None:
         if self.ref_model is None:
@@ -418,6 +436,51 @@ def zero_value_head(head: nn.Linear) -> None:
     head.weight.zero_()
     if head.bias is not None:
         head.bias.zero_()
+
+
+EXPORT_CHUNK_BYTES = 256 * 2**20  # one export copy; bounds the extra memory of a sync beside the model
+
+
+def _fsdp_units(root: nn.Module, names: dict[int, str]) -> list[tuple[nn.Module, list[str]]]:
+    """(FSDP unit, the HF names of the parameters it owns), in the model's parameter order; a parameter belongs to the
+    innermost fully_shard-ed module above it."""
+    from torch.distributed.fsdp import FSDPModule
+    owner: dict[str, nn.Module] = {}
+    for _, mod in root.named_modules():  # pre-order: an inner unit overrides its parent
+        if isinstance(mod, FSDPModule):
+            for p in mod.parameters():
+                if id(p) in names:
+                    owner[names[id(p)]] = mod
+    units: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name in names.values():
+        units.setdefault(id(owner[name]), (owner[name], []))[1].append(name)
+    return list(units.values())
+
+
+def _flat_copies(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+                 chunk_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Copy (and cast to `dtype`) named tensors into new flat buffers, one `torch.cat` per chunk of about chunk_bytes;
+    returns the views into them, chunk by chunk."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    start = 0
+    while start < len(tensors):
+        end, size = start, 0
+        first = tensors[start][1].dtype
+        while end < len(tensors) and (end == start or (size + tensors[end][1].nbytes <= chunk_bytes
+                                                       and (dtype is not None or tensors[end][1].dtype == first))):
+            size += tensors[end][1].nbytes
+            end += 1
+        part = tensors[start:end]
+        dt = dtype or first  # without a cast, a chunk holds one dtype
+        flat = torch.empty(sum(t.numel() for _, t in part), dtype=dt, device=part[0][1].device)
+        torch.cat([t.reshape(-1) for _, t in part], out=flat)  # one kernel: gather, cast, copy
+        views, off = [], 0
+        for n, t in part:
+            views.append((n, flat[off:off + t.numel()].view(t.shape)))
+            off += t.numel()
+        out.append(views)
+        start = end
+    return out
 
 
 def _replace_dir(tmp: str, final: str) -> None:

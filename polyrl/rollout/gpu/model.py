@@ -165,6 +165,7 @@ class DenseLM:
         """Copy an HF-named stream into the views, in place. Unknown names raise KeyError
         (rotary buffers excepted); with strict=True every weight must arrive."""
         seen = set()
+        dsts, srcs = [], []
         for name, t in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -174,8 +175,14 @@ class DenseLM:
                 raise KeyError(f"weight sync sent {name!r}, which the rollout model does not have") from None
             if tuple(t.shape) != tuple(dst.shape):
                 raise ValueError(f"{name}: got shape {tuple(t.shape)}, the rollout model has {tuple(dst.shape)}")
-            dst.copy_(t, non_blocking=True)
+            dsts.append(dst)
+            srcs.append(t)
             seen.add(name)
+            if len(dsts) == 64:  # a multi-tensor copy per 64 tensors, not a kernel launch each (weight sync is launch-bound)
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                dsts, srcs = [], []
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         if strict:
             missing = set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
             if missing:
