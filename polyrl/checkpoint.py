@@ -1,6 +1,7 @@
 """Atomic checkpoint directories.
 
-Layout: SAVE/step_000010/{dcp/, extra_rank*.pt, loop_state.json, COMPLETE} and SAVE/latest
+Layout: SAVE/step_000010/{dcp/, extra_rank*.pt, loop_state.json, COMPLETE} (plus critic/{dcp/, extra_rank*.pt}
+with PPO's critic) and SAVE/latest
 (the name of the newest complete step). A step is written under a .tmp name and renamed
 when complete, and `latest` is replaced atomically afterwards: a kill at any point leaves
 the previous checkpoint loadable. The next save clears what a killed one left behind, and
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from polyrl.metrics import notice
 
 MARKER = "COMPLETE"
+CRITIC_DIR = "critic"
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -45,15 +47,20 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None) -> str:
-    """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps."""
+def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None, critic=None) -> str:
+    """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps.
+    critic: a second backend (PPO's critic), saved the same way under step_N/critic/."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if _rank0():
         _clear_leftovers(root)
         os.makedirs(tmp)
+        if critic is not None:
+            os.makedirs(os.path.join(tmp, CRITIC_DIR))
     _barrier()
     backend.save(tmp)
+    if critic is not None:
+        critic.save(os.path.join(tmp, CRITIC_DIR))
     _barrier()
     if _rank0():
         _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
@@ -115,12 +122,27 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
-def load_checkpoint(path: str, backend) -> dict:
+def critic_hf_dir(save_hf: str) -> str:
+    """Where --save-hf DIR puts PPO's critic: DIR_critic."""
+    return save_hf.rstrip("/") + "_critic"
+
+
+def has_critic(path: str) -> bool:
+    """Whether the checkpoint at --load `path` (root or step directory) holds a critic."""
+    return os.path.isdir(os.path.join(resolve_checkpoint(path), CRITIC_DIR))
+
+
+def load_checkpoint(path: str, backend, critic=None) -> dict:
     path = resolve_checkpoint(path)
     with open(os.path.join(path, "loop_state.json")) as f:
         state = json.load(f)
+    if critic is not None and not os.path.isfile(os.path.join(path, CRITIC_DIR, "dcp", ".metadata")):
+        raise CheckpointError(f"--load {path}: no critic in this checkpoint ({CRITIC_DIR}/dcp); it was saved by a run "
+                              "without --advantage-estimator gae, whose critic this run would have to start afresh")
     try:
         backend.load(path)
+        if critic is not None:
+            critic.load(os.path.join(path, CRITIC_DIR))
     except Exception as e:  # a torn shard file surfaces here; say which checkpoint
         raise CheckpointError(f"--load {path}: could not read the checkpoint ({type(e).__name__}: {e})") from e
     notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")

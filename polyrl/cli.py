@@ -82,12 +82,15 @@ def run_eval(cfg) -> dict:
 
 def run_export(cfg) -> None:
     from polyrl import runtime as rt
-    from polyrl.checkpoint import load_checkpoint
+    from polyrl.checkpoint import critic_hf_dir, has_critic, load_checkpoint
 
     device, _ = rt.setup(cfg)
     backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
-    load_checkpoint(cfg.checkpoint.load, backend)
+    critic = rt.build_critic(cfg, device, total_steps=1) if has_critic(cfg.checkpoint.load) else None  # PPO's, beside it
+    load_checkpoint(cfg.checkpoint.load, backend, critic=critic)
     backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg))
+    if critic is not None:
+        critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), rt.load_tokenizer(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

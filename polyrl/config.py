@@ -40,7 +40,7 @@ def opt(default: Any, help: str, choices: tuple | None = None, flag: str | None 
 
 TRAIN_BACKENDS = ("fsdp", "megatron")
 ROLLOUT_ENGINES = ("embedded", "server", "sglang")
-ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 POLICY_LOSS_TYPES = ("ppo_clip", "cispo")  # polyrl.algorithms.losses.POLICY_LOSSES
 
 
@@ -200,8 +200,10 @@ class AlgorithmConfig:
     use_kl_loss: bool = opt(False, "add a KL(actor || reference) loss term")
     kl_loss_coef: float = opt(0.0, "weight of the KL loss")
     kl_loss_type: str = opt("low_var_kl", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
-    kl_coef: float = opt(0.0, "KL-in-reward coefficient (reinforce_plus_plus)")
-    gamma: float = opt(1.0, "discount (reinforce_plus_plus)")
+    kl_coef: float = opt(0.0, "KL-in-reward coefficient (reinforce_plus_plus, gae)")
+    gamma: float = opt(1.0, "discount (reinforce_plus_plus, gae)")
+    lambd: float = opt(1.0, "GAE lambda (--advantage-estimator gae)")
+    value_clip: float = opt(0.5, "PPO with a critic: clip range of the value update around the pre-update values (0 = off)")
     entropy_coef: float = opt(0.0, "entropy bonus weight")
     use_tis: bool = opt(False, "truncated importance sampling against rollout logprobs")
     tis_clip: float = opt(2.0, "TIS weight cap")
@@ -244,6 +246,9 @@ class OptimizerConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2")
     adam_eps: float = opt(1e-8, "AdamW eps")
     clip_grad: float = opt(1.0, "max global grad norm (0 = off)")
+    critic_lr: float | None = opt(None, "the critic's peak learning rate (--advantage-estimator gae; default: --lr); its "
+                                        "schedule and AdamW settings are the actor's")
+    critic_num_warmup_steps: int | None = opt(None, "the critic's linear warm-up optimizer steps (default: --lr-warmup-steps)")
 
 
 @dataclass
@@ -253,6 +258,9 @@ class ModelConfig:
     opd_teacher_load: str | None = opt(None, "on-policy distillation: a frozen teacher HF directory (any size, the same "
                                              "tokenizer as --hf-checkpoint) that scores every sampled token; see --opd-coef "
                                              "(FSDP backend only for now)")
+    critic_load: str | None = opt(None, "--advantage-estimator gae: the critic's initial weights, an HF directory (a "
+                                        "critic exported by --save-hf, with its value head, or any causal LM of the actor's "
+                                        "architecture: a fresh value head; default: --hf-checkpoint)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer")
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
     compile: bool | None = opt(None, "torch.compile each decoder layer and the log-prob chunk (FSDP backend); default: on "
@@ -298,7 +306,7 @@ class CheckpointConfig:
     save: str | None = opt(None, "checkpoint directory (written atomically)")
     save_interval: int = opt(0, "save every N steps (0 = only at the end)")
     load: str | None = opt(None, "resume from this checkpoint directory")
-    save_hf: str | None = opt(None, "export the final actor as an HF directory")
+    save_hf: str | None = opt(None, "export the final actor as an HF directory (PPO's critic, with gae: to DIR_critic)")
     max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
                                              "a newer one is complete (default: keep all)")
 
@@ -529,7 +537,7 @@ VALUE_RANGES: dict[str, str] = {
     # algorithm
     "eps_clip": "> 0", "eps_clip_high": "> 0", "eps_clip_c": "> 1", "kl_loss_coef": ">= 0", "kl_coef": ">= 0",
     "gamma": "in [0, 1]", "entropy_coef": ">= 0", "tis_clip": "> 0", "ref_update_interval": ">= 0",
-    "opd_coef": ">= 0",
+    "opd_coef": ">= 0", "lambd": "in [0, 1]", "value_clip": ">= 0", "critic_lr": "> 0", "critic_num_warmup_steps": ">= 0",
     # reward
     "rm_timeout": ">= 0", "rm_batch_size": ">= 1", "rm_max_concurrency": ">= 1", "rm_retries": ">= 0",
     "overlong_buffer_len": ">= 0", "overlong_penalty_factor": ">= 0",
@@ -548,7 +556,7 @@ VALUE_RANGES: dict[str, str] = {
 }
 _HINTS = {"eps_clip_c": "; it is the dual-clip constant, leave it unset to disable dual clip",
           "rollout_top_k": " (-1 keeps every token)", "clip_grad": " (0 turns clipping off)",
-          "rm_timeout": " (0 = no limit)"}
+          "rm_timeout": " (0 = no limit)", "value_clip": " (0 turns value clipping off)"}
 
 
 def _validate_values(cfg: Config) -> None:
@@ -662,6 +670,8 @@ def _validate_resources(cfg: Config, command: str) -> None:
     _check_model_dir("--hf-checkpoint", cfg.model.hf_checkpoint)
     if cfg.model.ref_load:
         _check_model_dir("--ref-load", cfg.model.ref_load)
+    if cfg.model.critic_load:
+        _check_model_dir("--critic-load", cfg.model.critic_load)
     if cfg.model.opd_teacher_load and command != "train":
         raise ConfigError(f"--opd-teacher-load scores the samples of polyrl train; polyrl {command} has none: drop it")
     if cfg.model.opd_teacher_load:
@@ -785,6 +795,7 @@ def _validate_rl_extras(cfg: Config) -> None:
                           f"{cfg.cluster.train_backend}): the Megatron backend builds its reference model from the student's "
                           "config, and a teacher of another size needs a model of its own; use --train-backend fsdp")
     _validate_moe(cfg)
+    _validate_critic(cfg)
     if rw.overlong_buffer_len > r.rollout_max_response_len:
         raise ConfigError(f"--overlong-buffer-len ({rw.overlong_buffer_len}) must be <= --rollout-max-response-len "
                           f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")
@@ -819,6 +830,22 @@ def _validate_moe(cfg: Config) -> None:
                                         ("--return-routed-experts", m.return_routed_experts),
                                         ("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-z-loss-coeff", True)) if on)
             raise ConfigError(f"{flag} applies to MoE models; --hf-checkpoint {m.hf_checkpoint} has no experts: drop it")
+
+
+def _validate_critic(cfg: Config) -> None:
+    a, o = cfg.algorithm, cfg.optimizer
+    if a.advantage_estimator == "gae":
+        if cfg.cluster.train_backend == "megatron" and cfg.megatron.use_megatron_fsdp:
+            raise ConfigError("--advantage-estimator gae with --use-megatron-fsdp: the Megatron critic runs on megatron's "
+                              "DDP only for now (its unused LM output layer gets no gradient, which Megatron-FSDP's "
+                              "hooks would wait for); drop --use-megatron-fsdp")
+        return
+    given = [f for f, on in (("--critic-load", cfg.model.critic_load), ("--critic-lr", o.critic_lr is not None),
+                             ("--critic-num-warmup-steps", o.critic_num_warmup_steps is not None),
+                             ("--lambd", a.lambd != 1.0), ("--value-clip", a.value_clip != 0.5)) if on]
+    if given:
+        raise ConfigError(f"{', '.join(given)} configure the critic of PPO with GAE: add --advantage-estimator gae, or "
+                          f"drop them (--advantage-estimator {a.advantage_estimator} trains no critic)")
 
 
 def _validate_ray(cfg: Config) -> None:

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpo-steps", type=int, default=60)
     p.add_argument("--digits", type=int, default=2)
     p.add_argument("--carry-bug-rate", type=float, default=0.6, help="share of SFT demos that forget the carry")
+    p.add_argument("--advantage-estimator", default="grpo", choices=("grpo", "gae"),
+                   help="grpo, or gae: PPO with a learned critic (the SFT model's body with a fresh value head)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     run = a.run_dir
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_datasets(os.path.join(run, "data"), seed=a.seed, digits=a.digits,
                            carry_bug_rate=a.carry_bug_rate)
     base, sft_dir, rl_dir = (os.path.join(run, x) for x in ("base_model", "sft_model", "grpo_model"))
+    # PPO's critic learns faster than the policy may move: from a zero head, its values must catch up with the returns
+    critic = (["--advantage-estimator", "gae", "--critic-lr", "1e-3", "--lambd", "0.95"]
+              if a.advantage_estimator == "gae" else [])
     build_model(base, seed=a.seed)
     common = ["--seed", str(a.seed), "--quiet"]
     polyrl("sft", "--hf-checkpoint", base, "--prompt-data", paths["sft"], "--global-batch-size", "64", "--micro-batch-size", "64",
@@ -48,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
            "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
            "--rollout-temperature", "1.0", "--num-rollout", str(a.grpo_steps), "--micro-batch-size", "64",
            "--lr", "1e-4", "--adam-beta2", "0.98", "--rollout-shuffle", "--use-kl-loss", "--kl-loss-coef", "0.001", "--eval-prompt-data", paths["eval"], "--eval-interval", "10",
-           "--save-hf", rl_dir, "--run-dir", run, *common)
+           "--save-hf", rl_dir, "--run-dir", run, *critic, *common)
     polyrl("eval", "--hf-checkpoint", rl_dir, *evals, "--run-dir", os.path.join(run, "eval_after"), *common)
     polyrl("plot", run)
     before = json.load(open(os.path.join(run, "eval_before", "eval.json")))["eval/accuracy"]
     after = json.load(open(os.path.join(run, "eval_after", "eval.json")))["eval/accuracy"]
     summary = {"eval_accuracy_before": before, "eval_accuracy_after": after, "steps": a.grpo_steps,
+               "advantage_estimator": a.advantage_estimator,
                "wall_seconds": round(time.perf_counter() - t0, 1), "seed": a.seed, "plot": os.path.join(run, "curves.png")}
     with open(os.path.join(run, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -63,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in ("model", "accuracy"):
         t.add_column(c)
     t.add_row("after SFT (noisy demos)", f"{before:.1%}")
-    t.add_row(f"after GRPO ({a.grpo_steps} steps)", f"{after:.1%}")
+    algo = "GRPO" if a.advantage_estimator == "grpo" else "PPO + critic (GAE)"
+    t.add_row(f"after {algo} ({a.grpo_steps} steps)", f"{after:.1%}")
     t.add_row("change", f"{after - before:+.1%}")
     Console().print(t)
     print(f"summary: {json.dumps(summary)}")

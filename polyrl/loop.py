@@ -21,17 +21,17 @@ import time
 import torch
 
 from polyrl import runtime as rt
-from polyrl.algorithms.advantages import compute_advantages
+from polyrl.algorithms.advantages import advantages_and_returns, needs_critic
 from polyrl.algorithms.distill import opd_advantages, opd_metrics, opd_sums
-from polyrl.algorithms.losses import LossSettings, rl_loss
+from polyrl.algorithms.losses import CriticSettings, LossSettings, critic_loss, explained_variance, rl_loss
 from polyrl.algorithms.shaping import overlong_penalty
-from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.checkpoint import critic_hf_dir, load_checkpoint, save_checkpoint
 from polyrl.config import Config, ConfigError
 from polyrl.debug_rollout import rollout_files
 from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.rewards import RewardManager, reward_metrics
 from polyrl.rollout.dynamic_sampling import DynamicSampler
-from polyrl.types import Sample
+from polyrl.types import Sample, TrainBatch
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -66,11 +66,16 @@ class Run:
                          if cfg.data.eval_prompt_data else None)
         per_step = r.rollout_batch_size * r.n_samples_per_prompt
         self.n_minibatches = per_step // (cfg.batch.global_batch_size or per_step)
-        self.kl_in_reward = a.advantage_estimator == "reinforce_plus_plus" and a.kl_coef > 0
+        self.kl_in_reward = a.advantage_estimator in ("reinforce_plus_plus", "gae") and a.kl_coef > 0
         self.need_ref = a.use_kl_loss or self.kl_in_reward
         self.opd = bool(cfg.model.opd_teacher_load)  # on-policy distillation: a teacher scores every sampled token
         self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref,
                                         need_teacher=self.opd)
+        # PPO's critic (--advantage-estimator gae): another backend of the same kind, trained in the same phase
+        self.critic = (rt.build_critic(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches)
+                       if needs_critic(a.advantage_estimator) else None)
+        self.critic_loss_fn = functools.partial(critic_loss, s=CriticSettings(
+            value_clip=a.value_clip, loss_agg_mode=a.loss_agg_mode, norm_len=float(r.rollout_max_response_len)))
         self.engine = rt.build_engine(cfg, self.device)  # --debug-train-only: a NoEngine
         rc = cfg.reward  # --debug-train-only without a reward flag keeps the rewards saved with the samples
         self.rewards = RewardManager.from_config(rc) if (rc.rm_type or rc.custom_rm_path or rc.rm_url) else None
@@ -83,7 +88,7 @@ class Run:
         self.engine_lock = contextlib.nullcontext()
         self.start = 0
         if cfg.checkpoint.load:
-            state = load_checkpoint(cfg.checkpoint.load, self.backend)
+            state = load_checkpoint(cfg.checkpoint.load, self.backend, critic=self.critic)
             self.start = state["step"]
             self.dataset.load_state_dict(state["data"])
             self.push_weights(self.start)  # the engine must sample from the resumed policy
@@ -179,25 +184,48 @@ class Run:
             kl = None
             if self.kl_in_reward:
                 kl = torch.cat(batch.token_fields["old_logprobs"]) - torch.cat(batch.token_fields["ref_logprobs"])
+            values = self.critic_values(batch)
             # group_size: --n-samples-per-prompt, times the samples per call of a --custom-generate-function-path
-            adv = compute_advantages(a.advantage_estimator, torch.tensor([s.reward for s in samples]), seq_ids,
-                                     group_size=len(samples) * d.world // r.rollout_batch_size,
-                                     normalize_std=not a.disable_grpo_std_normalization,
-                                     kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, loss_mask=torch.cat(batch.token_fields["loss_mask"]),
-                                     reduce=d.sum)
+            adv, returns = advantages_and_returns(
+                a.advantage_estimator, torch.tensor([s.reward for s in samples]), seq_ids,
+                group_size=len(samples) * d.world // r.rollout_batch_size, normalize_std=not a.disable_grpo_std_normalization,
+                kl=kl, kl_coef=a.kl_coef, gamma=a.gamma, lambd=a.lambd, values=values,
+                loss_mask=torch.cat(batch.token_fields["loss_mask"]), reduce=d.sum)
             if self.opd:
                 student, mask = torch.cat(batch.token_fields["old_logprobs"]), torch.cat(batch.token_fields["loss_mask"])
                 adv = opd_advantages(adv, student, teacher, coef=a.opd_coef, loss_mask=mask)
                 m.update(opd_metrics(d.sum(opd_sums(student, teacher, mask))))
             batch.token_fields["advantages"] = list(adv.split(lens))
-            per_rank = len(samples) // self.n_minibatches
-            for k in range(self.n_minibatches):
-                tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), self.loss_fn,
-                                        temperature=r.rollout_temperature, with_entropy=True)
-                for key, v in tm.items():
-                    m[key] = m.get(key, 0.0) + v / self.n_minibatches
+            if self.critic is not None:  # verl's order: the critic's update, then the actor's
+                self.train_critic(batch, values, returns, m)
+            self.minibatch_steps(backend, batch, self.loss_fn, m, "", with_entropy=True)
             if a.ref_update_interval and (step + 1) % a.ref_update_interval == 0:
                 backend.sync_ref_from_actor()
+
+    def minibatch_steps(self, backend, batch, loss_fn, m: dict, prefix: str, with_entropy: bool = False) -> None:
+        """One optimizer step per --global-batch-size share of this step's samples; metrics averaged over them."""
+        per_rank = len(batch) // self.n_minibatches
+        for k in range(self.n_minibatches):
+            tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), loss_fn,
+                                    temperature=self.cfg.rollout.rollout_temperature, with_entropy=with_entropy)
+            for key, v in tm.items():
+                m[prefix + key] = m.get(prefix + key, 0.0) + v / self.n_minibatches
+
+    def critic_values(self, batch) -> torch.Tensor | None:
+        """The critic's pre-update values of this step's response tokens, flat [T] (None without a critic)."""
+        if self.critic is None:
+            return None
+        self.critic.onload()
+        return torch.cat(self.critic.compute_values(batch))
+
+    def train_critic(self, batch, values: torch.Tensor, returns: torch.Tensor, m: dict) -> None:
+        """The critic's update on GAE's returns (value loss clipped around `values`); metrics under critic/."""
+        lens, mask = batch.response_lens, batch.token_fields["loss_mask"]
+        m["critic/vf_explained_var"] = explained_variance(values, returns, torch.cat(mask), self.d.sum)
+        cb = TrainBatch(batch.input_ids, batch.prompt_lens, {"loss_mask": mask, "old_values": list(values.split(lens)),
+                                                             "returns": list(returns.split(lens))})
+        self.minibatch_steps(self.critic, cb, self.critic_loss_fn, m, "critic/")
+        self.critic.offload()
 
     def sync_weights(self, version: int) -> None:
         """After a step. --debug-rollout-only never changes the weights, --debug-train-only has no engine: nothing to send."""
@@ -232,7 +260,7 @@ class Run:
     def save(self, step: int, data_state: dict) -> None:
         save_checkpoint(self.cfg.checkpoint.save, step, self.backend,
                         {"step": step, "data": data_state, "config": dataclasses.asdict(self.cfg)},
-                        keep=self.cfg.checkpoint.max_ckpt_to_keep)
+                        keep=self.cfg.checkpoint.max_ckpt_to_keep, critic=self.critic)
 
     def close(self) -> None:
         self.logger.close()
@@ -241,6 +269,8 @@ class Run:
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
             self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
+            if self.critic is not None:  # beside the actor: an HF directory --critic-load reads back
+                self.critic.save_hf(critic_hf_dir(self.cfg.checkpoint.save_hf), self.tok)
 
 
 def train(cfg: Config) -> dict:

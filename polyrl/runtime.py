@@ -3,6 +3,7 @@ train backend, rollout engine, datasets, rewards. Each component gets its own se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -86,6 +87,19 @@ def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool,
         extra["need_teacher"] = True
     return cls(cfg.model, cfg.optimizer, cfg.batch, device=device, total_steps=total_steps, need_ref=need_ref,
                seed=cfg.cluster.seed, **extra)
+
+
+def build_critic(cfg: Config, device: str, *, total_steps: int):
+    """The critic of --advantage-estimator gae: the same backend class in its critic role (--critic-load or the
+    actor's weights with a fresh value head), with its own optimizer (--critic-lr, --critic-num-warmup-steps)."""
+    o = cfg.optimizer
+    lr = o.critic_lr if o.critic_lr is not None else o.lr
+    optim = dataclasses.replace(o, lr=lr, min_lr=min(o.min_lr, lr), lr_warmup_steps=o.lr_warmup_steps
+                                if o.critic_num_warmup_steps is None else o.critic_num_warmup_steps)
+    cls = load_backend_class(cfg.cluster.train_backend)
+    extra = {"megatron_cfg": cfg.megatron} if cfg.cluster.train_backend == "megatron" else {}
+    return cls(cfg.model, optim, cfg.batch, device=device, total_steps=total_steps, seed=cfg.cluster.seed, role="critic",
+               **extra)
 
 
 def build_engine(cfg: Config, device: str):

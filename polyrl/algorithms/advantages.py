@@ -4,12 +4,13 @@ Layout used throughout polyrl's algorithms: the response tokens of all sequences
 concatenated into one flat tensor of length T; ``seq_ids: [T]`` (long) says which of the
 N sequences each token belongs to. ``rewards: [N]``; samples of one prompt are adjacent,
 ``group_size`` of them per prompt (N % group_size == 0). Every estimator returns per-token
-advantages ``[T]``.
+advantages ``[T]``; those in CRITIC_ESTIMATORS (gae) also take the critic's ``values: [T]`` and return
+``(advantages [T], returns [T])``, the returns being the critic's targets.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -112,18 +113,76 @@ def reinforce_plus_plus_baseline(rewards, seq_ids, *, group_size, loss_mask=None
     return _whiten(adv, loss_mask, reduce)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+def _pad_index(seq_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """Where each flat token sits in a right-padded [N, L] view: (row [T], column [T], (N, L)); sequences are
+    contiguous in seq_ids."""
+    n = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+    lens = torch.bincount(seq_ids, minlength=n)
+    starts = torch.cumsum(lens, 0) - lens
+    col = torch.arange(seq_ids.numel()) - starts[seq_ids]
+    return seq_ids, col, (n, int(lens.max().item()) if n else 0)
+
+
+def gae(rewards, seq_ids, *, values, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0, loss_mask=None, reduce=None,
+        **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's generalised advantage estimation with a learned critic. values: [T] (the critic's value of the state
+    before each response token), rewards: [N], kl: [T] or None. -> (advantages [T] whitened over the global batch,
+    returns [T] = unwhitened advantages + values: the critic's targets).
+
+    Token rewards as in REINFORCE++ (-kl_coef * kl_t, the sequence reward on the last model token). Per sequence,
+    backwards over its model tokens: delta_t = r_t + gamma * V_next - V_t (V_next = 0 after the last one),
+    A_t = delta_t + gamma * lambd * A_next. A masked (tool) token is no time step: the recursion skips it, and it
+    takes the advantage and return of the model token after it (0 after the last); loss_mask None = all model tokens.
+    Vectorised over sequences: one step per position, not per token."""
+    mask = torch.ones(seq_ids.numel(), dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    token_rewards = torch.zeros(seq_ids.numel(), dtype=torch.float32)
+    if kl is not None and kl_coef:
+        token_rewards -= kl_coef * kl.float() * mask.float()  # no KL on untrained (e.g. tool) tokens
+    last = _last_tokens(seq_ids, loss_mask)
+    token_rewards[last] += rewards.float()[seq_ids[last]]
+    row, col, shape = _pad_index(seq_ids)
+    r, v = torch.zeros(shape), torch.zeros(shape)
+    step = torch.zeros(shape, dtype=torch.bool)  # padding is no step either
+    r[row, col], v[row, col], step[row, col] = token_rewards, values.float().cpu(), mask
+    adv, ret = torch.zeros_like(r), torch.zeros_like(r)
+    running, next_v = r.new_zeros(r.shape[0]), r.new_zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        s = step[:, t]
+        running = torch.where(s, r[:, t] + gamma * next_v - v[:, t] + gamma * lambd * running, running)
+        next_v = torch.where(s, v[:, t], next_v)
+        adv[:, t], ret[:, t] = running, running + next_v
+    adv, ret = adv[row, col], ret[row, col]
+    return _whiten(adv, loss_mask, reduce), ret
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {
     "grpo": grpo,
     "gspo": gspo,
     "dr_grpo": dr_grpo,
     "reinforce_plus_plus": reinforce_plus_plus,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+    "gae": gae,  # returns (advantages, returns): see CRITIC_ESTIMATORS
 }
+# estimators that read a critic's `values` and return (advantages, returns); the loop builds a critic for these only
+CRITIC_ESTIMATORS = frozenset({"gae"})
 
 
-def compute_advantages(name: str, rewards: torch.Tensor, seq_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+def needs_critic(name: str) -> bool:
+    return name in CRITIC_ESTIMATORS
+
+
+def advantages_and_returns(name: str, rewards: torch.Tensor, seq_ids: torch.Tensor, **kwargs
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages [T], the critic's value targets [T] for a CRITIC_ESTIMATORS name, else None)."""
     try:
         fn = ADVANTAGE_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"--advantage-estimator {name!r} is unknown; choose one of {sorted(ADVANTAGE_ESTIMATORS)}") from None
-    return fn(rewards, seq_ids, **kwargs)
+    if needs_critic(name) and kwargs.get("values") is None:
+        raise ValueError(f"--advantage-estimator {name} needs the critic's values (values=[T])")
+    out = fn(rewards, seq_ids, **kwargs)
+    return out if needs_critic(name) else (out, None)
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, seq_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    return advantages_and_returns(name, rewards, seq_ids, **kwargs)[0]

@@ -210,6 +210,50 @@ def rl_loss(
     return loss, metrics
 
 
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss (PPO2 / verl / OpenRLHF): 0.5 * max((V - R)^2, (V_clip - R)^2) with
+    V_clip = V_old + clamp(V - V_old, -value_clip, value_clip); value_clip 0 = unclipped. All inputs [T].
+    Returns (per-token loss [T], clipped [T] bool: the clipped error was the larger one)."""
+    unclipped = (values - returns).square()
+    if not value_clip:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    clipped = (v_clip - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+@dataclass
+class CriticSettings:
+    value_clip: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    norm_len: float = 1.0
+
+
+def critic_loss(values: torch.Tensor, entropy, mb: dict[str, torch.Tensor], s: CriticSettings, *, num_tokens: float,
+                num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's objective for one micro-batch, aggregated with the policy loss's global denominators.
+    values: [T] the critic's current values; mb: loss_mask, seq_ids, returns and old_values (pre-update, [T])."""
+    mask = mb["loss_mask"].to(values.dtype)
+    vl, clipped = value_loss(values, mb["old_values"], mb["returns"], value_clip=s.value_clip)
+    loss = aggregate(vl, mask, mb["seq_ids"], s.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=s.norm_len)
+    tok_mean = lambda x: (x.detach().float() * mask).sum() / max(num_tokens, 1.0)  # noqa: E731
+    return loss, {"value_loss": tok_mean(vl), "vf_clipfrac": tok_mean(clipped.float()), "values_mean": tok_mean(values)}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce=None) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens of the (global, with `reduce`) batch: 1 for a perfect critic,
+    0 for one that predicts the mean, negative for a worse one. [T] each; NaN when the returns have no variance."""
+    m = mask.bool()
+    d, r = (returns - values).double()[m], returns.double()[m]
+    stats = [float(m.sum()), float(d.sum()), float((d * d).sum()), float(r.sum()), float((r * r).sum())]
+    n, ds, dd, rs, rr = reduce(stats) if reduce is not None else stats
+    if n < 1:
+        return float("nan")
+    var_r = rr / n - (rs / n) ** 2
+    return 1.0 - (dd / n - (ds / n) ** 2) / var_r if var_r > 0 else float("nan")
+
+
 def sft_loss(
     logprobs: torch.Tensor, entropy, mb: dict[str, torch.Tensor], s: LossSettings | None = None, *, num_tokens: float, num_seqs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -24,6 +24,11 @@ class TrainBackend(Protocol):
         """Per-response-token log-probs, one [R_i] tensor per sample. model: "actor", "ref" (the reference model) or
         "teacher" (--opd-teacher-load, built with need_teacher=True; FSDP only for now)."""
 
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """A backend built with role="critic" (PPO's critic, --advantage-estimator gae): the value of the state before
+        each response token, one [R_i] tensor per sample. Its train_step hands loss_fn these values in place of
+        log-probs; save/load/offload/onload/save_hf work on the critic as they do on the actor."""
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share); returns reduced metrics."""
 

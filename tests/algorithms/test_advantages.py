@@ -171,7 +171,7 @@ def test_reinforce_pp_baseline_masked_whitening():
 # ---- dispatch ----
 
 def test_registry_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 
 
 def test_compute_advantages_dispatch_grpo():

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
@@ -45,6 +45,24 @@ class PolicyModel(nn.Module):
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
                                 with_entropy=with_entropy, compiled=self.compiled)
+
+
+class ValueModel(nn.Module):
+    """The critic: an HF decoder body with a Linear(hidden, 1) head (HF's *ForTokenClassification with one label, so
+    an exported critic is a plain HF directory). Same forward signature as PolicyModel, returning the value of the
+    state before each response token [R] (fp32) where PolicyModel returns its log-prob; targets are unused."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
+                with_entropy: bool = False, **attn_kwargs):
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      use_cache=False, **attn_kwargs).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
+        return self.lm.score(hidden).squeeze(-1).float(), None  # no dropout: values are regression outputs
 
 
 def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, device, dtype, layout: str = "packed"):
@@ -127,8 +145,11 @@ class FSDPBackend:
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *,
                  device: str, total_steps: int = 1, need_ref: bool = False, need_teacher: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, role: str = "actor"):
+        """role "critic": the same backend around a ValueModel (--critic-load or the actor's weights, with its own
+        optimizer_cfg); compute_values and train_step then work on values where the actor's work on log-probs."""
         self.mcfg, self.ocfg, self.bcfg = model_cfg, optim_cfg, batch_cfg
+        self.role = role
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dims = ParallelDims.from_world()
         self.dp_rank = dist.get_rank()
@@ -149,7 +170,9 @@ class FSDPBackend:
             varlen = self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3")
             self.layout = "packed" if varlen and not recurrent else "padded"
         torch.manual_seed(seed)
-        self.model = self._build(model_cfg.hf_checkpoint, train=True)
+        critic = role == "critic"
+        self.model = self._build(model_cfg.critic_load or model_cfg.hf_checkpoint if critic else model_cfg.hf_checkpoint,
+                                 train=True, value=critic)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
         # --opd-teacher-load: built and offloaded like the reference model; frozen, so checkpoints do not carry it
         # (a resume reads it from its directory again)
@@ -163,25 +186,31 @@ class FSDPBackend:
         self.skipped_steps = 0
 
     # ---- construction -------------------------------------------------------------------
-    def _build(self, path: str, *, train: bool) -> PolicyModel:
+    def _build(self, path: str, *, train: bool, value: bool = False) -> PolicyModel | ValueModel:
         """Rank 0 reads the checkpoint on CPU; every rank builds the model on the meta device,
         shards it, and receives rank 0's weights by broadcast (tied embeddings stay tied:
-        they are one Parameter in the root FSDP group)."""
+        they are one Parameter in the root FSDP group). value: the critic (a causal LM's body, or a saved critic)."""
         config = AutoConfig.from_pretrained(path)
         attn = self.attn_impl
+        cls = AutoModelForCausalLM
+        if value:
+            cls, config.num_labels = AutoModelForTokenClassification, 1
         full_sd, buffers = {}, {}
         if self.dp_rank == 0:
-            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+            src, info = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, output_loading_info=True,
+                                            **({"num_labels": 1} if value else {}))
+            if value and "score.weight" in info["missing_keys"]:
+                zero_value_head(src.score)
             full_sd = {f"lm.{k}": v for k, v in src.state_dict().items()}
             buffers = {n: b for n, b in src.named_buffers()}
         with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+            lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
         compiled = self.mcfg.compiled(self.device.type)
         if compiled:
             apply_compile(lm)
-        root = PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=compiled)
+        root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=compiled)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         # One CPU rank in FP32 has nothing to shard, cast or offload: FSDP2's hooks and DTensor
         # dispatch would be pure overhead there (~15% of a tiny model's step). DCP checkpoints of
@@ -293,6 +322,12 @@ class FSDPBackend:
             for i, part in zip(order, torch.cat(parts).cpu().split(lens)):
                 out[i] = part
         return out  # type: ignore[return-value]
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The critic's value of the state before each response token, one [R_i] tensor per sample (role "critic")."""
+        if self.role != "critic":
+            raise ValueError("compute_values: this backend is not a critic (build it with role='critic')")
+        return self.compute_logprobs(batch)  # a ValueModel's forward gives values where a PolicyModel's gives log-probs
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         self.model.train()
@@ -453,6 +488,15 @@ class FSDPBackend:
                 if torch.is_tensor(v) and v.device.type == "cpu" and (k != "step" or self.optimizer.defaults.get("fused")):
                     st[k] = v.to(self.device, non_blocking=True)
         torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def zero_value_head(head: nn.Linear) -> None:
+    """A fresh critic head starts at V = 0 everywhere: the first advantages are then the discounted rewards, not a
+    random head's noise, and both backends start from the same head without sharing an RNG stream."""
+    head.weight.zero_()
+    if head.bias is not None:
+        head.bias.zero_()
 
 
 EXPORT_CHUNK_BYTES = 256 * 2**20  # one export copy; bounds the extra memory of a sync beside the model

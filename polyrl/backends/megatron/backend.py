@@ -67,8 +67,12 @@ class MegatronBackend:
     `megatron` config section."""
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *, device: str,
-                 total_steps: int = 1, need_ref: bool = False, seed: int = 0, megatron_cfg: MegatronConfig | None = None):
+                 total_steps: int = 1, need_ref: bool = False, seed: int = 0, megatron_cfg: MegatronConfig | None = None,
+                 role: str = "actor"):
+        """role "critic": the same GPTModel with a value head (model.add_value_heads) on the actor's parallel state,
+        from --critic-load or the actor's weights, with its own optimizer_cfg."""
         require_megatron()
+        self.role = role
         from transformers import AutoConfig
 
         from polyrl.backends.megatron import model as mm  # megatron-core itself, imported only now
@@ -84,14 +88,17 @@ class MegatronBackend:
                                             etp=mg.expert_tensor_parallel_size)
         self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,
                                             mg.num_layers_per_virtual_pipeline_stage)
-        mm.init_parallel_state(self.dims, self.vpp, seed)
+        from megatron.core import parallel_state
+        if role == "actor" or not parallel_state.model_parallel_is_initialized():  # a critic shares the actor's groups
+            mm.init_parallel_state(self.dims, self.vpp, seed)
         self.dtype = model_cfg.dtype("cuda")
         self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype, model_cfg)
         self.ddp_config = mm.ddp_config(mg)
         if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
             log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
                         "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")
-        self.model = self._build(model_cfg.hf_checkpoint, train=True)
+        path = (model_cfg.critic_load or model_cfg.hf_checkpoint) if role == "critic" else model_cfg.hf_checkpoint
+        self.model = self._build(path, train=True)
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
         self.sched_step = 0
@@ -119,6 +126,8 @@ class MegatronBackend:
         mm = self.mm
         config = self.config if train else copy.copy(self.config)  # the ref model gets no grad-sync hooks
         chunks = mm.build_chunks(config, self.hf_config, self.dims, self.vpp, self.mg.custom_model_provider_path)
+        if train and self.role == "critic":
+            mm.add_value_heads(chunks, config)
         mm.load_hf_weights(chunks, path, self.hf_config, config)
         if train:
             return mm.wrap_chunks(chunks, config, self.ddp_config)
@@ -260,10 +269,13 @@ class MegatronBackend:
                                    valid=rp["valid"], replay=route_mode == "replay" and not item.dummy,
                                    record=route_mode == "record" and not item.dummy)
             ids, pos, psp = mm.packed_inputs(item.pb, cp_group, self._rope)
-            ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
-                                 with_entropy)
-            out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=mm.logprob_head,
-                        output_processor_context=ctx)
+            if self.role == "critic":  # values where the actor has log-probs; the head lives on the last stage only
+                head, ctx = mm.value_head, mm.ValueContext(item.pb, getattr(mm.unwrap(chunk), mm.VALUE_HEAD, None))
+            else:
+                head = mm.logprob_head
+                ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
+                                     with_entropy)
+            out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=head, output_processor_context=ctx)
             return out, functools.partial(loss_func, item)
 
         its = [iter(micros) for _ in model]
@@ -319,6 +331,12 @@ class MegatronBackend:
                     full[i] = torch.maximum(full[i], r) if i in full else r  # -1 where a rank does not hold the value
             batch.recorded_routed_experts = [full[i] for i in mine]
         return [merged[i] for i in mine]
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The critic's value of the state before each response token, one [R_i] tensor per sample (role "critic")."""
+        if self.role != "critic":
+            raise ValueError("compute_values: this backend is not a critic (build it with role='critic')")
+        return self.compute_logprobs(batch)  # the critic's output processor gives values where the actor's gives log-probs
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         for c in self.model:
@@ -468,7 +486,22 @@ class MegatronBackend:
 
     def _export(self, model: list, fused_experts: bool) -> Iterator[tuple[str, torch.Tensor]]:
         from polyrl.backends.megatron import bridge
-        yield from bridge.mcore_to_hf(self._megatron_stream(model), self.hf_config, fused_experts=fused_experts)
+        if self.role != "critic":
+            yield from bridge.mcore_to_hf(self._megatron_stream(model), self.hf_config, fused_experts=fused_experts)
+            return
+        # the critic as HF's *ForTokenClassification: the body's names, no lm_head, the value head as `score`
+        head: dict[str, torch.Tensor] = {}
+
+        def body():
+            for name, t in self._megatron_stream(model):
+                if name.startswith(self.mm.VALUE_HEAD + "."):
+                    head["score." + name.rsplit(".", 1)[1]] = t
+                else:
+                    yield name, t
+        for name, t in bridge.mcore_to_hf(body(), self.hf_config, fused_experts=fused_experts):
+            if name != "lm_head.weight":
+                yield name, t
+        yield from head.items()
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (the in-memory names of the HF model, like FSDP), gathered over
@@ -491,10 +524,16 @@ class MegatronBackend:
             if dist.get_rank() == 0:
                 sd[name] = t.to("cpu", copy=True)
         if dist.get_rank() == 0:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
             from polyrl.backends.fsdp.backend import _replace_dir
-            hf = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
+            if self.role == "critic":
+                import copy
+                cfg = copy.copy(self.hf_config)
+                cfg.num_labels = 1
+                hf = AutoModelForTokenClassification.from_config(cfg, dtype=self.dtype)
+            else:
+                hf = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             missing, unexpected = hf.load_state_dict(sd, strict=False)
             missing = [k for k in missing if not (k == "lm_head.weight" and self.hf_config.tie_word_embeddings)]
             if missing or unexpected:

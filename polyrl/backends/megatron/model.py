@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,10 +263,36 @@ def _bridge_stage(chunk: GPTModel) -> tuple[int, int]:
     return {(True, True): (0, 1), (True, False): (0, 2), (False, True): (1, 2), (False, False): (1, 3)}[(pre, post)]
 
 
+class _CriticCheckpoint(Mapping):
+    """An HF critic directory (*ForTokenClassification: no lm_head) read through the causal-LM bridge: the critic never
+    reads its LM head, so an untied model's output layer is filled with zeros instead of failing the load."""
+
+    def __init__(self, hf, hf_config):
+        self.hf, self.shape = hf, (hf_config.vocab_size, hf_config.hidden_size)
+
+    def __contains__(self, name: object) -> bool:
+        return name == "lm_head.weight" or name in self.hf
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in self.hf:
+            return torch.zeros(self.shape)
+        return self.hf[name]
+
+    def __iter__(self):
+        return iter(self.hf)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: TransformerConfig) -> None:
-    """Each rank reads only its own TP / PP / EP slice of the safetensors checkpoint."""
+    """Each rank reads only its own TP / PP / EP slice of the safetensors checkpoint. A critic's value head
+    (add_value_heads) takes the directory's `score` head when it has one (a saved critic), else starts at zero."""
     hf = bridge.load_hf_safetensors(hf_dir)
+    critic = any(getattr(unwrap(c), VALUE_HEAD, None) is not None for c in chunks)
+    if critic:
+        hf = _CriticCheckpoint(hf, hf_config)
     for chunk in chunks:
         m = unwrap(chunk)
         pp_rank, pp_size = _bridge_stage(m)
@@ -275,7 +302,12 @@ def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: Tran
             pp_rank=pp_rank, pp_size=pp_size, layer_range=range(off, off + len(m.decoder.layers)),
             ep_rank=ps.get_expert_model_parallel_rank(), ep_size=config.expert_model_parallel_size,
             etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=config.expert_tensor_parallel_size)
-        params = dict(m.named_parameters())
+        params = {n: p for n, p in m.named_parameters() if not n.startswith(VALUE_HEAD + ".")}
+        head = getattr(m, VALUE_HEAD, None)
+        if head is not None:
+            for k in ("weight", "bias"):
+                src = hf.hf[f"score.{k}"] if f"score.{k}" in hf.hf else torch.zeros(getattr(head, k).shape)
+                getattr(head, k).copy_(src.reshape(getattr(head, k).shape))
         missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
         if missing or extra:
             raise ValueError(f"HF -> megatron mismatch: missing {missing[:8]}, unexpected {extra[:8]}")
@@ -405,3 +437,43 @@ def logprob_head(*, hidden_states, output_layer, output_weight, context: HeadCon
     if ent is None:
         return logp, logp.new_zeros(0)
     return logp, thd.assemble_responses(ent, pb.logp_slot, pb.num_response, cp_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO's critic: the same GPTModel with a one-output value head on the last pipeline stage
+
+VALUE_HEAD = "value_head"
+
+
+def add_value_heads(chunks: list[GPTModel], config: TransformerConfig) -> None:
+    """A Linear(hidden, 1) on each chunk that ends the pipeline (before DDP wrapping, so it trains and checkpoints
+    with the rest). One output cannot be split over TP: the head is replicated, every TP rank computes all values
+    from the full hidden state, so its gradient is whole on every rank (no TP reduction; megatron counts a parameter
+    without `tensor_model_parallel` once in the grad norm, as it does the norms). The LM output layer stays (unused)
+    so the model is exactly the actor's GPTModel."""
+    for c in chunks:
+        if c.post_process:
+            head = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype, device=torch.cuda.current_device())
+            setattr(c, VALUE_HEAD, head)
+
+
+@dataclass
+class ValueContext:
+    pb: thd.PackedBatch
+    head: torch.nn.Module
+
+
+def value_head(*, hidden_states, context: ValueContext, config, **_: Any):
+    """GPTModel output_processor of a critic: the value of the state before each response token, [R] fp32, identical
+    on every TP and CP rank. Under sequence parallelism the hidden states are gathered with a plain split in the
+    backward (tensor_parallel_output_grad=False): each rank's gradient is already the whole one, not a partial sum
+    as after the vocab-parallel log-prob head."""
+    h = hidden_states
+    if config.sequence_parallel:
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
+                                                 group=ps.get_tensor_model_parallel_group())
+    pb = context.pb
+    h = h[:, 0].index_select(0, pb.logp_index)
+    values = context.head(h).squeeze(-1).float()
+    values = thd.assemble_responses(values, pb.logp_slot, pb.num_response, ps.get_context_parallel_group())
+    return values, values.new_zeros(0)

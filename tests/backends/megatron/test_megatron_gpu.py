@@ -231,3 +231,49 @@ def test_fp32_moe_routing_replay_ep2(tmp_path):
     _need(2)
     _run(["models", str(tmp_path / "m")])
     _assert_ok(_run(["replay", "--model", str(tmp_path / "m" / "qwen3_moe"), "--layout", "ep=2", "--fp32"], nproc=2), 5)
+
+
+_DIGITS = '''
+def digits(sample):
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+
+
+def _critic_parity(tmp_path, nproc: int, tp: int) -> None:
+    """PPO with a critic (gae) in FP32: FSDP generates, trains and saves its samples; Megatron at `tp` trains on the
+    same samples (--load-debug-rollout-data). Step 1's value loss is the zero head's (V = 0) on the same returns,
+    later steps follow both critics' updates. FP32 on both sides only reorders sums (the harness's FP32 log-probs
+    agree to ~1e-6), and three Adam steps at --critic-lr 1e-4 keep the critics within ~1e-5 of each other, so the
+    value losses (of size ~0.1) must agree to rel 1e-3; a wiring error (a TP-summed gradient, a head on the wrong
+    hidden state, values off by one token) moves them by far more than that."""
+    from polyrl.tasks.arithmetic import build_model, write_datasets
+    build_model(str(tmp_path / "m"), hidden=64, layers=2, heads=4, kv_heads=2)
+    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
+    (tmp_path / "rm.py").write_text(_DIGITS)
+    common = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d" / "train.jsonl"),
+              "--custom-rm-path", f"{tmp_path / 'rm.py'}:digits", "--rollout-batch-size", "4", "--n-samples-per-prompt",
+              "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "3", "--fp32", "--quiet",
+              "--advantage-estimator", "gae", "--gamma", "0.99", "--lambd", "0.95", "--critic-lr", "1e-4"]
+    data = str(tmp_path / "rollouts" / "step_{rollout_id}.jsonl")
+    fsdp = _polyrl_train(common + ["--save-debug-rollout-data", data], nproc, tmp_path / "fsdp")
+    mg = _polyrl_train(common + ["--load-debug-rollout-data", data, "--train-backend", "megatron",
+                                 "--tensor-model-parallel-size", str(tp)], nproc, tmp_path / f"mg_tp{tp}")
+    assert [r["step"] for r in mg] == [1, 2, 3]
+    for a, b in zip(fsdp, mg):
+        assert a["critic/value_loss"] > 0, a  # partial-credit rewards: returns are not all zero
+        assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=1e-3), (a, b)
+        assert b["critic/vf_explained_var"] == pytest.approx(a["critic/vf_explained_var"], abs=1e-3), (a, b)
+        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=1e-3), (a, b)
+    assert fsdp[0]["critic/values_mean"] == 0.0 and mg[0]["critic/values_mean"] == 0.0  # both heads start at zero
+
+
+@pytest.mark.gpu
+def test_ppo_critic_value_loss_megatron_tp1_matches_fsdp(tmp_path):
+    _need(1)
+    _critic_parity(tmp_path, 1, 1)
+
+
+@pytest.mark.multigpu
+def test_ppo_critic_value_loss_megatron_tp2_matches_fsdp(tmp_path):
+    _need(2)
+    _critic_parity(tmp_path, 2, 2)
