@@ -240,6 +240,28 @@ def test_sleep_releases_weights_and_kv_cache_and_wake_restores(qwen2_dir):
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
 
 
+def test_wake_then_partial_or_full_update_keeps_every_weight(qwen2_dir):
+    """wake() leaves the weights on the host until needed (a full update overwrites them all anyway): after a wake, a
+    partial update gets the rest from the host copy, a full one needs none of it, and generate / get_weight never see
+    the uninitialised buffer. Exact: every path copies the same bf16 bytes."""
+    from polyrl.types import SamplingParams
+    e = _engine(qwen2_dir)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[3, 4, 5, 6], [7, 8]] * 2
+    want = [s.response_ids for s in e.generate(prompts, sp)]
+    weights = {n: e.get_weight(n) for n in e.weight_shapes()}
+    one = "model.norm.weight"
+    for stream in ([(one, weights[one])], [(n, t) for n, t in weights.items() if n != "lm_head.weight"]):
+        e.sleep()
+        e.wake()
+        e.update_weights(iter(stream), version=1)
+        assert all(torch.equal(e.get_weight(n), t) for n, t in weights.items())
+        assert [s.response_ids for s in e.generate(prompts, sp)] == want
+    e.sleep()
+    e.wake()  # no update: generate restores first
+    assert [s.response_ids for s in e.generate(prompts, sp)] == want
+
+
 def test_embedded_engine_picks_the_gpu_path_on_cuda(qwen2_dir):
     from polyrl.rollout.embedded import EmbeddedEngine
     from polyrl.rollout.gpu import GPUEngine

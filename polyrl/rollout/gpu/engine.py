@@ -155,6 +155,7 @@ class GPUEngine(InProcessEngine):
         self.logits_buf: torch.Tensor | None = None
         self._cpu_flat: torch.Tensor | None = None
         self.asleep = False
+        self._stale = False  # awake, but the GPU buffer does not hold the weights yet (see wake)
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB), "
@@ -195,6 +196,7 @@ class GPUEngine(InProcessEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         if self.asleep:
             raise RuntimeError("generate() on a sleeping engine; call wake() first")
+        self._restore()
         sp, M = params, params.max_new_tokens
         if M < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -509,11 +511,23 @@ class GPUEngine(InProcessEngine):
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """In place (same storage, so captured graphs stay valid); while asleep, into the host copy."""
-        n = self.model.load(weights, strict=False)
+        seen = self.model.load(weights, strict=False)
+        if self._stale:  # woken without its weights: those this update did not write come from the host copy
+            for name in self.model.missing(seen):
+                v = self.model.hf[name]
+                v.copy_(self._cpu_flat.as_strided(v.shape, v.stride(), v.storage_offset()), non_blocking=True)
+            self._stale = False
+        n = len(seen)
         if self.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.version = version
         log.debug("GPU engine weights updated to version %d (%d tensors)", version, n)
+
+    def _restore(self) -> None:
+        """Bring back the weights a wake() left on the host, unless an update has written them all since."""
+        if self._stale:
+            self.model.flat.copy_(self._cpu_flat)
+            self._stale = False
 
     def sleep(self) -> None:
         """Free the weights' and the KV cache's GPU memory (weights kept in pinned host memory)."""
@@ -521,7 +535,9 @@ class GPUEngine(InProcessEngine):
             return
         if self._cpu_flat is None:
             self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
-        self._cpu_flat.copy_(self.model.flat)
+        if not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
+            self._cpu_flat.copy_(self.model.flat)
+        self._stale = False
         self.model.bind(self._cpu_flat)
         self.kv.release()
         self.graphs.clear()  # they point at the freed buffers; recaptured after wake()
@@ -532,9 +548,10 @@ class GPUEngine(InProcessEngine):
     def wake(self) -> None:
         if not self.is_cuda or not self.asleep:
             return
-        flat = torch.empty(self.model.numel, dtype=self.dtype, device=self.device)
-        flat.copy_(self._cpu_flat)
-        self.model.bind(flat)
+        # the host copy goes back lazily (_restore): the RL loop wakes the engine to push a full weight update, which
+        # makes copying the old weights in first (a full host-to-device copy of the model) wasted time
+        self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device=self.device))
+        self._stale = True
         self.kv.allocate()
         self._split_val = -1
         self.asleep = False
@@ -546,4 +563,5 @@ class GPUEngine(InProcessEngine):
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A CPU copy of one HF-named weight (a view into the flat buffer, awake or asleep), in the engine's dtype."""
+        self._restore()
         return self.model.hf[name].detach().to("cpu", copy=True)

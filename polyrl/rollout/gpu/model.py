@@ -161,8 +161,8 @@ class DenseLM:
         self.layers = [{k.split(".", 1)[1]: v for k, v in self.w.items() if k.startswith(f"{i}.")} for i in range(s.layers)]
 
     @torch.no_grad()
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool) -> int:
-        """Copy an HF-named stream into the views, in place. Unknown names raise KeyError
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool) -> set[str]:
+        """Copy an HF-named stream into the views, in place; returns the names written. Unknown names raise KeyError
         (rotary buffers excepted); with strict=True every weight must arrive."""
         seen = set()
         dsts, srcs = [], []
@@ -184,10 +184,14 @@ class DenseLM:
         if dsts:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
         if strict:
-            missing = set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
+            missing = self.missing(seen)
             if missing:
                 raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        return len(seen)
+        return seen
+
+    def missing(self, seen: set[str]) -> set[str]:
+        """The weights a full update must write that `seen` lacks (a tied LM head is the embedding)."""
+        return set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv, attn,
