@@ -86,7 +86,7 @@ def run_export(cfg) -> None:
     device, _ = rt.setup(cfg)
     backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
     load_checkpoint(cfg.checkpoint.load, backend)
-    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg))
+    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg), adapter=cfg.checkpoint.save_hf_adapter)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,7 +245,7 @@ class Run:
             self.rewards.close()
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
-            self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
+            self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok, adapter=self.cfg.checkpoint.save_hf_adapter)
 
 
 def train(cfg: Config) -> dict:
