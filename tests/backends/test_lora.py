@@ -177,3 +177,29 @@ def test_bad_lora_flags_name_the_flag(argv, needle, tiny_model, arith_data, caps
 def test_target_modules_the_model_lacks_name_the_flag(tiny_model):
     with pytest.raises(ConfigError, match="--lora-target-modules 'nope_proj'"):
         backend(tiny_model, lora_rank=4, lora_target_modules="nope_proj")
+
+
+def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, arith_data, tmp_path):
+    """`polyrl train --lora-rank` end to end on the arithmetic prompts, with a target a random model can find by sampling:
+    the answer 7 to every prompt (1 token; a random policy hits it ~1/14 of the time, so GRPO has signal from step 1).
+    Greedy held-out accuracy goes from 0 to > 0.8 within 5 steps only if the adapters train AND the engine samples
+    the merged weights (the greedy eval runs on the engine). The demo task itself needs an SFT warm start first:
+    examples/lora/README.md has that run."""
+    from polyrl.cli import main
+    data = {}
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in open(arith_data[split])]
+        data[split] = tmp_path / f"{split}.jsonl"
+        data[split].write_text("".join(json.dumps({"prompt": r["prompt"], "label": "7"}) + "\n" for r in rows))
+    run = tmp_path / "run"
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", str(data["train"]), "--rm-type", "arithmetic",
+                 "--eval-prompt-data", str(data["eval"]), "--eval-interval", "5", "--num-rollout", "5",
+                 "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1",
+                 "--micro-batch-size", "128", "--lr", "1e-2", "--lora-rank", "8", "--use-kl-loss", "--kl-loss-coef", "0.001",
+                 "--rollout-shuffle", "--seed", "1", "--quiet", "--run-dir", str(run), "--save-hf", str(tmp_path / "hf"),
+                 "--save-hf-adapter"]) == 0
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    assert acc[0] < 0.2 and acc[5] > 0.8, acc
+    assert rows[1]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the reference is the base: KL starts at 0 and grows
+    assert os.path.isfile(tmp_path / "hf" / "adapter_config.json")
