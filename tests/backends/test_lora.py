@@ -179,7 +179,9 @@ def test_target_modules_the_model_lacks_name_the_flag(tiny_model):
         backend(tiny_model, lora_rank=4, lora_target_modules="nope_proj")
 
 
-def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, arith_data, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")])])
+def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, arith_data, tmp_path, device):
     """`polyrl train --lora-rank` end to end on the arithmetic prompts, with a target a random model can find by sampling:
     the answer 7 to every prompt (1 token; a random policy hits it ~1/14 of the time, so GRPO has signal from step 1).
     Greedy held-out accuracy goes from 0 to > 0.8 within 5 steps only if the adapters train AND the engine samples
@@ -192,7 +194,7 @@ def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, a
         data[split] = tmp_path / f"{split}.jsonl"
         data[split].write_text("".join(json.dumps({"prompt": r["prompt"], "label": "7"}) + "\n" for r in rows))
     run = tmp_path / "run"
-    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", str(data["train"]), "--rm-type", "arithmetic",
+    assert main(["train", "--device", device, "--hf-checkpoint", tiny_model, "--prompt-data", str(data["train"]), "--rm-type", "arithmetic",
                  "--eval-prompt-data", str(data["eval"]), "--eval-interval", "5", "--num-rollout", "5",
                  "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1",
                  "--micro-batch-size", "128", "--lr", "1e-2", "--lora-rank", "8", "--use-kl-loss", "--kl-loss-coef", "0.001",
@@ -201,5 +203,7 @@ def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, a
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert acc[0] < 0.2 and acc[5] > 0.8, acc
+    # the engine samples what the trainer scores: FP32 on CPU (~1e-6), BF16 rounding on GPU (~1e-2)
+    assert rows[-1]["train_rollout_logprob_abs_diff"] < (1e-4 if device == "cpu" else 5e-2)
     assert rows[1]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the reference is the base: KL starts at 0 and grows
     assert os.path.isfile(tmp_path / "hf" / "adapter_config.json")
