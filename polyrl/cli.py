@@ -88,7 +88,7 @@ def run_export(cfg) -> None:
     backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
     critic = rt.build_critic(cfg, device, total_steps=1) if has_critic(cfg.checkpoint.load) else None  # PPO's, beside it
     load_checkpoint(cfg.checkpoint.load, backend, critic=critic)
-    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg))
+    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg), adapter=cfg.checkpoint.save_hf_adapter)
     if critic is not None:
         critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), rt.load_tokenizer(cfg))
 

@@ -291,6 +291,19 @@ class ModelConfig:
         """--compile / --no-compile, else on for CUDA only (the first step pays the compile time)."""
         return self.compile if self.compile is not None else device_type == "cuda"
 
+    lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning; FSDP backend, needs peft): only the adapters train, the "
+                            "reference model is the base with the adapters off, engines get merged weights")
+    lora_alpha: int = opt(16, "LoRA alpha (adapter scale alpha / rank)")
+    lora_target_modules: str = opt("all-linear", "LoRA targets: all-linear (every Linear but the output layer) or a "
+                                                 "comma list of module names, e.g. q_proj,k_proj,v_proj,o_proj")
+    lora_dropout: float = opt(0.0, "dropout on the LoRA adapters' input while training")
+
+    def lora_targets(self) -> str | list[str]:
+        """peft's target_modules from --lora-target-modules."""
+        if self.lora_target_modules == "all-linear":
+            return "all-linear"
+        return [t.strip() for t in self.lora_target_modules.split(",")]
+
     def dtype(self, device_type: str):
         """Params/compute dtype: --fp16 / --bf16 / --fp32, else BF16 on GPU and FP32 on CPU."""
         import torch
@@ -306,7 +319,9 @@ class CheckpointConfig:
     save: str | None = opt(None, "checkpoint directory (written atomically)")
     save_interval: int = opt(0, "save every N steps (0 = only at the end)")
     load: str | None = opt(None, "resume from this checkpoint directory")
-    save_hf: str | None = opt(None, "export the final actor as an HF directory (PPO's critic, with gae: to DIR_critic)")
+    save_hf: str | None = opt(None, "export the final actor as an HF directory (with LoRA: adapters merged in; PPO's critic, with gae: to DIR_critic)")
+    save_hf_adapter: bool = opt(False, "LoRA: --save-hf writes a peft adapter directory (adapter_config.json + weights) "
+                                       "instead of the merged model")
     max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
                                              "a newer one is complete (default: keep all)")
 
@@ -545,7 +560,8 @@ VALUE_RANGES: dict[str, str] = {
     "lr": "> 0", "min_lr": ">= 0", "lr_warmup_steps": ">= 0", "lr_decay_steps": ">= 1", "weight_decay": ">= 0",
     "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0", "clip_grad": ">= 0",
     # model, checkpoints, logging
-    "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "moe_aux_loss_coeff": ">= 0", "moe_z_loss_coeff": ">= 0", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
+    "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "moe_aux_loss_coeff": ">= 0", "moe_z_loss_coeff": ">= 0",
+    "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
     "eval_interval": ">= 0", "profile_step": ">= 0",
     # megatron
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
@@ -633,6 +649,7 @@ def validate(cfg: Config, command: str = "train") -> None:
                               "no such step to profile")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such checkpoint directory")
+    _validate_lora(cfg)
     if c.train_backend == "megatron":
         _validate_megatron(cfg.megatron)
     if command in ("train", "eval"):
@@ -902,6 +919,34 @@ def _validate_engines(cfg: Config) -> None:
             raise ConfigError(f"{flag} must be > 0 seconds (got {v})")
     if e.use_sglang_router and importlib.util.find_spec("sglang_router") is None:
         raise ConfigError("--use-sglang-router needs the sglang-router package: pip install sglang-router")
+
+
+def _validate_lora(cfg: Config) -> None:
+    m, ck = cfg.model, cfg.checkpoint
+    if m.lora_rank == 0:
+        given = [f for f, v, d in (("--lora-alpha", m.lora_alpha, 16), ("--lora-dropout", m.lora_dropout, 0.0),
+                                   ("--lora-target-modules", m.lora_target_modules, "all-linear"),
+                                   ("--save-hf-adapter", ck.save_hf_adapter, False)) if v != d]
+        if given:
+            raise ConfigError(f"{', '.join(given)} configure LoRA: add --lora-rank R (> 0), or drop them")
+        return
+    if cfg.cluster.train_backend != "fsdp":
+        raise ConfigError(f"--lora-rank is supported on --train-backend fsdp only (got {cfg.cluster.train_backend}): "
+                          "use --train-backend fsdp, or drop --lora-rank")
+    targets = m.lora_targets()
+    if isinstance(targets, list) and not all(targets):
+        raise ConfigError(f"--lora-target-modules {m.lora_target_modules!r}: expected all-linear or a comma list of "
+                          "module names without empty entries, e.g. q_proj,v_proj")
+    if m.ref_load:
+        raise ConfigError("--ref-load with --lora-rank: the LoRA reference model is the base model with the adapters "
+                          "off (no second copy); drop --ref-load")
+    if cfg.algorithm.ref_update_interval:
+        raise ConfigError("--ref-update-interval with --lora-rank: the LoRA reference model is the base model with the "
+                          "adapters off and stays that; drop --ref-update-interval")
+    if ck.save_hf_adapter and not ck.save_hf:
+        raise ConfigError("--save-hf-adapter chooses what --save-hf writes: add --save-hf OUT_DIR")
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("--lora-rank needs the peft package: pip install 'polyrl[lora]' (or pip install peft)")
 
 
 def _validate_megatron(m: MegatronConfig) -> None:

@@ -268,7 +268,7 @@ class Run:
             self.rewards.close()
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         if self.cfg.checkpoint.save_hf:
-            self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok)
+            self.backend.save_hf(self.cfg.checkpoint.save_hf, self.tok, adapter=self.cfg.checkpoint.save_hf_adapter)
             if self.critic is not None:  # beside the actor: an HF directory --critic-load reads back
                 self.critic.save_hf(critic_hf_dir(self.cfg.checkpoint.save_hf), self.tok)
 

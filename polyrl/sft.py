@@ -63,5 +63,5 @@ def sft(cfg: Config) -> dict:
                             keep=cfg.checkpoint.max_ckpt_to_keep)
     logger.close()
     if cfg.checkpoint.save_hf:
-        backend.save_hf(cfg.checkpoint.save_hf, tok)
+        backend.save_hf(cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)
     return {"steps": total - start, "wall_seconds": time.perf_counter() - t0, "last": m if total > start else {}}

@@ -46,8 +46,9 @@ class TrainBackend(Protocol):
     def sync_ref_from_actor(self) -> None:
         """Copy the actor's weights into the reference model (--ref-update-interval)."""
 
-    def save_hf(self, path: str, tokenizer=None) -> None:
-        """Write the actor as an HF directory (--save-hf)."""
+    def save_hf(self, path: str, tokenizer=None, *, adapter: bool = False) -> None:
+        """Write the actor as an HF directory (--save-hf); with LoRA the adapters merged in, or (adapter=True,
+        --save-hf-adapter) a peft adapter directory instead."""
 
 
 def load_backend_class(name: str):

@@ -1,9 +1,10 @@
 """Runs FSDPBackend under torchrun (or alone) on a fixed batch, for the equivalence tests.
 
 python -m torch.distributed.run --nproc-per-node N tests/backends/fsdp_worker.py MODEL_DIR OUT.pt
-    [--steps K] [--load CKPT] [--save CKPT] [--offload] [--micro-batch-size M] [--dynamic TOKENS]
+    [--steps K] [--load CKPT] [--save CKPT] [--offload] [--micro-batch-size M] [--dynamic TOKENS] [--lora-rank R]
 Writes, from rank 0: losses per step, the full gradients each optimizer step applied (after
-clipping), and the full weights before the first and after the last step.
+clipping), and the full weights before the first and after the last step (with --lora-rank: the
+trainable adapter weights, the ones the gradients are of, and the merged export as "merged").
 """
 
 import argparse
@@ -47,11 +48,12 @@ def main():
     ap.add_argument("--dynamic", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layout", default="auto")
+    ap.add_argument("--lora-rank", type=int, default=0)
     a = ap.parse_args()
     init_distributed(a.device)
     torch.set_num_threads(1)
     from polyrl.backends.fsdp.backend import FSDPBackend
-    mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload)
+    mc = ModelConfig(hf_checkpoint=a.model, fsdp_cpu_offload=a.offload, lora_rank=a.lora_rank)
     oc = OptimizerConfig(**OPTIM)
     bc = BatchConfig(micro_batch_size=a.micro_batch_size, use_dynamic_batch_size=bool(a.dynamic), max_tokens_per_gpu=a.dynamic or None,
                      micro_batch_layout=a.layout)
@@ -70,15 +72,23 @@ def main():
         grads.append({names[p]: full(p.grad).float().cpu().clone() for group in opt.param_groups for p in group["params"]})
 
     be.optimizer.register_step_pre_hook(record_grads)
-    init = {n: t.float().cpu().clone() for n, t in be.export_weights()}
+
+    def weights():  # what the optimizer steps: every weight, or the adapters alone
+        if not a.lora_rank:
+            return {n: t.float().cpu().clone() for n, t in be.export_weights()}
+        full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
+        return {names[p]: full(p).detach().float().cpu().clone() for group in be.optimizer.param_groups for p in group["params"]}
+
+    init = weights()
     for step in range(start, start + a.steps):
         m = be.train_step(mine, loss_fn, with_entropy=True)
         losses.append((m["loss"], m["grad_norm"], m["entropy"]))
     if a.save:
         save_checkpoint(a.save, start + a.steps, be, {"step": start + a.steps})
-    weights = {n: t.float().cpu().clone() for n, t in be.export_weights()}
+    final = weights()
+    merged = {n: t.float().cpu().clone() for n, t in be.export_weights()} if a.lora_rank else None  # gathered and merged
     if rk == 0:
-        torch.save({"losses": losses, "grads": grads, "init": init, "weights": weights, "start": start}, a.out)
+        torch.save({"losses": losses, "grads": grads, "init": init, "weights": final, "start": start, "merged": merged}, a.out)
     dist.barrier()  # no rank tears gloo down while another still has traffic in flight
     dist.destroy_process_group()
 

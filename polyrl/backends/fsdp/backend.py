@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl.backends.parallel_dims import ParallelDims
@@ -171,9 +173,12 @@ class FSDPBackend:
             self.layout = "packed" if varlen and not recurrent else "padded"
         torch.manual_seed(seed)
         critic = role == "critic"
+        self.peft = None  # --lora-rank: the PeftModel around the actor's HF module (set by _build)
         self.model = self._build(model_cfg.critic_load or model_cfg.hf_checkpoint if critic else model_cfg.hf_checkpoint,
                                  train=True, value=critic)
-        self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        # with LoRA the reference is the actor with its adapters off: no second model
+        self.ref_model = (self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False)
+                          if need_ref and self.peft is None else None)
         # --opd-teacher-load: built and offloaded like the reference model; frozen, so checkpoints do not carry it
         # (a resume reads it from its directory again)
         self.teacher_model = self._build(model_cfg.opd_teacher_load, train=False) if need_teacher else None
@@ -196,16 +201,21 @@ class FSDPBackend:
         cls = AutoModelForCausalLM
         if value:
             cls, config.num_labels = AutoModelForTokenClassification, 1
+        lora = train and not value and self.mcfg.lora_rank > 0  # the critic (PPO's value model) trains in full
         full_sd, buffers = {}, {}
         if self.dp_rank == 0:
             src, info = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, output_loading_info=True,
                                             **({"num_labels": 1} if value else {}))
             if value and "score.weight" in info["missing_keys"]:
                 zero_value_head(src.score)
+            if lora:  # rank 0's freshly initialized adapters (B = 0: the base model's outputs) reach every rank below
+                add_lora(src, self.mcfg, meta=False)
             full_sd = {f"lm.{k}": v for k, v in src.state_dict().items()}
             buffers = {n: b for n, b in src.named_buffers()}
         with torch.device("meta"):
             lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on
+            self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
         compiled = self.mcfg.compiled(self.device.type)
@@ -296,26 +306,31 @@ class FSDPBackend:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
         m = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
+        lora_ref = model == "ref" and self.peft is not None
+        if lora_ref:
+            m = self.model
         if m is None:
             raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
+        m.eval()  # no dropout (--lora-dropout) in scoring; train_step switches back
         out: list[torch.Tensor | None] = [None] * len(batch)
         order, parts = [], []
-        # R2: the actor's pass records its routes for the train forwards (R3 replays the rollout's instead)
-        record = (self.routing is not None and m is self.model and self.mcfg.use_routing_replay
-                  and batch.recorded_routed_experts is None)
-        routes: list = [None] * len(batch)
-        for idx in self._micro_batches(batch):
-            _, logp, _, _ = self._forward(m, batch, idx, temperature, False, record=record)
-            if idx:
-                order += idx
-                parts.append(logp.float())
-                if record:
-                    for i, r in zip(idx, self.routing.recorded()):
-                        routes[i] = r
-        if self.routing is not None:
-            self.routing.end()
-        if record:
-            batch.recorded_routed_experts = routes
+        with adapters_off(self.peft) if lora_ref else contextlib.nullcontext():
+            # R2: the actor's pass records its routes for the train forwards (R3 replays the rollout's instead)
+            record = (self.routing is not None and m is self.model and self.mcfg.use_routing_replay
+                      and batch.recorded_routed_experts is None)
+            routes: list = [None] * len(batch)
+            for idx in self._micro_batches(batch):
+                _, logp, _, _ = self._forward(m, batch, idx, temperature, False, record=record)
+                if idx:
+                    order += idx
+                    parts.append(logp.float())
+                    if record:
+                        for i, r in zip(idx, self.routing.recorded()):
+                            routes[i] = r
+            if self.routing is not None:
+                self.routing.end()
+            if record:
+                batch.recorded_routed_experts = routes
         if hasattr(m, "reshard"):
             m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
         if parts:  # one device-to-host copy for the whole batch, not one (and a host sync) per micro-batch
@@ -398,7 +413,12 @@ class FSDPBackend:
         FSDP's own batched collective, its tensors are cast and copied into one new flat buffer by a single `torch.cat`
         (chunks of EXPORT_CHUNK_BYTES), and the unit is resharded. Never a second full model on one rank, no
         per-parameter collective or kernel, and the yielded views stay valid while a transport holds them in a bucket.
-        At one rank the local shard is the full tensor: no gather at all."""
+        At one rank the local shard is the full tensor: no gather at all. With LoRA: the base model's names and
+        shapes, adapters merged in (no lora tensors leave the backend), one parameter at a time."""
+        if self.peft is not None:
+            for name, t in self._full_weights():
+                yield name, t.to(self.dtype if self.device.type == "cuda" else t.dtype)
+            return
         if not any(isinstance(p, DTensor) for p in self.model.parameters()):  # one unsharded CPU rank: the live tensors
             for name, p in self.model.lm.named_parameters():
                 yield name, p.detach()
@@ -420,6 +440,11 @@ class FSDPBackend:
             for chunk in chunks:
                 yield from chunk
 
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the FP32 master weights with the adapters merged in, one parameter (collective) at a time."""
+        full = lambda p: (p.full_tensor() if isinstance(p, DTensor) else p).detach()  # noqa: E731
+        yield from merged_weights(self.model.lm, full)
+
     def sync_ref_from_actor(self) -> None:
         if self.ref_model is None:
             return
@@ -428,20 +453,39 @@ class FSDPBackend:
             for pr, pa in zip(self.ref_model.parameters(), self.model.parameters()):
                 local(pr).copy_(local(pa))
 
-    def save_hf(self, path: str, tokenizer=None) -> None:
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
+    def save_hf(self, path: str, tokenizer=None, *, adapter: bool = False) -> None:
+        """adapter (--save-hf-adapter, LoRA only): a peft adapter directory instead of the merged model."""
+        if self.peft is not None and not adapter:  # merged: the tensors the engines get, in fp32
+            # every rank walks the whole stream (each tensor is a collective); rank 0 keeps them
+            sd = {n: t.cpu() for n, t in self._full_weights() if dist.get_rank() == 0}
+        else:
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                           ignore_frozen_params=adapter))
             sd = {k[len("lm."):]: v for k, v in sd.items()}
+        if dist.get_rank() == 0:
             tmp = path.rstrip("/") + ".tmp"
-            self.model.lm.save_pretrained(tmp, state_dict=sd)
+            if adapter:  # peft's own layout (adapter_config.json + adapter_model.safetensors): PeftModel.from_pretrained
+                self.peft.save_pretrained(tmp, state_dict={f"base_model.model.{k}": v for k, v in sd.items()})
+            else:
+                self.model.lm.save_pretrained(tmp, state_dict=sd)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             _replace_dir(tmp, path)
         dist.barrier()
 
     # ---- checkpoints ----------------------------------------------------------------------
-    def save(self, path: str) -> None:
+    def _state_dicts(self) -> tuple[dict, dict]:
+        """The model and optimizer state a checkpoint holds. LoRA: the adapters and their optimizer state only; the
+        frozen base is --hf-checkpoint's and is read from there again (a tied embedding would survive
+        ignore_frozen_params under its second name, so the model state is filtered by name)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.peft is not None:
+            keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in keep}
+        return model_sd, optim_sd
+
+    def save(self, path: str) -> None:
+        model_sd, optim_sd = self._state_dicts()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         extra = {"scheduler": self.scheduler.state_dict(), "cpu_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
@@ -451,10 +495,12 @@ class FSDPBackend:
             dcp.save({"model": get_model_state_dict(self.ref_model)}, checkpoint_id=os.path.join(path, "dcp_ref"))
 
     def load(self, path: str) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))  # a key the checkpoint lacks fails here (DCP is strict)
+        # LoRA: not strict, the base weights are not in the checkpoint and stay as --hf-checkpoint has them
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=self.peft is None))
         # A resume onto more ranks than saved reuses rank 0's scheduler and RNG-derived state
         rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"), weights_only=False)

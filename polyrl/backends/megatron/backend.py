@@ -518,7 +518,9 @@ class MegatronBackend:
             for n, p in self._named_params(a).items():
                 rp[n].copy_(self._local_tensor(p))
 
-    def save_hf(self, path: str, tokenizer=None) -> None:
+    def save_hf(self, path: str, tokenizer=None, *, adapter: bool = False) -> None:
+        if adapter:
+            raise ValueError("--save-hf-adapter writes LoRA adapters, which only --train-backend fsdp trains")
         sd = {}
         for name, t in self.export_weights():
             if dist.get_rank() == 0:
