@@ -8,6 +8,8 @@ arithmetic is the recording forward's, operation for operation.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_model_dir
 from polyrl.backends.routing_replay import MoERouting
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fsdp_worker import fixed_batch  # noqa: E402
 
 E, K, LAYERS = 8, 2, 2  # polyrl.tasks.arithmetic.build_model(arch="qwen3_moe"): 8 experts, top-2
 
@@ -24,18 +29,8 @@ def tiny_moe(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3_moe"), arch="qwen3_moe", layers=LAYERS)
 
 
-def _batch(n: int = 6, vocab: int = 14, seed: int = 0):
-    from polyrl.types import TrainBatch
-    g = torch.Generator().manual_seed(seed)
-    ids, plens, f = [], [], {"loss_mask": [], "advantages": [], "rollout_logprobs": []}
-    for i in range(n):
-        p, r = 3 + i % 3, 2 + (i * 3) % 4
-        ids.append(torch.randint(2, vocab, (p + r,), generator=g))
-        plens.append(p)
-        f["loss_mask"].append(torch.ones(r))
-        f["advantages"].append(torch.full((r,), 1.0 if i % 2 else -1.0))
-        f["rollout_logprobs"].append(torch.full((r,), -2.5))
-    return TrainBatch(ids, plens, f)
+def _batch(n: int = 6):
+    return fixed_batch(n)  # the FSDP equivalence tests' batch: mixed prompt/response lengths, +-1 advantages
 
 
 def _packed_forward(model, seqs: list[torch.Tensor]) -> torch.Tensor:

@@ -28,6 +28,14 @@ from polyrl.types import TrainBatch
 log = logging.getLogger(__name__)
 
 
+def response_hidden(lm: nn.Module, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs: dict) -> torch.Tensor:
+    """The HF decoder body's last hidden states at the positions that predict a response token: [R, H]."""
+    base = getattr(lm, lm.base_model_prefix)
+    hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                  use_cache=False, **attn_kwargs).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
+
+
 class PolicyModel(nn.Module):
     """Wraps an HF causal LM so one FSDP forward returns per-token log-probs (and entropy)
     of the targets, computed from hidden states in chunks: no [T, V] logits tensor."""
@@ -40,10 +48,7 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
                 with_entropy: bool = False, **attn_kwargs):
-        base = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=False, **attn_kwargs).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
+        hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
                                 with_entropy=with_entropy, compiled=self.compiled)
@@ -60,10 +65,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
                 with_entropy: bool = False, **attn_kwargs):
-        base = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=False, **attn_kwargs).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
+        hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
         return self.lm.score(hidden).squeeze(-1).float(), None  # no dropout: values are regression outputs
 
 
