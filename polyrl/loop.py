@@ -21,7 +21,7 @@ import time
 import torch
 
 from polyrl import runtime as rt
-from polyrl.algorithms.advantages import advantages_and_returns, needs_critic
+from polyrl.algorithms.advantages import KL_IN_REWARD_ESTIMATORS, advantages_and_returns, needs_critic
 from polyrl.algorithms.distill import opd_advantages, opd_metrics, opd_sums
 from polyrl.algorithms.losses import CriticSettings, LossSettings, critic_loss, explained_variance, rl_loss
 from polyrl.algorithms.shaping import overlong_penalty
@@ -66,7 +66,7 @@ class Run:
                          if cfg.data.eval_prompt_data else None)
         per_step = r.rollout_batch_size * r.n_samples_per_prompt
         self.n_minibatches = per_step // (cfg.batch.global_batch_size or per_step)
-        self.kl_in_reward = a.advantage_estimator in ("reinforce_plus_plus", "gae") and a.kl_coef > 0
+        self.kl_in_reward = a.advantage_estimator in KL_IN_REWARD_ESTIMATORS and a.kl_coef > 0
         self.need_ref = a.use_kl_loss or self.kl_in_reward
         self.opd = bool(cfg.model.opd_teacher_load)  # on-policy distillation: a teacher scores every sampled token
         self.backend = rt.build_backend(cfg, self.device, total_steps=r.num_rollout * self.n_minibatches, need_ref=self.need_ref,

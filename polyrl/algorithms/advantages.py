@@ -165,6 +165,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {
 }
 # estimators that read a critic's `values` and return (advantages, returns); the loop builds a critic for these only
 CRITIC_ESTIMATORS = frozenset({"gae"})
+# estimators that put a per-token KL penalty (--kl-coef) into the token rewards: the loop computes `kl` for these
+KL_IN_REWARD_ESTIMATORS = frozenset({"reinforce_plus_plus", "gae"})
 
 
 def needs_critic(name: str) -> bool:
