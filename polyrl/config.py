@@ -44,6 +44,10 @@ ADV_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus", "reinforce_p
 POLICY_LOSS_TYPES = ("ppo_clip", "cispo")  # polyrl.algorithms.losses.POLICY_LOSSES
 
 
+# Decoder families whose layers torch.compile once per micro-batch shape bucket and win back the time (bench/RESULTS.md).
+COMPILE_BY_DEFAULT = ("llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclass
 class ClusterConfig:
     train_backend: str = opt("fsdp", "training backend", TRAIN_BACKENDS)
@@ -265,7 +269,9 @@ class ModelConfig:
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
     compile: bool | None = opt(None, "torch.compile each decoder layer and the log-prob chunk (FSDP backend); default: on "
                                      "for CUDA (1.7x the train phase at the 1.5B shape, and it fits 16k-token micro-batches "
-                                     "that OOM eager), off on CPU; --no-compile turns it off")
+                                     "that OOM eager) with a dense attention decoder (llama / mistral / qwen2 / qwen3), off on CPU "
+                                     "and for other architectures (linear-attention and MoE layers recompile per shape); "
+                                     "--compile forces it on, --no-compile off")
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
@@ -287,9 +293,13 @@ class ModelConfig:
                                                           "has aux_loss and none)",
                                               ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
 
-    def compiled(self, device_type: str) -> bool:
-        """--compile / --no-compile, else on for CUDA only (the first step pays the compile time)."""
-        return self.compile if self.compile is not None else device_type == "cuda"
+    def compiled(self, device_type: str, model_type: str | None = None) -> bool:
+        """--compile / --no-compile, else on for CUDA with a dense attention decoder: the first step pays the compile
+        time, which the measured dense families win back within a few steps; Qwen3-Next's DeltaNet fallback loops and
+        HF MoE blocks' data-dependent expert shapes spend minutes in the compiler instead (seen on an H100)."""
+        if self.compile is not None:
+            return self.compile
+        return device_type == "cuda" and model_type in COMPILE_BY_DEFAULT
 
     lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning; FSDP backend, needs peft): only the adapters train, the "
                             "reference model is the base with the adapters off, engines get merged weights")

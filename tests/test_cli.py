@@ -316,3 +316,13 @@ def test_micro_batches_default_to_a_token_budget_on_gpu_and_8_samples_on_cpu():
     plans = plan_micro_batches(lens, **b.micro_batch_plan("cuda", max(lens)))
     assert len(plans) == 3 and sorted(i for p in plans for i in p) == list(range(128))
     assert all(sum(lens[i] for i in p) <= GPU_TOKEN_BUDGET for p in plans)
+
+
+def test_compile_defaults_on_for_dense_cuda_decoders_only():
+    from polyrl.config import ModelConfig
+    m = ModelConfig()
+    assert m.compiled("cuda", "qwen2") and m.compiled("cuda", "llama")
+    assert not m.compiled("cpu", "qwen2")
+    # Qwen3-Next's DeltaNet loops and HF MoE blocks spent minutes in the compiler on an H100: eager unless asked
+    assert not m.compiled("cuda", "qwen3_next") and not m.compiled("cuda", "qwen3_moe")
+    assert ModelConfig(compile=True).compiled("cpu", "qwen3_next") and not ModelConfig(compile=False).compiled("cuda", "qwen2")

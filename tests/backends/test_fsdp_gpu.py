@@ -81,7 +81,7 @@ def test_compiled_default_equals_eager(gpu_model):
     out = {}
     for c in (True, False):
         be = _backend(gpu_model, compile=None if c else False, micro_batch_size=3)
-        assert be.mcfg.compiled("cuda") is c
+        assert be.mcfg.compiled("cuda", "qwen3") is c
         lp = torch.cat(be.compute_logprobs(fixed_batch()))
         m = be.train_step(fixed_batch(), loss_fn)
         out[c] = lp, m, {n: t.float().cpu() for n, t in be.export_weights()}

@@ -220,7 +220,7 @@ class FSDPBackend:
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
-        compiled = self.mcfg.compiled(self.device.type)
+        compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None))
         if compiled:
             apply_compile(lm)
         root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=compiled)
