@@ -24,6 +24,10 @@ QWEN_SHAPES: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
 SHAPES = ("tiny", *QWEN_SHAPES)
 
@@ -86,7 +90,8 @@ def build_model_dir(out_dir: str, shape: str, *, seed: int = 0) -> dict[str, Any
                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
                           head_dim=s["hidden_size"] // s["num_attention_heads"])
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        # BF16 on disk, as released checkpoints are (the trainer loads FP32 masters from it): half the write at 7B
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.save_pretrained(out_dir)
         fixed = False
     else:

@@ -51,7 +51,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ContentionProbe, build_model_dir, wait_for_quiet, fmt, markdown_table, median, write_json  # noqa: E402
+from common import SHAPES, ContentionProbe, build_model_dir, wait_for_quiet, fmt, markdown_table, median, write_json  # noqa: E402
 
 FRAMEWORKS = ("polyrl", "trl", "trl-cb")
 DEFAULT_FRAMEWORKS = {"cpu": "polyrl,trl", "cuda": "polyrl,trl,trl-cb"}
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/compare_trl.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model-shape", choices=("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"), default="tiny",
+    p.add_argument("--model-shape", choices=SHAPES, default="tiny",
                    help="tiny: polyrl.tasks.arithmetic.build_model; qwen2.5-*: that shape, random weights (GPU)")
     p.add_argument("--frameworks", default=None,
                    help=f"comma list of {','.join(FRAMEWORKS)} (trl-cb: TRL + transformers continuous batching); "
