@@ -51,6 +51,9 @@ class EmbeddedEngine(InProcessEngine):
         self.max_batch = max_batch
         self.version = 0
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # sigmoid-routed MoE (DeepSeek-V3, GLM4-MoE): the router's correction bias is a buffer that the
+        # Megatron backend's export carries with the weights
+        self._params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias"))
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         from polyrl.backends.routing_replay import MoERouting

@@ -131,9 +131,7 @@ class MegatronBackend:
         mm.load_hf_weights(chunks, path, self.hf_config, config)
         if train:
             return mm.wrap_chunks(chunks, config, self.ddp_config)
-        from megatron.core.transformer.module import Float16Module
-        half = config.bf16 or config.fp16
-        out = [Float16Module(config, c) if half else c for c in chunks]
+        out = [mm.half_module(config, c) for c in chunks]
         for m in out:
             m.eval().requires_grad_(False)
         return out
@@ -142,7 +140,8 @@ class MegatronBackend:
         """transformers >= 5 keeps MoE experts stacked in memory; the rollout engine's parameter
         names are those, so export matches them."""
         from transformers import AutoModelForCausalLM
-        if not getattr(self.hf_config, "num_experts", None):
+        from polyrl.backends.megatron import bridge
+        if not bridge.num_experts(self.hf_config):
             return False
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(self.hf_config)
@@ -421,8 +420,10 @@ class MegatronBackend:
                 while n.startswith("module."):
                     n = n[len("module."):]
                 out[n] = p
+            out.update((n, b) for n, b in self.mm.bridge_tensors(self.mm.unwrap(chunk)).items() if n not in out
+                       and n.endswith("expert_bias"))
             return out
-        return dict(self.mm.unwrap(chunk).named_parameters())
+        return self.mm.bridge_tensors(self.mm.unwrap(chunk))
 
     def _megatron_stream(self, model: list) -> Iterator[tuple[str, torch.Tensor]]:
         """(megatron name with global layer and expert indices, full tensor) for every parameter,
@@ -433,7 +434,7 @@ class MegatronBackend:
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
         pp, pp_rank = self.dims.pp, ps.get_pipeline_model_parallel_rank()
-        n_exp = getattr(self.hf_config, "num_experts", 0) or 0
+        n_exp = bridge.num_experts(self.hf_config)
         per_ep = n_exp // self.dims.ep if n_exp else 0
         fsdp = self.ddp_config.use_megatron_fsdp
 
@@ -466,11 +467,11 @@ class MegatronBackend:
                                                       self.hf_config)
                         full = gather(t, ep_group) if expert else [t]
                     if pp > 1:
-                        box = [None if full is None else (tuple(full[0].shape), len(full))]
+                        box = [None if full is None else (tuple(full[0].shape), len(full), full[0].dtype)]
                         dist.broadcast_object_list(box, src=src, group=pp_group)
-                        shape, count = box[0]
+                        shape, count, dtype = box[0]  # (expert_bias stays fp32 in a bf16 model)
                         if full is None:
-                            full = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(count)]
+                            full = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(count)]
                         for t in full:
                             dist.broadcast(t, src=src, group=pp_group)
                     m = _LAYER.fullmatch(name)
@@ -514,7 +515,7 @@ class MegatronBackend:
             return
         mm = self.mm
         for a, r in zip(self.model, self.ref_model):
-            rp = dict(mm.unwrap(r).named_parameters())
+            rp = mm.bridge_tensors(mm.unwrap(r))
             for n, p in self._named_params(a).items():
                 rp[n].copy_(self._local_tensor(p))
 

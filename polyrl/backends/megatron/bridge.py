@@ -40,6 +40,31 @@ heads (hf_wrap.py runs each rank's heads), so its tensors are sliced per key-hea
     out_proj.weight     [H, nv*dv]                 row parallel (dim 1)
     norm.weight         [dv]                       replicated (shared by every head)
 
+DeepSeek-V3 (`mla`): megatron-core's own MLASelfAttention (local spec, its own RoPE) replaces linear_qkv:
+
+    self_attention.linear_q_down_proj.weight  [q_lora, H]            <- self_attn.q_a_proj.weight      col
+    self_attention.q_layernorm.weight         [q_lora]               <- self_attn.q_a_layernorm.weight
+    self_attention.linear_q_up_proj.weight    [n*(dn+dr), q_lora]    <- self_attn.q_b_proj.weight      col
+    self_attention.linear_kv_down_proj.weight [kv_lora+dr, H]        <- self_attn.kv_a_proj_with_mqa.weight  col
+    self_attention.kv_layernorm.weight        [kv_lora]              <- self_attn.kv_a_layernorm.weight
+    self_attention.linear_kv_up_proj.weight   [n*(dn+dv), kv_lora]   <- self_attn.kv_b_proj.weight     col
+(copied as is: megatron's per-head [nope | rope] and [k_nope | v] rows are HF's; the down projections
+are ColumnParallelLinear in the local spec, so they split over TP too and MLA gathers them). HF's
+`rope_interleave` (DeepSeek's interleaved rope pairs) is what megatron's MLA RoPE applies
+(`mla_rotary_interleaved`: de-interleave, then rotate-half), so no permutation is needed.
+
+Sigmoid-routed MoE (`sigmoid_router`: DeepSeek-V3, GLM4-MoE): HF's `mlp.gate.e_score_correction_bias`
+[E] (fp32) is megatron's `mlp.router.expert_bias` buffer (moe_router_enable_expert_bias, update rate 0:
+HF never moves it), and plain shared experts `mlp.shared_experts.{gate,up,down}_proj` are
+`mlp.shared_experts.linear_fc1/fc2` (no gate). Layers below `first_k_dense_replace` are dense.
+
+GLM4 dense (`post_norms`, `interleaved_rope`): the sandwich norms are
+`self_attention.post_layernorm.weight` <- `post_self_attn_layernorm.weight` and
+`mlp.post_layernorm.weight` <- `post_mlp_layernorm.weight` (model.py's PostNorm* modules), the fused
+`mlp.gate_up_proj.weight` is linear_fc1 as is, and GLM4's interleaved partial RoPE (pairs (2i, 2i+1) of
+the first r channels of each head) becomes polyrl's rotate-half RoPE by permuting those r rows of every
+q / k head (and bias) to [0, 2, .., r-2, 1, 3, .., r-1]: q.k is unchanged because q and k move together.
+
 Qwen3-Next's RMSNorms compute x_norm * (1 + w): the weight is
 stored as is and megatron's `layernorm_zero_centered_gamma` tells polyrl's norm to add the 1.
 
@@ -70,13 +95,21 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class _Family:
-    qkv_bias: bool  # q/k/v projections carry biases (megatron add_qkv_bias)
-    qk_norm: bool  # per-head RMSNorm on q and k (megatron qk_layernorm)
+    # a bool, or the HF config attribute that decides it (GLM: attention_bias, use_qk_norm)
+    qkv_bias: bool | str  # q/k/v projections carry biases (megatron add_qkv_bias)
+    qk_norm: bool | str  # per-head RMSNorm on q and k (megatron qk_layernorm)
     moe: bool
     # HF layer type -> HF attribute of the token mixer that hf_wrap.py runs as is (empty: megatron's attention)
     mixers: tuple[tuple[str, str], ...] = ()
     zero_centered_norm: bool = False  # RMSNorm output x_norm * (1 + w) (megatron layernorm_zero_centered_gamma)
-    shared_expert: bool = False  # MoE layers add a sigmoid-gated shared expert (megatron moe_shared_expert_gate)
+    # MoE layers add a shared expert: "gated" (Qwen3-Next mlp.shared_expert * sigmoid(shared_expert_gate),
+    # megatron moe_shared_expert_gate) or "plain" (DeepSeek / GLM mlp.shared_experts, added as is)
+    shared_expert: str = ""
+    mla: bool = False  # multi-latent attention (megatron MLASelfAttention)
+    sigmoid_router: bool = False  # sigmoid scores + e_score_correction_bias, group-limited top-k, scaling
+    post_norms: bool = False  # GLM4 sandwich norms after attention and MLP
+    interleaved_rope: bool = False  # HF rotates channel pairs (2i, 2i+1): q/k rows are permuted (docstring)
+    fused_gate_up: bool = False  # HF dense MLP stores [gate; up] as one mlp.gate_up_proj
 
 
 FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between supported decoders
@@ -86,9 +119,34 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
     "qwen3_moe": _Family(qkv_bias=False, qk_norm=True, moe=True),  # Qwen3MoeForCausalLM
     # Qwen3NextForCausalLM: gated DeltaNet and gated full attention run as HF modules; dense or sparse
     # MLPs (routed experts + gated shared expert) are megatron's
-    "qwen3_next": _Family(qkv_bias=False, qk_norm=False, moe=True, zero_centered_norm=True, shared_expert=True,
+    "qwen3_next": _Family(qkv_bias=False, qk_norm=False, moe=True, zero_centered_norm=True, shared_expert="gated",
                           mixers=(("linear_attention", "linear_attn"), ("full_attention", "self_attn"))),
+    # DeepseekV3ForCausalLM: MLA, sigmoid router with bias-based balancing, shared experts, first dense layers
+    "deepseek_v3": _Family(qkv_bias=False, qk_norm=False, moe=True, mla=True, sigmoid_router=True,
+                           shared_expert="plain"),
+    # Glm4MoeForCausalLM (GLM-4.5 / 4.6): GQA with q/k/v bias and partial rotate-half RoPE, DeepSeek-style MoE
+    "glm4_moe": _Family(qkv_bias="attention_bias", qk_norm="use_qk_norm", moe=True, sigmoid_router=True,
+                        shared_expert="plain"),
+    # Glm4ForCausalLM (GLM-4-0414): sandwich norms, fused gate_up MLP, interleaved partial RoPE
+    "glm4": _Family(qkv_bias="attention_bias", qk_norm=False, moe=False, post_norms=True, interleaved_rope=True,
+                    fused_gate_up=True),
 }
+
+_SUPPORTED = ("LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
+              "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Glm4ForCausalLM")
+
+
+def _flag(cfg: Any, value: bool | str) -> bool:
+    return bool(getattr(cfg, value, False)) if isinstance(value, str) else value
+
+
+def num_experts(cfg: Any) -> int:
+    """Routed experts per MoE layer (Qwen: num_experts, DeepSeek / GLM: n_routed_experts); 0 if dense."""
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0)
+
+
+def _rope_params(cfg: Any) -> dict:
+    return dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
 
 
 def _family(cfg: Any) -> _Family:
@@ -97,11 +155,11 @@ def _family(cfg: Any) -> _Family:
         raise ValueError(
             f"megatron bridge: unsupported model_type {getattr(cfg, 'model_type', None)!r} "
             f"(architectures={getattr(cfg, 'architectures', None)}); supported model types: "
-            f"{sorted(FAMILIES)} (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-            "Qwen3MoeForCausalLM, Qwen3NextForCausalLM)"
+            f"{sorted(FAMILIES)} ({_SUPPORTED})"
         )
     # Variants the name map cannot express: refuse rather than build a silently different model.
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+    # (GLM's attention_bias puts biases on q/k/v only, which add_qkv_bias expresses)
+    if (getattr(cfg, "attention_bias", False) and fam.qkv_bias != "attention_bias") or getattr(cfg, "mlp_bias", False):
         raise ValueError("megatron bridge: attention_bias / mlp_bias variants are not supported")
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         raise ValueError("megatron bridge: sliding-window attention layers are not supported")
@@ -111,6 +169,24 @@ def _family(cfg: Any) -> _Family:
         unknown = set(cfg.layer_types) - {t for t, _ in fam.mixers}
         if unknown:
             raise ValueError(f"megatron bridge: Qwen3-Next layer types {sorted(unknown)} are not supported")
+    if fam.mla:
+        if cfg.q_lora_rank is None:
+            raise ValueError("megatron bridge: DeepSeek MLA without q_lora_rank (q_proj, DeepSeek-V2-Lite style) is "
+                             "not supported: megatron-core's local MLA spec has no un-normalised q projection")
+        if not getattr(cfg, "rope_interleave", True):
+            raise ValueError("megatron bridge: DeepSeek rope_interleave=False is not supported (megatron's MLA "
+                             "RoPE de-interleaves its rope channels, as HF does with rope_interleave=True)")
+    rope = _rope_params(cfg).get("rope_type", "default")
+    if (fam.mla or fam.interleaved_rope) and rope not in (("default", "yarn") if fam.mla else ("default",)):
+        raise ValueError(f"megatron bridge: {cfg.model_type} with rope_type {rope!r} is not supported")
+    if fam.sigmoid_router and num_experts(cfg):
+        if cfg.num_experts_per_tok > 1 and not cfg.norm_topk_prob:
+            raise ValueError("megatron bridge: sigmoid routing with norm_topk_prob=False is not supported "
+                             "(megatron-core always renormalises the top-k sigmoid scores)")
+        if (cfg.n_group or 1) > 1 and cfg.num_experts_per_tok // cfg.topk_group != 2:
+            raise ValueError(f"megatron bridge: group-limited routing scores a group by its top-2 experts in HF and by "
+                             f"its top-(num_experts_per_tok / topk_group) in megatron-core; num_experts_per_tok "
+                             f"{cfg.num_experts_per_tok} / topk_group {cfg.topk_group} must be 2")
     return fam
 
 
@@ -134,12 +210,14 @@ def _num_query_groups(cfg: Any) -> int:
 
 
 def is_moe_layer(cfg: Any, layer: int) -> bool:
-    """Same rule as transformers' Qwen3MoeDecoderLayer (mlp_only_layers, decoder_sparse_step)."""
-    if not _family(cfg).moe:
+    """Same rule as transformers' decoder layers: Qwen3MoeDecoderLayer (mlp_only_layers,
+    decoder_sparse_step), DeepSeek-V3 / GLM4-MoE (dense below first_k_dense_replace)."""
+    if not _family(cfg).moe or not num_experts(cfg):
         return False
+    if getattr(cfg, "first_k_dense_replace", None) is not None:
+        return layer >= cfg.first_k_dense_replace
     return (
         layer not in (getattr(cfg, "mlp_only_layers", None) or [])
-        and cfg.num_experts > 0
         and (layer + 1) % cfg.decoder_sparse_step == 0
     )
 
@@ -165,17 +243,19 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=fam.qkv_bias,
-        qk_layernorm=fam.qk_norm,
+        add_qkv_bias=_flag(cfg, fam.qkv_bias),
+        qk_layernorm=_flag(cfg, fam.qk_norm),
         hidden_dropout=0.0,  # HF decoders have no residual dropout
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0)),
         init_method_std=cfg.initializer_range,
         layernorm_zero_centered_gamma=fam.zero_centered_norm,
     )
+    if fam.mla:
+        kw.update(_mla_kwargs(cfg))
     if any(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):  # (all-dense Qwen3-Next: none)
         aux = bool(getattr(cfg, "output_router_logits", False))  # HF only adds aux loss when set
         kw.update(
-            num_moe_experts=cfg.num_experts,
+            num_moe_experts=num_experts(cfg),
             moe_ffn_hidden_size=cfg.moe_intermediate_size,
             moe_router_topk=cfg.num_experts_per_tok,
             moe_router_score_function="softmax",
@@ -187,9 +267,45 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
             moe_aux_loss_coeff=float(cfg.router_aux_loss_coef) if aux else 0.0,
             moe_grouped_gemm=False,  # the local spec builds SequentialMLP experts
         )
-        if fam.shared_expert:  # HF: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        if fam.shared_expert == "gated":  # HF: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             kw.update(moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                       moe_shared_expert_gate=True)
+        if fam.shared_expert == "plain" and getattr(cfg, "n_shared_experts", 0):  # HF: experts + shared(x)
+            kw.update(moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
+        if fam.sigmoid_router:
+            grouped = (cfg.n_group or 1) > 1
+            kw.update(
+                # HF (DeepseekV3TopkRouter): sigmoid(logits) in fp32; experts chosen by score + bias (within
+                # the topk_group best groups); weights = unbiased scores renormalised, times routed_scaling_factor
+                moe_router_score_function="sigmoid", moe_router_dtype="fp32", moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0,  # HF's bias is a fixed buffer: RL must not move it (nor FSDP)
+                moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor),
+                moe_router_num_groups=cfg.n_group if grouped else None,
+                moe_router_group_topk=cfg.topk_group if grouped else None,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # HF adds no aux loss here
+            )
+    return kw
+
+
+def _mla_kwargs(cfg: Any) -> dict[str, Any]:
+    """MLATransformerConfig fields of a DeepSeek-V3 config (RoPE: megatron's MLA applies its own)."""
+    rope = _rope_params(cfg)
+    kw: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_layernorm=True,  # MLA: q_a_layernorm / kv_a_layernorm on the compressed latents
+        num_query_groups=cfg.num_attention_heads, kv_channels=cfg.v_head_dim,
+        rotary_base=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))), rotary_percent=1.0,
+        apply_rope_fusion=False,
+    )
+    if rope.get("rope_type", "default") == "yarn":  # mapped field by field; parity proven on default RoPE only
+        kw.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
+                  original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                  beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
+                  mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+    else:  # scale factor 1: MLA's softmax scale is then 1/sqrt(qk_head_dim), as HF's
+        kw.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     return kw
 
 
@@ -209,8 +325,10 @@ def gpt_model_kwargs(
         vocab_size=padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_position_embeddings,
         # RoPE is not megatron's: polyrl's core attention applies the HF model's own rotary tables
-        # (thd.PackedRope; HF-wrapped attention applies its own), for every HF rope type
-        position_embedding_type="none",
+        # (thd.PackedRope; HF-wrapped attention applies its own), for every HF rope type. MLA is the
+        # exception: megatron's MLASelfAttention applies its own RoPE to its rope channels ("rope" makes
+        # GPTModel add none of its own under MLA, and tells the backend not to add polyrl's)
+        position_embedding_type="rope" if _family(cfg).mla else "none",
         share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
     )
 
@@ -247,7 +365,10 @@ def _pad_vocab(t: Tensor, padded: int) -> Tensor:
 # Tensor parallelism
 
 
-_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+                    # MLA: every projection is a ColumnParallelLinear in the local spec (heads, or latent channels)
+                    "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+                    "linear_kv_up_proj.weight")
 # Qwen3-Next gated DeltaNet parameter -> how it splits over TP by heads (see the module docstring).
 # Its names are unique to the DeltaNet among wrapped modules (the gated attention has q/k/v/o_proj).
 GDN_TP: dict[str, str] = {"in_proj_qkvz.weight": "col", "in_proj_ba.weight": "col", "A_log": "col",
@@ -338,7 +459,7 @@ def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
 # ---------------------------------------------------------------------------------------------
 # Name map. A rule is (mcore name, HF names, kind); kind says how HF tensors merge into one.
 
-_Rule = tuple[str, tuple[str, ...], str]  # kind: copy | qkv | glu | vocab
+_Rule = tuple[str, tuple[str, ...], str]  # kind: copy | qkv | qkv_rope (permuted q/k) | glu | vocab
 
 
 def _layer_rules(
@@ -354,38 +475,74 @@ def _layer_rules(
     if mixer is not None:  # the HF module's own parameters, renamed under the wrapper, 1:1
         hp = f"{h}{mixer}."
         rules += [(f"{a}hf.{n[len(hp):]}", (n,), "copy") for n in hf_names if n.startswith(hp)]
+    elif fam.mla:
+        rules += [(a + mc, (sa + hf,), "copy") for mc, hf in _MLA_NAMES]
     else:
-        rules.append((a + "linear_qkv.weight", tuple(f"{sa}{p}_proj.weight" for p in "qkv"), "qkv"))
-        if fam.qkv_bias:
-            rules.append((a + "linear_qkv.bias", tuple(f"{sa}{p}_proj.bias" for p in "qkv"), "qkv"))
-        if fam.qk_norm:
+        qkv = "qkv_rope" if fam.interleaved_rope else "qkv"
+        rules.append((a + "linear_qkv.weight", tuple(f"{sa}{p}_proj.weight" for p in "qkv"), qkv))
+        if _flag(cfg, fam.qkv_bias):
+            rules.append((a + "linear_qkv.bias", tuple(f"{sa}{p}_proj.bias" for p in "qkv"), qkv))
+        if _flag(cfg, fam.qk_norm):
             rules += [
                 (a + "q_layernorm.weight", (sa + "q_norm.weight",), "copy"),
                 (a + "k_layernorm.weight", (sa + "k_norm.weight",), "copy"),
             ]
         rules.append((a + "linear_proj.weight", (sa + "o_proj.weight",), "copy"))
+    if fam.post_norms:
+        rules += [(a + "post_layernorm.weight", (h + "post_self_attn_layernorm.weight",), "copy"),
+                  (m + "mlp.post_layernorm.weight", (h + "post_mlp_layernorm.weight",), "copy")]
     rules.append((m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"))
     if is_moe_layer(cfg, layer):
         rules.append((m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy"))
+        if fam.sigmoid_router:  # a buffer on both sides (fp32)
+            rules.append((m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy"))
         for i, e in experts:
             me, he = f"{m}mlp.experts.local_experts.{i}.", f"{h}mlp.experts.{e}."
             rules += [
                 (me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "glu"),
                 (me + "linear_fc2.weight", (he + "down_proj.weight",), "copy"),
             ]
-        if fam.shared_expert:
-            ms, hs = m + "mlp.shared_experts.", h + "mlp.shared_expert."
+        if fam.shared_expert == "gated" or (fam.shared_expert and getattr(cfg, "n_shared_experts", 0)):
+            ms = m + "mlp.shared_experts."
+            hs = h + ("mlp.shared_expert." if fam.shared_expert == "gated" else "mlp.shared_experts.")
             rules += [
                 (ms + "linear_fc1.weight", (hs + "gate_proj.weight", hs + "up_proj.weight"), "glu"),
                 (ms + "linear_fc2.weight", (hs + "down_proj.weight",), "copy"),
-                (ms + "gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy"),  # both [1, H]
             ]
+            if fam.shared_expert == "gated":
+                rules.append((ms + "gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy"))  # both [1, H]
+    elif fam.fused_gate_up:  # [gate; up] already: megatron's fc1 layout
+        rules += [
+            (m + "mlp.linear_fc1.weight", (h + "mlp.gate_up_proj.weight",), "copy"),
+            (m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"),
+        ]
     else:
         rules += [
             (m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu"),
             (m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"),
         ]
     return rules
+
+
+# megatron MLASelfAttention name -> HF DeepseekV3Attention name (module docstring)
+_MLA_NAMES = (("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.weight", "q_a_layernorm.weight"),
+              ("linear_q_up_proj.weight", "q_b_proj.weight"), ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+              ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight"),
+              ("linear_proj.weight", "o_proj.weight"))
+
+
+def rope_pair_permutation(cfg: Any) -> Tensor:
+    """Per-head row order that turns interleaved RoPE pairs (2i, 2i+1) of the first r = head_dim *
+    partial_rotary_factor channels into rotate-half halves (i, i + r/2): [0, 2, .., r-2, 1, 3, .., r-1,
+    r, .., head_dim-1]. Applied to the q and k rows of every head, it is exact (a permutation)."""
+    hd = _head_dim(cfg)
+    r = int(hd * _rope_params(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, hd)])
+
+
+def _permute_heads(t: Tensor, perm: Tensor) -> Tensor:
+    tail = t.shape[1:]
+    return t.reshape(-1, perm.numel(), *tail)[:, perm].reshape(-1, *tail)
 
 
 _HF_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -436,7 +593,7 @@ def hf_to_mcore(
     if layer_range is None:
         layer_range = pp_layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    experts = list(enumerate(expert_range(cfg.num_experts, ep_rank, ep_size))) if fam.moe else []
+    experts = list(enumerate(expert_range(num_experts(cfg), ep_rank, ep_size))) if num_experts(cfg) else []
     vocab = padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by)
 
     rules: list[_Rule] = []
@@ -455,7 +612,10 @@ def hf_to_mcore(
     out: dict[str, Tensor] = {}
     for name, hf_names, kind in rules:
         parts = [_hf_get(hf_state, n) for n in hf_names]
-        if kind == "qkv":
+        if kind == "qkv_rope":  # q, k: rope pairs to rotate-half order; v as is
+            perm = rope_pair_permutation(cfg)
+            parts = [_permute_heads(parts[0], perm), _permute_heads(parts[1], perm), parts[2]]
+        if kind in ("qkv", "qkv_rope"):
             full = fuse_qkv(*parts, _num_query_groups(cfg))
         elif kind == "glu":
             full = torch.cat(parts)
@@ -529,13 +689,16 @@ def mcore_to_hf(
             key = f"model.layers.{layer}.mlp.experts.{stacked}"
             bucket = pending.setdefault(key, {})
             bucket[int(expert[1]) + expert_offset] = tensor
-            if len(bucket) == cfg.num_experts:
-                yield key, torch.stack([bucket[e] for e in range(cfg.num_experts)])
+            if len(bucket) == num_experts(cfg):
+                yield key, torch.stack([bucket[e] for e in range(num_experts(cfg))])
                 del pending[key]
             continue
 
-        if kind == "qkv":
+        if kind in ("qkv", "qkv_rope"):
             parts: Sequence[Tensor] = split_qkv(tensor, nq, ng)
+            if kind == "qkv_rope":
+                inv = torch.argsort(rope_pair_permutation(cfg))
+                parts = [_permute_heads(parts[0], inv), _permute_heads(parts[1], inv), parts[2]]
         elif kind == "glu":
             parts = tensor.chunk(2, dim=0)
         elif kind == "vocab":

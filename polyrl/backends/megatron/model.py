@@ -14,6 +14,7 @@ those of this model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import logging
@@ -36,7 +37,9 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from polyrl.backends.megatron import bridge, compat, thd
@@ -134,16 +137,54 @@ class VarlenCoreAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-def _patch_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+class PostNormSelfAttention(SelfAttention):
+    """SelfAttention followed by an RMSNorm of its output before the residual add (GLM4's
+    post_self_attn_layernorm; megatron-core's TransformerLayer has no such norm). The output is
+    whole over TP (after linear_proj's reduce) or sequence-sharded under SP, as HFRMSNorm expects."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.post_layernorm = HFRMSNorm(self.config, self.config.hidden_size, eps=self.config.layernorm_epsilon)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        out, bias = super().forward(*args, **kwargs)
+        return self.post_layernorm(out if bias is None else out + bias), None
+
+
+class PostNormMLP(MLP):
+    """MLP followed by an RMSNorm of its output (GLM4's post_mlp_layernorm)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.post_layernorm = HFRMSNorm(self.config, self.config.hidden_size, eps=self.config.layernorm_epsilon)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        out, bias = super().forward(*args, **kwargs)
+        return self.post_layernorm(out if bias is None else out + bias), None
+
+
+def _norm(spec, cls):
+    return spec if spec in (None, IdentityOp) else cls
+
+
+def _patch_layer_spec(spec: ModuleSpec, post_norms: bool = False) -> ModuleSpec:
     sub = spec.submodules
     attn = sub.self_attention
     a = attn.submodules
-    a = dataclasses.replace(
-        a, core_attention=VarlenCoreAttention,
-        q_layernorm=a.q_layernorm if a.q_layernorm in (None, IdentityOp) else HFQKNorm,
-        k_layernorm=a.k_layernorm if a.k_layernorm in (None, IdentityOp) else HFQKNorm)
-    sub = dataclasses.replace(sub, input_layernorm=HFRMSNorm, pre_mlp_layernorm=HFRMSNorm,
-                              self_attention=dataclasses.replace(attn, submodules=a))
+    if hasattr(a, "kv_layernorm"):  # MLA: norms of the compressed q / kv latents, shaped like the hidden states
+        a = dataclasses.replace(a, core_attention=VarlenCoreAttention, q_layernorm=_norm(a.q_layernorm, HFRMSNorm),
+                                kv_layernorm=_norm(a.kv_layernorm, HFRMSNorm))
+    else:
+        a = dataclasses.replace(a, core_attention=VarlenCoreAttention, q_layernorm=_norm(a.q_layernorm, HFQKNorm),
+                                k_layernorm=_norm(a.k_layernorm, HFQKNorm))
+    attn = dataclasses.replace(attn, submodules=a)
+    mlp = sub.mlp
+    if post_norms:
+        if attn.module is not SelfAttention or getattr(mlp, "func", None) != MLP.as_mlp_submodule:
+            raise ValueError("post norms (GLM4) need megatron's dense SelfAttention and MLP layer spec")
+        attn = dataclasses.replace(attn, module=PostNormSelfAttention)
+        mlp = functools.partial(PostNormMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    sub = dataclasses.replace(sub, input_layernorm=HFRMSNorm, pre_mlp_layernorm=HFRMSNorm, self_attention=attn, mlp=mlp)
     return dataclasses.replace(spec, submodules=sub)
 
 
@@ -152,7 +193,8 @@ def layer_spec(config: TransformerConfig, vp_stage: int | None, hf_config=None):
     and core attention swapped through the ModuleSpec mechanism. Model types whose bridge family
     names HF mixers (Qwen3-Next) get their HF token mixers wrapped instead (hf_wrap.py)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
-    specs = [_patch_layer_spec(s) for s in block.layer_specs]
+    post_norms = hf_config is not None and bridge.FAMILIES[hf_config.model_type].post_norms
+    specs = [_patch_layer_spec(s, post_norms) for s in block.layer_specs]
     if hf_config is not None and bridge.FAMILIES[hf_config.model_type].mixers:
         from polyrl.backends.megatron import hf_wrap
         specs = hf_wrap.wrap_layer_specs(specs, hf_config)
@@ -197,7 +239,13 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         sp = True
     if hf_config.num_hidden_layers % dims.pp:
         raise ValueError(f"--pipeline-model-parallel-size {dims.pp} must divide the model's {hf_config.num_hidden_layers} layers")
-    return TransformerConfig(
+    cls = TransformerConfig
+    if kw.get("multi_latent_attention"):
+        cls = MLATransformerConfig
+        if dims.cp > 1:  # MLA applies megatron's RoPE per packed sequence: its CP chunk layout is unproven here
+            raise ValueError(f"{hf_config.model_type} (multi-latent attention) with --context-parallel-size > 1 is not "
+                             "supported; use --context-parallel-size 1")
+    return cls(
         **kw,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=dims.cp,
@@ -285,6 +333,14 @@ class _CriticCheckpoint(Mapping):
         return len(self.hf)
 
 
+def bridge_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the bridge maps: parameters, plus the routers' expert_bias buffers (sigmoid-routed
+    MoE: HF's e_score_correction_bias, fixed in training, loaded and exported with the weights)."""
+    out = dict(module.named_parameters())
+    out.update((n, b) for n, b in module.named_buffers() if n.endswith("router.expert_bias"))
+    return out
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: TransformerConfig) -> None:
     """Each rank reads only its own TP / PP / EP slice of the safetensors checkpoint. A critic's value head
@@ -302,7 +358,7 @@ def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: Tran
             pp_rank=pp_rank, pp_size=pp_size, layer_range=range(off, off + len(m.decoder.layers)),
             ep_rank=ps.get_expert_model_parallel_rank(), ep_size=config.expert_model_parallel_size,
             etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=config.expert_tensor_parallel_size)
-        params = {n: p for n, p in m.named_parameters() if not n.startswith(VALUE_HEAD + ".")}
+        params = {n: p for n, p in bridge_tensors(m).items() if not n.startswith(VALUE_HEAD + ".")}
         head = getattr(m, VALUE_HEAD, None)
         if head is not None:
             for k in ("weight", "bias"):
@@ -360,9 +416,21 @@ def ddp_config(mg) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(**kw)
 
 
+def half_module(config: TransformerConfig, m: GPTModel):
+    """Float16Module(m), keeping the routers' fp32 expert_bias exact: Float16Module casts every buffer,
+    and megatron's router only casts expert_bias back to fp32 (already rounded) in its forward."""
+    if not (config.bf16 or config.fp16):
+        return m
+    keep = {n: b.clone() for n, b in m.named_buffers() if n.endswith("router.expert_bias")}
+    out = Float16Module(config, m)  # m itself, cast in place
+    for n, t in keep.items():
+        m.get_submodule(n.rsplit(".", 1)[0]).expert_bias = t  # a registered buffer: assignment replaces it
+    return out
+
+
 def wrap_chunks(chunks: list[GPTModel], config: TransformerConfig, dcfg: DistributedDataParallelConfig) -> list:
     """Float16Module (bf16/fp16 params) then DDP or Megatron-FSDP, as megatron's get_model does."""
-    wrapped = [Float16Module(config, m) if (config.bf16 or config.fp16) else m for m in chunks]
+    wrapped = [half_module(config, m) for m in chunks]
     if dcfg.use_megatron_fsdp:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 

@@ -2,6 +2,7 @@
 (megatron's parallel state is rebuilt per layout) and prints one JSON line per check.
 
     python tests/backends/megatron/harness.py models OUT_DIR
+    python tests/backends/megatron/harness.py families OUT_DIR      (deepseek_v3, glm4_moe, glm4)
     python tests/backends/megatron/harness.py fsdp-ref MODEL_DIR OUT.pt            (1 process)
     torchrun --nproc-per-node N tests/backends/megatron/harness.py layouts MODEL_DIR REF.pt \
         --layouts "tp=2;pp=2;cp=2;tp=2,pp=2,vpp=1" [--checks logprobs,export,grad]
@@ -89,6 +90,54 @@ def build_models(out: str) -> dict[str, str]:
                     p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
                 else:
                     p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
+        d = os.path.join(out, fam)
+        model.save_pretrained(d)
+        made[fam] = d
+    return made
+
+
+BRIDGE_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4")
+
+
+def build_bridge_families(out: str) -> dict[str, str]:
+    """Tiny DeepSeek-V3 (MLA, sigmoid router with e_score_correction_bias, 2 expert groups, shared expert),
+    GLM4-MoE (q/k/v bias, qk-norm, partial rotate-half RoPE) and GLM4 dense (sandwich norms, interleaved
+    partial RoPE): 4 layers, layer 0 dense in the MoE ones (first_k_dense_replace=1). Default RoPE (no
+    yarn: the parity claim covers megatron's plain MLA RoPE). Weights random as in build_models; the
+    routers' correction bias N(0, 0.3) so it changes choices."""
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig,
+                              Glm4MoeForCausalLM)
+    common = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    moe = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+               n_shared_experts=1, norm_topk_prob=True)
+    made = {}
+    for fam in BRIDGE_FAMILIES:
+        if fam == "deepseek_v3":
+            cfg, cls = DeepseekV3Config(**common, **moe, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=32,
+                                        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                        routed_scaling_factor=2.5), DeepseekV3ForCausalLM
+        elif fam == "glm4_moe":
+            cfg, cls = Glm4MoeConfig(**common, **moe, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                     use_qk_norm=True, n_group=1, topk_group=1, routed_scaling_factor=1.5), Glm4MoeForCausalLM
+        else:
+            cfg, cls = Glm4Config(**common, num_key_value_heads=2, head_dim=16, attention_bias=True, pad_token_id=0,
+                                  eos_token_id=1), Glm4ForCausalLM
+        torch.manual_seed(0)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+                elif "lm_head" in name:
+                    p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
+                elif "embed_tokens" in name:
+                    p.normal_(std=1.0)
+                else:  # stacked experts [E, out, in] too
+                    p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(std=0.3)
         d = os.path.join(out, fam)
         model.save_pretrained(d)
         made[fam] = d
@@ -242,7 +291,8 @@ def check_layout(model_dir: str, ref: dict, text: str, checks: set[str]) -> None
         for name, t in be.export_weights():
             got.add(name)
             n += 1
-            if name not in hf or not torch.equal(t.cpu(), hf[name]):
+            # (a router's expert_bias stays fp32 in a bf16 model, as HF's e_score_correction_bias)
+            if name not in hf or not torch.equal(t.cpu().to(hf[name].dtype), hf[name]):
                 bad.append(name)
         expected = set(hf) - ({"lm_head.weight"} if be.hf_config.tie_word_embeddings else set())
         missing = sorted(expected - got)
@@ -542,6 +592,8 @@ def main() -> None:
         faulthandler.dump_traceback_later(HANG_DUMP, exit=True)
     if a.mode == "models":
         print(json.dumps(build_models(a.arg1)))
+    elif a.mode == "families":
+        print(json.dumps(build_bridge_families(a.arg1)))
     elif a.mode == "fsdp-ref":
         mode_fsdp_ref(a.arg1, a.arg2)
     elif a.mode == "layouts":

@@ -277,3 +277,36 @@ def test_ppo_critic_value_loss_megatron_tp1_matches_fsdp(tmp_path):
 def test_ppo_critic_value_loss_megatron_tp2_matches_fsdp(tmp_path):
     _need(2)
     _critic_parity(tmp_path, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def family_refs32(tmp_path_factory):
+    """DeepSeek-V3 / GLM4-MoE / GLM4 tiny models (harness `families`) and their FP32 FSDP references."""
+    _need(1)
+    d = tmp_path_factory.mktemp("fam")
+    _run(["families", str(d / "m")])
+    fams = ("deepseek_v3", "glm4_moe", "glm4")
+    return (",".join(str(d / "m" / f) for f in fams), ",".join(str(d / f"ref32_{f}.pt") for f in fams))
+
+
+@pytest.mark.gpu
+def test_fp32_tp1_new_families_load_export_parity(family_refs32):
+    """Each new bridge family loads into megatron-core (native MLA / SelfAttention with post norms,
+    sigmoid-routed MoELayer with expert bias and shared experts), exports back bit-exactly, and matches
+    the FSDP backend's log-probs and grad norm in FP32 at TP=1."""
+    models, ref = family_refs32
+    _run(["fsdp-ref", models, ref, "--fp32"])
+    _assert_ok(_run(["layouts", "--models", models, "--refs", ref, "--layouts", "tp=1", "--fp32"], nproc=1), 9)
+
+
+@pytest.mark.multigpu
+def test_fp32_deepseek_v3_ep2_and_glm4_tp2(family_refs32):
+    """DeepSeek-V3 at EP=2 (experts and their bias-based routing split over 2 GPUs) and TP=2 (MLA's
+    down / up projections column parallel, MoE with sequence parallelism), GLM4 dense at TP=2 (post norms
+    under TP), against FP32 FSDP: log-probs, exact export, grad norm."""
+    _need(2)
+    models, ref = family_refs32
+    m, r = models.split(","), ref.split(",")
+    _run(["fsdp-ref", f"{m[0]},{m[2]}", f"{r[0]},{r[2]}", "--fp32"])
+    _assert_ok(_run(["layouts", "--models", m[0], "--refs", r[0], "--layouts", "ep=2;tp=2", "--fp32"], nproc=2), 6)
+    _assert_ok(_run(["layouts", "--models", m[2], "--refs", r[2], "--layouts", "tp=2", "--fp32"], nproc=2), 3)
