@@ -184,3 +184,27 @@ def test_routed_experts_need_an_moe_model(tiny_model, moe_dir):
     assert not dense.reports_routed_experts and engine(moe_dir).reports_routed_experts
     with pytest.raises(ValueError, match="no MoE router"):
         dense.generate([[3, 4]], SamplingParams(max_new_tokens=2, return_routed_experts=True))
+
+
+def test_polyrl_serve_returns_the_gpu_paths_routes(moe_dir):
+    """`polyrl serve` around this engine answers return_routed_experts with SGLang's payload (base64 of int32
+    [tokens - 1, layers, k]) holding the engine's routes."""
+    import base64
+
+    from polyrl.config import ServerConfig
+    from polyrl.rollout.http_client import HTTPClient
+    from polyrl.rollout.server import ServerThread
+    e = engine(moe_dir)
+    st = ServerThread(e, ServerConfig(port=0, max_request_bytes=1 << 20, batch_wait_ms=5), model_path=moe_dir, seed=0)
+    http = HTTPClient()
+    try:
+        prompt = prompts(e)[0]
+        out = http.call(st.url, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "sampling_seed": 1},
+                                              "return_routed_experts": True}, timeout=60)
+    finally:
+        http.close()
+        st.stop()
+    tokens = prompt + out["output_ids"]
+    raw = base64.b64decode(out["meta_info"]["routed_experts"].encode("ascii"))
+    routes = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(len(tokens) - 1, LAYERS, K)
+    assert_routes_match(routes.to(torch.int16), reference(moe_dir), tokens)
