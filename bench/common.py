@@ -29,7 +29,14 @@ QWEN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
-SHAPES = ("tiny", *QWEN_SHAPES)
+# Qwen3-MoE-shaped (Qwen3-30B-A3B's layout: 8 of many small experts per token, q/k norm), scaled down to ~1.1B
+# parameters (~0.3B active) so a benchmark builds and runs in a minute or two.
+QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-moe-1b": dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_experts=64,
+                         num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=16,
+                         num_key_value_heads=4, head_dim=64, vocab_size=151936, tie_word_embeddings=True),
+}
+SHAPES = ("tiny", *QWEN_SHAPES, *QWEN3_MOE_SHAPES)
 
 
 def char_tokenizer(vocab_size: int | None = None, out_dir: str | None = None):
@@ -83,6 +90,16 @@ def build_model_dir(out_dir: str, shape: str, *, seed: int = 0) -> dict[str, Any
         from polyrl.tasks.arithmetic import build_model
         model, _ = build_model(out_dir, seed=seed)
         fixed = fix_decoder(out_dir)
+    elif shape in QWEN3_MOE_SHAPES:
+        from transformers import Qwen3MoeConfig
+        s = QWEN3_MOE_SHAPES[shape]
+        tok = char_tokenizer(s["vocab_size"], out_dir)
+        cfg = Qwen3MoeConfig(**s, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # BF16 on disk: half the write
+        model.save_pretrained(out_dir)
+        fixed = False
     elif shape in QWEN_SHAPES:
         s = QWEN_SHAPES[shape]
         tok = char_tokenizer(s["vocab_size"], out_dir)

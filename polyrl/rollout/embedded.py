@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class EmbeddedEngine(InProcessEngine):
     def __new__(cls, hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, **kw):
-        """On CUDA, Llama / Qwen2 / Qwen3 checkpoints get the GPU path (polyrl.rollout.gpu: paged
+        """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged
         KV cache, continuous batching, CUDA graphs); anything else, and every CPU run, this one."""
         if cls is EmbeddedEngine and device != "cpu" and gpu_engine:
             from polyrl.rollout.gpu import GPUEngine, unsupported_reason
@@ -58,6 +58,11 @@ class EmbeddedEngine(InProcessEngine):
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         from polyrl.backends.routing_replay import MoERouting
         self.routing = MoERouting.attach(self.model)  # MoE: records the routes a request asks for (idle otherwise)
+
+    @property
+    def reports_routed_experts(self) -> bool:
+        """Whether generate() can fill Sample.routed_experts (SamplingParams.return_routed_experts)."""
+        return self.routing is not None
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:

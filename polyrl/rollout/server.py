@@ -341,7 +341,7 @@ class EngineServer:
         lps = lp if isinstance(lp, list) else [lp] * B
         text_lp = _field(body, "return_text_in_logprobs", lambda v: isinstance(v, bool), "a bool", False)
         routed = _field(body, "return_routed_experts", lambda v: isinstance(v, bool), "a bool", False)
-        if routed and getattr(self.engine, "routing", None) is None:
+        if routed and not getattr(self.engine, "reports_routed_experts", False):
             raise bad("'return_routed_experts': the served model has no MoE router")
         if body.get("routed_experts_start_len") not in (None, 0):
             raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")

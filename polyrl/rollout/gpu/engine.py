@@ -37,6 +37,7 @@ from typing import Iterable
 import torch
 from transformers import AutoTokenizer
 
+from polyrl.backends.routing_replay import routes_dtype
 from polyrl.rollout.base import InProcessEngine
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
@@ -68,6 +69,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     done: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE, when asked: the prompt's [P, layers, k], then a [layers, k] per decode step
 
 
 @dataclass
@@ -146,6 +148,12 @@ class GPUEngine(InProcessEngine):
         self.h_tok = torch.zeros(3, R, dtype=torch.long, pin_memory=pin)  # prefill, and two alternating decode steps
         self.h_lp = torch.zeros(3, R, dtype=torch.float32, pin_memory=pin)
         self.split_len = torch.full((1,), 1 << 30, dtype=torch.int32, device=dev)
+        self.route_buf = self.h_routes = None
+        if spec.moe_layers:  # every decode step (graph) writes its routes here; copied out when a request asks
+            shape, rdt = (R, spec.layers, spec.top_k), routes_dtype(spec.experts)
+            self.route_buf = torch.full(shape, -1, dtype=rdt, device=dev)  # -1 stays in the layers without experts
+            self.h_routes = torch.full((3, *shape), -1, dtype=rdt, pin_memory=pin)
+        self._want_routes = False
         self._split_val = -1
         self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self.is_cuda else 1
         self.decode_splits = decode_splits
@@ -162,11 +170,19 @@ class GPUEngine(InProcessEngine):
                  "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30, num_kv_blocks,
                  block_size, self.kv.nbytes / 2**30, self.cuda_graph, use_triton)
 
+    @property
+    def reports_routed_experts(self) -> bool:
+        """Whether generate() can fill Sample.routed_experts (SamplingParams.return_routed_experts)."""
+        return bool(self.spec.moe_layers)
+
     # ---- memory budget ---------------------------------------------------------------------
     def _workspace_bytes(self) -> int:
         s, el = self.spec, torch.empty((), dtype=self.dtype).element_size()
         qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
-        prefill = self.max_prefill_tokens * (6 * s.hidden + 3 * qkv + 2 * s.heads * s.head_dim + 3 * s.inter) * el
+        mlp = 3 * s.inter
+        if s.moe_layers:  # k (token, expert) rows per token: gathered input, gate|up, activation, output, sorted copy
+            mlp = max(mlp, s.top_k * (3 * s.moe_inter + 3 * s.hidden))
+        prefill = self.max_prefill_tokens * (6 * s.hidden + 3 * qkv + 2 * s.heads * s.head_dim + mlp) * el
         logits = self.max_running * s.vocab * (2 * el + 8)  # graph logits + sampler / filter temporaries
         return prefill + logits + 512 * 2**20
 
@@ -204,6 +220,9 @@ class GPUEngine(InProcessEngine):
             if not p or len(p) + M > self.max_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + {M} new tokens must be in [1, {self.max_len}] "
                                  f"(the model's max positions)")
+        if sp.return_routed_experts and not self.reports_routed_experts:
+            raise ValueError("return_routed_experts: this model has no MoE router to report")
+        self._want_routes = sp.return_routed_experts
         self._sp = sp
         self._stop_ids = set(sp.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self._base_seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -306,8 +325,15 @@ class GPUEngine(InProcessEngine):
         lens_t = torch.tensor(lens)
         pos = torch.cat([torch.arange(n) for n in lens])
         last = (torch.cumsum(lens_t, 0) - 1).to(dev)
+        routes = None
+        if self._want_routes:
+            routes = torch.full((sum(lens), *self.route_buf.shape[1:]), -1, dtype=self.route_buf.dtype, device=dev)
         logits = self.model.forward(torch.cat(ids).to(dev), pos.to(dev), torch.cat(slots).to(dev), self.kv,
-                                    PrefillAttn(self.ops, lens), logits_rows=last)
+                                    PrefillAttn(self.ops, lens), logits_rows=last, routes=routes)
+        if routes is not None:  # every prompt token is forwarded: its route is the sample's first P rows
+            per_prompt = routes.cpu().split(lens)
+            for seq, r in zip(new, (r for r, g in zip(per_prompt, groups) for _ in range(g.n))):
+                seq.routes.append(r)
         self.kv.copy_blocks(copy_src, copy_dst)
         rows = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups])).to(dev)
         logits = logits[rows]
@@ -358,6 +384,8 @@ class GPUEngine(InProcessEngine):
         self._nsteps += 1
         self.h_tok[k, :b].copy_(tok, non_blocking=True)
         self.h_lp[k, :b].copy_(lp, non_blocking=True)
+        if self._want_routes:
+            self.h_routes[k, :b].copy_(self.route_buf[:b], non_blocking=True)
         copied = None
         if self.is_cuda:
             copied = torch.cuda.Event()
@@ -369,20 +397,25 @@ class GPUEngine(InProcessEngine):
         if step.copied is not None:
             step.copied.synchronize()
         n = len(step.seqs)
-        self._retire(self._consume(step.seqs, self.h_tok[step.buf, :n].tolist(), self.h_lp[step.buf, :n].tolist()))
+        routes = self.h_routes[step.buf, :n].clone() if self._want_routes else None  # the buffer is reused two steps on
+        self._retire(self._consume(step.seqs, self.h_tok[step.buf, :n].tolist(), self.h_lp[step.buf, :n].tolist(), routes))
 
     def _drain(self) -> None:
         if self._pending is not None:
             step, self._pending = self._pending, None
             self._process(step)
 
-    def _consume(self, seqs: list[_Seq], toks: list[int], lps: list[float]) -> list[tuple[_Seq, str]]:
-        """Append each live row's new token; return the sequences that finished, with why."""
+    def _consume(self, seqs: list[_Seq], toks: list[int], lps: list[float],
+                 routes: torch.Tensor | None = None) -> list[tuple[_Seq, str]]:
+        """Append each live row's new token (and, for a decode step that recorded them, the routes [rows, layers, k]
+        of the token it forwarded); return the sequences that finished, with why."""
         M, stops, stop_ids = self._sp.max_new_tokens, self._sp.stop, self._stop_ids
         done = []
-        for seq, t, lp in zip(seqs, toks, lps):
+        for j, (seq, t, lp) in enumerate(zip(seqs, toks, lps)):
             if seq.done:  # finished a step earlier; this was the look-ahead step's extra token
                 continue
+            if routes is not None:
+                seq.routes.append(routes[j])
             seq.out.append(t)
             seq.lps.append(lp)
             if t in stop_ids or (stops and self._hit_stop_string(seq.out, stops)):
@@ -407,7 +440,9 @@ class GPUEngine(InProcessEngine):
             g = seq.group
             self._results[seq.sample] = Sample(
                 prompt_ids=list(g.prompt), response_ids=seq.out, rollout_logprobs=seq.lps, finish_reason=reason,
-                group_index=g.index, response=self.tokenizer.decode(seq.out, skip_special_tokens=True))
+                group_index=g.index, response=self.tokenizer.decode(seq.out, skip_special_tokens=True),
+                routed_experts=(torch.cat([seq.routes[0], *([torch.stack(seq.routes[1:])] if len(seq.routes) > 1 else [])])
+                                if self._want_routes else None))
             self.alloc.release(seq.shared)
             self.alloc.release(seq.own)
         b = len(self.running)
@@ -441,7 +476,8 @@ class GPUEngine(InProcessEngine):
         blk = self.bt[:b].gather(1, (pos // self.block_size)[:, None]).squeeze(1).long()
         slots = blk * self.block_size + pos % self.block_size
         attn = DecodeAttn(self.ops, self.bt[:b], ctx, self.block_size, self._num_splits(b), self.split_len)
-        return self.model.forward(self.tokens[:b], pos, slots, self.kv, attn, out=out)
+        routes = self.route_buf[:b] if self.route_buf is not None else None
+        return self.model.forward(self.tokens[:b], pos, slots, self.kv, attn, out=out, routes=routes)
 
     def _run_decode(self, b: int) -> torch.Tensor:
         B = next(x for x in self.buckets if x >= b) if self.cuda_graph else b

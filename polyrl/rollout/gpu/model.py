@@ -1,7 +1,9 @@
-"""Our own forward of the dense Llama / Qwen2 / Qwen3 decoder, reading HF weights by HF name.
+"""Our own forward of the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder, reading HF weights by HF name.
 
 All weights live in one flat buffer; every tensor is a view into it, and q/k/v (gate/up) are
-stored fused as one matrix whose row slices are the HF tensors. So:
+stored fused as one matrix whose row slices are the HF tensors. MoE experts are stacked,
+[E, 2I, H] gate|up and [E, H, I] down (transformers 5's in-memory layout); each expert's
+slices are also addressable by the per-expert checkpoint names. So:
   - an HF-named stream (checkpoint or trainer) is copied in place: captured CUDA graphs stay
     valid, nothing is reallocated;
   - sleep/wake moves one buffer;
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 
 from polyrl.rollout.gpu import ops as ref_ops
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
-_ROTARY = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_ROTARY = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding",
+           "qwen3_moe": "Qwen3MoeRotaryEmbedding"}
 
 
 @dataclass
@@ -41,6 +44,13 @@ class ModelSpec:
     qk_norm: bool
     tied: bool
     max_pos: int
+    # MoE (qwen3_moe): experts per layer, experts per token, expert MLP width, renormalised top-k gates, the layers
+    # with experts (the others are dense MLPs of width `inter`)
+    experts: int = 0
+    top_k: int = 0
+    moe_inter: int = 0
+    norm_topk: bool = False
+    moe_layers: tuple[int, ...] = ()
 
 
 def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
@@ -64,11 +74,18 @@ def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
     if hd % 16 or hd > 256:
         return None, f"head_dim {hd} (needs a multiple of 16, at most 256)"
     bias = bool(getattr(cfg, "attention_bias", False))
+    moe = {}
+    if mt == "qwen3_moe":
+        E, step, dense = cfg.num_experts, cfg.decoder_sparse_step, set(cfg.mlp_only_layers or ())
+        moe = dict(experts=E, top_k=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size,
+                   norm_topk=bool(cfg.norm_topk_prob),  # the same rule as Qwen3MoeDecoderLayer's
+                   moe_layers=tuple(i for i in range(cfg.num_hidden_layers) if i not in dense and E > 0 and (i + 1) % step == 0))
     return ModelSpec(
         arch=mt, vocab=cfg.vocab_size, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=kvh, head_dim=hd, eps=cfg.rms_norm_eps,
-        qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias, qk_norm=mt == "qwen3",
-        tied=bool(getattr(cfg, "tie_word_embeddings", False)), max_pos=cfg.max_position_embeddings), None
+        qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
+        qk_norm=mt in ("qwen3", "qwen3_moe"), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        max_pos=cfg.max_position_embeddings, **moe), None
 
 
 def rope_tables(cfg, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +137,12 @@ class DenseLM:
             self.layout.append((f"{i}.o_w", (s.hidden, q)))
             if s.o_bias:
                 self.layout.append((f"{i}.o_b", (s.hidden,)))
-            self.layout += [(f"{i}.ln2", (s.hidden,)), (f"{i}.gu_w", (2 * s.inter, s.hidden)), (f"{i}.down_w", (s.hidden, s.inter))]
+            self.layout.append((f"{i}.ln2", (s.hidden,)))
+            if i in s.moe_layers:
+                self.layout += [(f"{i}.router", (s.experts, s.hidden)), (f"{i}.egu", (s.experts, 2 * s.moe_inter, s.hidden)),
+                                (f"{i}.edown", (s.experts, s.hidden, s.moe_inter))]
+            else:
+                self.layout += [(f"{i}.gu_w", (2 * s.inter, s.hidden)), (f"{i}.down_w", (s.hidden, s.inter))]
         self.offsets: dict[str, int] = {}
         n = 0
         for key, shape in self.layout:
@@ -143,13 +165,27 @@ class DenseLM:
         s, (q, kv, _) = self.spec, self._qkv_rows
         hf = {"model.embed_tokens.weight": self.w["embed"], "model.norm.weight": self.w["norm"],
               "lm_head.weight": self.w["lm_head"]}
+        # stacked expert tensor -> the per-expert names that cover it (checkpoints on disk use those; the trainer's
+        # export streams the stacked names of the HF model's state_dict)
+        self.parts: dict[str, list[str]] = {}
         for i in range(s.layers):
             p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             qkv = self.w[f"{i}.qkv_w"]
             hf.update({p + "input_layernorm.weight": self.w[f"{i}.ln1"], p + "post_attention_layernorm.weight": self.w[f"{i}.ln2"],
                        a + "q_proj.weight": qkv[:q], a + "k_proj.weight": qkv[q:q + kv], a + "v_proj.weight": qkv[q + kv:],
-                       a + "o_proj.weight": self.w[f"{i}.o_w"], m + "down_proj.weight": self.w[f"{i}.down_w"],
-                       m + "gate_proj.weight": self.w[f"{i}.gu_w"][:s.inter], m + "up_proj.weight": self.w[f"{i}.gu_w"][s.inter:]})
+                       a + "o_proj.weight": self.w[f"{i}.o_w"]})
+            if i in s.moe_layers:
+                gu, dn, I = self.w[f"{i}.egu"], self.w[f"{i}.edown"], s.moe_inter
+                e = m + "experts."
+                hf.update({m + "gate.weight": self.w[f"{i}.router"], e + "gate_up_proj": gu, e + "down_proj": dn})
+                for x in range(s.experts):
+                    hf.update({f"{e}{x}.gate_proj.weight": gu[x, :I], f"{e}{x}.up_proj.weight": gu[x, I:],
+                               f"{e}{x}.down_proj.weight": dn[x]})
+                self.parts[e + "gate_up_proj"] = [f"{e}{x}.{w}_proj.weight" for x in range(s.experts) for w in ("gate", "up")]
+                self.parts[e + "down_proj"] = [f"{e}{x}.down_proj.weight" for x in range(s.experts)]
+            else:
+                hf.update({m + "down_proj.weight": self.w[f"{i}.down_w"], m + "gate_proj.weight": self.w[f"{i}.gu_w"][:s.inter],
+                           m + "up_proj.weight": self.w[f"{i}.gu_w"][s.inter:]})
             if s.qkv_bias:
                 b = self.w[f"{i}.qkv_b"]
                 hf.update({a + "q_proj.bias": b[:q], a + "k_proj.bias": b[q:q + kv], a + "v_proj.bias": b[q + kv:]})
@@ -190,15 +226,28 @@ class DenseLM:
         return seen
 
     def missing(self, seen: set[str]) -> set[str]:
-        """The weights a full update must write that `seen` lacks (a tied LM head is the embedding)."""
-        return set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
+        """The weights a full update must write that `seen` lacks (a tied LM head is the embedding), each storage
+        region named once: a stacked expert tensor is complete when it or all its per-expert parts arrived, and
+        partly written, only its unwritten parts are missing."""
+        out = set(self.hf) - seen - ({"lm_head.weight"} if self.spec.tied else set())
+        for stacked, parts in self.parts.items():
+            out -= set(parts)
+            if stacked in out:
+                rest = [n for n in parts if n not in seen]
+                if len(rest) < len(parts):
+                    out.discard(stacked)
+                    out.update(rest)
+        return out
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv, attn,
-                logits_rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                routes: torch.Tensor | None = None) -> torch.Tensor:
         """ids, pos, slots: [T]; kv: a KVCache (per-layer k/v [S, Hkv, D], rope cos/sin);
         attn: PrefillAttn or DecodeAttn; logits_rows: the rows that need logits (None: all);
-        out: where to write the logits -> logits [R, V] in the model dtype."""
+        out: where to write the logits; routes: [T, layers, k] ints, where MoE layers write
+        their top-k experts (other layers' rows are left as they are) -> logits [R, V] in the
+        model dtype."""
         s, o, W = self.spec, self.ops, self.w
         h = F.embedding(ids, W["embed"])
         res = None
@@ -210,7 +259,13 @@ class DenseLM:
             a = attn(q, k, v, kv.k[i], kv.v[i])
             h = F.linear(a.reshape(a.shape[0], -1), L["o_w"], L.get("o_b"))
             x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
-            h = F.linear(o.silu_mul(F.linear(x, L["gu_w"])), L["down_w"])
+            if "router" in L:
+                gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
+                if routes is not None:
+                    routes[:, i] = experts
+                h = o.moe_experts(x, L["egu"], L["edown"], gates, experts)
+            else:
+                h = F.linear(o.silu_mul(F.linear(x, L["gu_w"])), L["down_w"])
         if logits_rows is not None:
             h, res = h[logits_rows], res[logits_rows]
         x, _ = o.add_rmsnorm(h, res, W["norm"], s.eps)

@@ -64,6 +64,52 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gu[:, :i]) * gu[:, i:]
 
 
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H]; router: [E, H] -> (gates [T, k] in the model dtype, experts [T, k] int64), as
+    Qwen3MoeTopKRouter computes them: logits in the model dtype, softmax and top-k in fp32,
+    renormalised over the k when `normalise`."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    gates, experts = torch.topk(probs, top_k, dim=-1)
+    if normalise:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates.to(x.dtype), experts
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor,
+                grouped=None, act=None) -> torch.Tensor:
+    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; gates, experts: [T, k] -> [T, H] =
+    sum over the k of gate * down_e(silu(gate_e x) * up_e x).
+    The T * k (token, expert) pairs are sorted by expert, so each expert's rows are one
+    contiguous block (ends `offs` [E]) and two grouped matmuls do every expert; the k results
+    of a token are summed after putting the rows back in order (no atomics: deterministic).
+    Only shape-static ops outside `grouped` (sort, searchsorted, gathers), so this is CUDA-graph
+    safe when `grouped` is. grouped(x_rows [S, K], w [E, N, K], offs [E] int32) -> [S, N]
+    (default: grouped_linear below); act: the SiLU * up (default: silu_mul)."""
+    grouped, act = grouped or grouped_linear, act or silu_mul
+    T, k = experts.shape
+    order_e, perm = torch.sort(experts.reshape(-1))
+    offs = torch.searchsorted(order_e, torch.arange(1, gate_up.shape[0] + 1, device=x.device, dtype=order_e.dtype),
+                              out_int32=True)
+    rows = x.index_select(0, perm // k)
+    y = grouped(act(grouped(rows, gate_up, offs)), down, offs)  # [T * k, H]
+    y = y * gates.reshape(-1).index_select(0, perm)[:, None]
+    out = torch.empty_like(y).index_copy_(0, perm, y)
+    return out.view(T, k, -1).sum(dim=1)  # one rounding of the k-term sum, like transformers' grouped_mm experts
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x: [S, K] rows grouped by expert (group e is rows [offs[e-1], offs[e])); w: [E, N, K] ->
+    [S, N], row r times w[its group]^T. One matmul per non-empty group; reads `offs` on the
+    host (the reference, and the engine's path on CPU and for eager prefill)."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[e])
+        start = end
+    return out
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """Causal attention within each of the packed sequences (no cached prefix).
     q: [T, Hq, D], k, v: [T, Hkv, D], lens: the sequences' lengths (sum T) -> [T, Hq, D].

@@ -11,10 +11,12 @@ counter-based Philox stream per row) instead of the ~8 passes of the torch versi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from polyrl.rollout.gpu.ops import prefill_attention  # noqa: F401  (SDPA; part of this module's interface)
+from polyrl.rollout.gpu import ops as _ref
+from polyrl.rollout.gpu.ops import moe_route, prefill_attention  # noqa: F401  (torch; part of this module's interface)
 
 
 @triton.jit
@@ -341,3 +343,33 @@ def sample(logits, inv_temp, noise, thresh, seeds, counters, num_segments: int |
     if nseg > 1:
         _sample_merge_kernel[(B,)](part, tok, lp, NSEG=nseg, num_warps=1)
     return tok, lp
+
+
+# ---- MoE experts -----------------------------------------------------------------------------
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_ok(x, w) -> bool:
+    """torch's grouped GEMM (CUTLASS, SM80+ on torch >= 2.9) takes BF16 with 16-byte aligned rows; its other
+    dtypes go through a fallback that reads the group sizes on the host, which a CUDA graph cannot capture."""
+    return (_GROUPED_MM is not None and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0
+            and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def grouped_linear(x, w, offs):
+    """ops.grouped_linear's contract, without host syncs where a CUDA graph is being captured."""
+    if _grouped_mm_ok(x, w):
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
+    if not torch.cuda.is_current_stream_capturing():
+        return _ref.grouped_linear(x, w, offs)
+    # graph-safe fallback (FP32/FP16 decode): every expert's GEMM over all rows, each row keeping its own expert's
+    # result; E times the FLOPs of the grouped GEMM, but decode batches are small
+    group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
+        out = torch.where((group == e)[:, None], F.linear(x, w[e]), out)
+    return out
+
+
+def moe_experts(x, gate_up, down, gates, experts):
+    return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
