@@ -153,5 +153,5 @@ class NoEngine(InProcessEngine):
     def sleep(self) -> None:
         pass
 
-    def wake(self) -> None:
+    def wake(self, tags=None) -> None:
         pass

@@ -233,10 +233,13 @@ class Run:
             self.push_weights(version)
 
     def push_weights(self, version: int) -> None:
-        self.backend.offload()
-        self.engine.wake()
+        # Colocated: the engine's weights come back first and take the update straight from the trainer's GPU copy;
+        # the trainer leaves only then, and the KV cache returns into the memory it freed (no-ops where nothing is shared).
+        self.engine.wake(("weights",))
         with self.engine_lock:
             self.transport.push(self.backend.export_weights(), [self.engine], version=version)
+        self.backend.offload()
+        self.engine.wake(("kv_cache",))
 
     def finish_step(self, step: int, samples: list[Sample], m: dict, timer: Timer, rollout_s: float) -> None:
         """Step metrics, eval, checkpoint; `step` is 0-based, the policy is now at version step + 1."""

@@ -116,3 +116,25 @@ def test_profile_step_prints_where_the_step_goes_and_writes_a_trace(tiny_model, 
     assert (run / "profile_step2.json").stat().st_size > 0 and not (run / "profile_step1.json").exists()
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
                  "--num-rollout", "2", "--profile-step", "3", "--device", "cpu", "--run-dir", str(run)]) == 2
+
+
+def test_colocated_sync_wakes_weights_then_offloads_the_trainer_then_wakes_the_kv_cache():
+    """The order that keeps a colocated sync GPU-to-GPU without holding trainer, engine weights and KV cache at once
+    (SGLang's resume_memory_occupation tags): weights back, push from the trainer's GPU copy, trainer off, KV back."""
+    import contextlib
+    from types import SimpleNamespace
+    from polyrl.loop import Run
+    calls = []
+    engine = SimpleNamespace(wake=lambda tags=None: calls.append(("wake", tuple(tags))))
+    backend = SimpleNamespace(export_weights=lambda: iter([("w", 1)]), offload=lambda: calls.append(("offload",)))
+    transport = SimpleNamespace(push=lambda it, engines, version: calls.append(("push", list(it), version)))
+    run = SimpleNamespace(engine=engine, backend=backend, transport=transport, engine_lock=contextlib.nullcontext())
+    Run.push_weights(run, 4)
+    assert calls == [("wake", ("weights",)), ("push", [("w", 1)], 4), ("offload",), ("wake", ("kv_cache",))]
+
+
+def test_memory_tags_are_checked():
+    from polyrl.rollout.base import wake_tags
+    assert wake_tags(None) == {"weights", "kv_cache"} and wake_tags(["weights"]) == {"weights"}
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        wake_tags(["kv"])

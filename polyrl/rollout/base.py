@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -15,6 +15,19 @@ ENGINES = {  # --rollout-engine (and "external" for --rollout-external) -> class
     "sglang": "polyrl.rollout.http_engine:HTTPEngine",
     "external": "polyrl.rollout.http_engine:HTTPEngine",
 }
+
+
+MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's /resume_memory_occupation tags the engines honour
+
+
+def wake_tags(tags: Sequence[str] | None) -> set[str]:
+    """The parts of the GPU memory a wake() takes back: every part for None, else the named ones."""
+    if tags is None:
+        return set(MEMORY_TAGS)
+    bad = set(tags) - set(MEMORY_TAGS)
+    if bad:
+        raise ValueError(f"unknown memory tags {sorted(bad)}; valid: {', '.join(MEMORY_TAGS)}")
+    return set(tags)
 
 
 class RolloutEngine(Protocol):
@@ -31,7 +44,9 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Give the GPU to the trainer (colocated placement); a no-op where nothing is shared."""
 
-    def wake(self) -> None: ...
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take the GPU back, all of it (None) or the MEMORY_TAGS named: ("weights",) first lets a weight update land
+        while the trainer still holds its own GPU copy, ("kv_cache",) after the trainer has left (SGLang's tags)."""
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call (e.g. retries, restarts of engine servers), logged with the step."""

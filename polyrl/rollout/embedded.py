@@ -5,12 +5,12 @@ reasons, and finished rows leave the batch so long tails don't pay for short one
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from polyrl.rollout.base import InProcessEngine
+from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
@@ -183,8 +183,8 @@ class EmbeddedEngine(InProcessEngine):
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        if self.device.type == "cuda":
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        if self.device.type == "cuda" and "weights" in wake_tags(tags):  # transformers' generate has no KV pool to take
             self.model.to(self.device)
 
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----

@@ -28,11 +28,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from polyrl.config import Config
+from polyrl.rollout.base import wake_tags
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
 from polyrl.rollout.router import spawn
 from polyrl.rollout.sampling import prompt_seed, sample_seed
@@ -470,9 +472,10 @@ class HTTPEngine:
         if self.colocated:  # trainer and engines take turns on the same GPUs
             self.http.call_all(self.weight_sync_urls(), "/release_memory_occupation", {}, timeout=120)
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
         if self.colocated:
-            self.http.call_all(self.weight_sync_urls(), "/resume_memory_occupation", {}, timeout=120)
+            body = {} if tags is None else {"tags": sorted(wake_tags(tags))}
+            self.http.call_all(self.weight_sync_urls(), "/resume_memory_occupation", body, timeout=120)
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call (retries, restarts), for the step's metrics."""

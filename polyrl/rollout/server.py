@@ -627,17 +627,19 @@ class EngineServer:
         return self._json(None)
 
     async def resume_memory(self, request):
-        self._tags(await self._body(request))
-        await self._engine.run(self.engine.wake)
-        self._asleep = False
+        tags = self._tags(await self._body(request))
+        await self._engine.run(self.engine.wake, tags)
+        self._asleep = bool(getattr(self.engine, "asleep", False))  # weights alone: updates land, generation waits
         self._work.set()
         return self._json(None)
 
     @staticmethod
-    def _tags(body: dict) -> None:
-        # the engine frees and re-takes weights and KV cache together, whatever the tags
-        _field(body, "tags", lambda v: _str_list(v) and set(v) <= {"weights", "kv_cache", "cuda_graph"},
-               "a list of 'weights' | 'kv_cache' | 'cuda_graph'")
+    def _tags(body: dict) -> list[str] | None:
+        # release frees weights and KV cache together whatever the tags; resume takes back the ones named
+        # (cuda_graph: recaptured on the first generate after the KV cache is back)
+        tags = _field(body, "tags", lambda v: _str_list(v) and set(v) <= {"weights", "kv_cache", "cuda_graph"},
+                      "a list of 'weights' | 'kv_cache' | 'cuda_graph'")
+        return None if tags is None else [t for t in tags if t != "cuda_graph"]
 
     async def update_weight_version(self, request):
         body = await self._body(request)

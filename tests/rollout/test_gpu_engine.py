@@ -265,6 +265,35 @@ def test_wake_then_partial_or_full_update_keeps_every_weight(qwen2_dir):
     assert [s.response_ids for s in e.generate(prompts, sp)] == want
 
 
+def test_wake_in_two_parts_weights_then_kv_cache(qwen2_dir):
+    """The RL loop's colocated sync: wake(("weights",)) takes back only the weight buffer (an update lands, generation
+    still refuses), wake(("kv_cache",)) then the KV cache; a sleep from the half-awake state frees the weights again.
+    Exact: the same bf16 bytes on every path."""
+    from polyrl.types import SamplingParams
+    _free()
+    e = _engine(qwen2_dir)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[3, 4, 5, 6], [7, 8]] * 2
+    want = [s.response_ids for s in e.generate(prompts, sp)]
+    weights = {n: e.get_weight(n) for n in e.weight_shapes()}
+    e.sleep()
+    alloc0 = torch.cuda.memory_allocated()
+    e.wake(("weights",))
+    assert e.asleep and e.kv.data is None and e.model.flat.is_cuda
+    assert torch.cuda.memory_allocated() - alloc0 >= e.model.nbytes
+    with pytest.raises(RuntimeError, match="wake"):
+        e.generate(prompts, sp)
+    e.update_weights(iter(weights.items()), version=2)
+    e.sleep()  # half awake -> asleep again: the update is kept in the host copy
+    e.wake(("weights",))
+    e.wake(("kv_cache",))
+    assert not e.asleep
+    assert all(torch.equal(e.get_weight(n), t) for n, t in weights.items())
+    assert [s.response_ids for s in e.generate(prompts, sp)] == want
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        e.wake(("cuda_graphs",))
+
+
 def test_embedded_engine_picks_the_gpu_path_on_cuda(qwen2_dir):
     from polyrl.rollout.embedded import EmbeddedEngine
     from polyrl.rollout.gpu import GPUEngine

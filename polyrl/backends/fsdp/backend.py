@@ -394,6 +394,8 @@ class FSDPBackend:
             self.optimizer.step()
             self.scheduler.step()  # a skipped step does not advance the schedule either
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mcfg.offload_train:  # the Adam moments wait on the host for the next step: only the params stay for the sync
+            self._move_optimizer_state("cpu")
         vec = torch.cat([vec[:1], vec[2:]])  # loss and metric sums (the grad norm is global already)
         if dist.get_world_size() > 1:
             dist.all_reduce(vec)
@@ -523,23 +525,25 @@ class FSDPBackend:
         if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload or not self.mcfg.offload_train:
             return
         self.model.to("cpu")
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.device.type == "cuda":
-                    st[k] = v.to("cpu", non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        self._move_optimizer_state("cpu")
 
     def onload(self) -> None:
         if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload or not self.mcfg.offload_train:
             return
         self.model.to(self.device)
+        self._move_optimizer_state("cuda")
+
+    def _move_optimizer_state(self, to: str) -> None:
+        if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload:
+            return
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 # fused AdamW keeps `step` on the GPU too; the foreach/for-loop kernels want it on CPU
-                if torch.is_tensor(v) and v.device.type == "cpu" and (k != "step" or self.optimizer.defaults.get("fused")):
-                    st[k] = v.to(self.device, non_blocking=True)
+                if torch.is_tensor(v) and v.device.type != to and (k != "step" or self.optimizer.defaults.get("fused")):
+                    st[k] = v.to(self.device if to == "cuda" else "cpu", non_blocking=True)
         torch.cuda.synchronize()
+        if to == "cpu":
+            torch.cuda.empty_cache()
 
 
 @torch.no_grad()

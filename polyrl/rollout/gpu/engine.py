@@ -32,13 +32,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from transformers import AutoTokenizer
 
 from polyrl.backends.routing_replay import routes_dtype
-from polyrl.rollout.base import InProcessEngine
+from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
@@ -567,30 +567,34 @@ class GPUEngine(InProcessEngine):
 
     def sleep(self) -> None:
         """Free the weights' and the KV cache's GPU memory (weights kept in pinned host memory)."""
-        if not self.is_cuda or self.asleep:
+        if not self.is_cuda:
             return
-        if self._cpu_flat is None:
-            self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
-        if not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
-            self._cpu_flat.copy_(self.model.flat)
-        self._stale = False
-        self.model.bind(self._cpu_flat)
+        if self.model.flat.is_cuda:
+            if self._cpu_flat is None:
+                self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
+            if not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
+                self._cpu_flat.copy_(self.model.flat)
+            self._stale = False
+            self.model.bind(self._cpu_flat)
         self.kv.release()
         self.graphs.clear()  # they point at the freed buffers; recaptured after wake()
         self.graph_pool = self.logits_buf = None
         self.asleep = True
         torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        if not self.is_cuda or not self.asleep:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        tags = wake_tags(tags)
+        if not self.is_cuda:
             return
-        # the host copy goes back lazily (_restore): the RL loop wakes the engine to push a full weight update, which
-        # makes copying the old weights in first (a full host-to-device copy of the model) wasted time
-        self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device=self.device))
-        self._stale = True
-        self.kv.allocate()
-        self._split_val = -1
-        self.asleep = False
+        if "weights" in tags and not self.model.flat.is_cuda:
+            # the host copy goes back lazily (_restore): the RL loop wakes the engine to push a full weight update,
+            # which makes copying the old weights in first (a full host-to-device copy of the model) wasted time
+            self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device=self.device))
+            self._stale = True
+        if "kv_cache" in tags and self.kv.data is None:
+            self.kv.allocate()
+            self._split_val = -1
+        self.asleep = not self.model.flat.is_cuda or self.kv.data is None
 
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
