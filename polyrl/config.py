@@ -260,8 +260,7 @@ class ModelConfig:
     hf_checkpoint: str | None = opt(None, "local HF model directory (config, weights, tokenizer)")
     ref_load: str | None = opt(None, "reference model directory (default: --hf-checkpoint)")
     opd_teacher_load: str | None = opt(None, "on-policy distillation: a frozen teacher HF directory (any size, the same "
-                                             "tokenizer as --hf-checkpoint) that scores every sampled token; see --opd-coef "
-                                             "(FSDP backend only for now)")
+                                             "tokenizer as --hf-checkpoint) that scores every sampled token; see --opd-coef")
     critic_load: str | None = opt(None, "--advantage-estimator gae: the critic's initial weights, an HF directory (a "
                                         "critic exported by --save-hf, with its value head, or any causal LM of the actor's "
                                         "architecture: a fresh value head; default: --hf-checkpoint)")
@@ -817,10 +816,6 @@ def _validate_rl_extras(cfg: Config) -> None:
     if a.opd_coef != 1.0 and not cfg.model.opd_teacher_load:
         raise ConfigError(f"--opd-coef {a.opd_coef} weighs on-policy distillation: add --opd-teacher-load TEACHER_DIR or "
                           "drop --opd-coef")
-    if cfg.model.opd_teacher_load and cfg.cluster.train_backend != "fsdp":
-        raise ConfigError(f"--opd-teacher-load is supported on --train-backend fsdp only for now (got "
-                          f"{cfg.cluster.train_backend}): the Megatron backend builds its reference model from the student's "
-                          "config, and a teacher of another size needs a model of its own; use --train-backend fsdp")
     _validate_moe(cfg)
     _validate_critic(cfg)
     if rw.overlong_buffer_len > r.rollout_max_response_len:

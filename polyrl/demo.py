@@ -21,6 +21,28 @@ def polyrl(*args: str) -> None:
     subprocess.run(cmd, check=True, env={**os.environ, **quiet})
 
 
+def sft_args(base: str, paths: dict, out: str, run_dir: str, *, epochs: int, seed: int) -> list[str]:
+    """`polyrl sft` of the demo: the noisy demonstrations (write_datasets' paths) into the HF directory `out`."""
+    return ["sft", "--hf-checkpoint", base, "--prompt-data", paths["sft"], "--global-batch-size", "64", "--micro-batch-size",
+            "64", "--num-epoch", str(epochs), "--lr", "1e-3", "--lr-warmup-steps", "20", "--lr-decay-style", "cosine",
+            "--min-lr", "1e-4", "--adam-beta2", "0.98", "--weight-decay", "0.0", "--save-hf", out, "--run-dir", run_dir,
+            "--seed", str(seed), "--quiet"]
+
+
+def train_args(sft_dir: str, paths: dict, run_dir: str, *, steps: int, seed: int, advantage_estimator: str = "grpo",
+               eval_interval: int = 10) -> list[str]:
+    """`polyrl train` of the demo (grpo, or gae: PPO with a learned critic, the SFT model's body with a fresh value
+    head), with a held-out eval before the first step, every `eval_interval` steps and after the last."""
+    # PPO's critic learns faster than the policy may move: from a zero head, its values must catch up with the returns
+    critic = (["--advantage-estimator", "gae", "--critic-lr", "1e-3", "--lambd", "0.95"]
+              if advantage_estimator == "gae" else [])
+    return ["train", "--hf-checkpoint", sft_dir, "--prompt-data", paths["train"], "--rm-type", "arithmetic",
+            "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
+            "--rollout-temperature", "1.0", "--num-rollout", str(steps), "--micro-batch-size", "64", "--lr", "1e-4",
+            "--adam-beta2", "0.98", "--rollout-shuffle", "--use-kl-loss", "--kl-loss-coef", "0.001", "--eval-prompt-data",
+            paths["eval"], "--eval-interval", str(eval_interval), "--run-dir", run_dir, *critic, "--seed", str(seed), "--quiet"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", default="runs/demo")
@@ -38,22 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_datasets(os.path.join(run, "data"), seed=a.seed, digits=a.digits,
                            carry_bug_rate=a.carry_bug_rate)
     base, sft_dir, rl_dir = (os.path.join(run, x) for x in ("base_model", "sft_model", "grpo_model"))
-    # PPO's critic learns faster than the policy may move: from a zero head, its values must catch up with the returns
-    critic = (["--advantage-estimator", "gae", "--critic-lr", "1e-3", "--lambd", "0.95"]
-              if a.advantage_estimator == "gae" else [])
     build_model(base, seed=a.seed)
     common = ["--seed", str(a.seed), "--quiet"]
-    polyrl("sft", "--hf-checkpoint", base, "--prompt-data", paths["sft"], "--global-batch-size", "64", "--micro-batch-size", "64",
-           "--num-epoch", str(a.sft_epochs), "--lr", "1e-3", "--lr-warmup-steps", "20", "--lr-decay-style", "cosine",
-           "--min-lr", "1e-4", "--adam-beta2", "0.98", "--weight-decay", "0.0", "--save-hf", sft_dir,
-           "--run-dir", os.path.join(run, "sft"), *common)
+    polyrl(*sft_args(base, paths, sft_dir, os.path.join(run, "sft"), epochs=a.sft_epochs, seed=a.seed))
     evals = ["--eval-prompt-data", paths["eval"], "--rm-type", "arithmetic", "--rollout-max-response-len", "8"]
     polyrl("eval", "--hf-checkpoint", sft_dir, *evals, "--run-dir", os.path.join(run, "eval_before"), *common)
-    polyrl("train", "--hf-checkpoint", sft_dir, "--prompt-data", paths["train"], "--rm-type", "arithmetic",
-           "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
-           "--rollout-temperature", "1.0", "--num-rollout", str(a.grpo_steps), "--micro-batch-size", "64",
-           "--lr", "1e-4", "--adam-beta2", "0.98", "--rollout-shuffle", "--use-kl-loss", "--kl-loss-coef", "0.001", "--eval-prompt-data", paths["eval"], "--eval-interval", "10",
-           "--save-hf", rl_dir, "--run-dir", run, *critic, *common)
+    polyrl(*train_args(sft_dir, paths, run, steps=a.grpo_steps, seed=a.seed, advantage_estimator=a.advantage_estimator),
+           "--save-hf", rl_dir)
     polyrl("eval", "--hf-checkpoint", rl_dir, *evals, "--run-dir", os.path.join(run, "eval_after"), *common)
     polyrl("plot", run)
     before = json.load(open(os.path.join(run, "eval_before", "eval.json")))["eval/accuracy"]

@@ -83,7 +83,7 @@ def setup(cfg: Config) -> tuple[str, Dist]:
 def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool, need_teacher: bool = False):
     cls = load_backend_class(cfg.cluster.train_backend)
     extra = {"megatron_cfg": cfg.megatron} if cfg.cluster.train_backend == "megatron" else {}  # only megatron reads it
-    if need_teacher:  # only the FSDP backend builds one (config validation says so for the others)
+    if need_teacher:  # --opd-teacher-load: the FSDP and Megatron backends build one
         extra["need_teacher"] = True
     return cls(cfg.model, cfg.optimizer, cfg.batch, device=device, total_steps=total_steps, need_ref=need_ref,
                seed=cfg.cluster.seed, **extra)

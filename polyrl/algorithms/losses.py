@@ -243,15 +243,22 @@ def critic_loss(values: torch.Tensor, entropy, mb: dict[str, torch.Tensor], s: C
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce=None) -> float:
     """1 - Var(R - V) / Var(R) over the masked tokens of the (global, with `reduce`) batch: 1 for a perfect critic,
-    0 for one that predicts the mean, negative for a worse one. [T] each; NaN when the returns have no variance."""
+    0 for one that predicts the mean, negative for a worse one. [T] each.
+
+    0.0 when Var(R) == 0 (every return of the step equal, e.g. all rewards 0 on a fresh zero head) or there are no
+    tokens: there is no variance to explain, and 0.0 keeps the logged series finite and JSON-safe (NaN is not JSON).
+    CleanRL / stable-baselines return NaN there; verl divides by Var(R) + 1e-5, which gives 1 for a perfect critic but
+    -Var(V) / 1e-5 (any size) for the rest. Two passes (means, then centred squares) so equal returns give exactly
+    Var(R) == 0: sum(x^2)/n - mean^2 leaves rounding of order n * 1e-16 * R^2 that would divide Var(R - V)."""
     m = mask.bool()
     d, r = (returns - values).double()[m], returns.double()[m]
-    stats = [float(m.sum()), float(d.sum()), float((d * d).sum()), float(r.sum()), float((r * r).sum())]
-    n, ds, dd, rs, rr = reduce(stats) if reduce is not None else stats
+    first = [float(m.sum()), float(d.sum()), float(r.sum())]
+    n, ds, rs = reduce(first) if reduce is not None else first
     if n < 1:
-        return float("nan")
-    var_r = rr / n - (rs / n) ** 2
-    return 1.0 - (dd / n - (ds / n) ** 2) / var_r if var_r > 0 else float("nan")
+        return 0.0
+    second = [float((d - ds / n).square().sum()), float((r - rs / n).square().sum())]
+    dd, rr = reduce(second) if reduce is not None else second
+    return 1.0 - dd / rr if rr > 0 else 0.0
 
 
 def sft_loss(

@@ -22,7 +22,7 @@ LossFn = Callable[..., tuple[torch.Tensor, dict]]
 class TrainBackend(Protocol):
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-response-token log-probs, one [R_i] tensor per sample. model: "actor", "ref" (the reference model) or
-        "teacher" (--opd-teacher-load, built with need_teacher=True; FSDP only for now)."""
+        "teacher" (--opd-teacher-load, built with need_teacher=True)."""
 
     def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
         """A backend built with role="critic" (PPO's critic, --advantage-estimator gae): the value of the state before

@@ -101,3 +101,21 @@ def test_explained_variance_by_hand():
     # with `reduce` the statistics are summed over ranks: two equal ranks give the same value
     assert explained_variance(v, r, mask, reduce=lambda xs: [2 * x for x in xs]) == pytest.approx(6 / 7, abs=1e-12)
     assert explained_variance(r, r, mask) == pytest.approx(1.0)
+
+
+def test_explained_variance_is_zero_when_the_returns_do_not_vary():
+    mask = torch.ones(5)
+    # a fresh zero head on a step where every reward is 0: V = R = 0 (the first step of many PPO runs)
+    assert explained_variance(torch.zeros(5), torch.zeros(5), mask) == 0.0
+    # equal returns that are not 0 and a critic that is off: Var(R) is exactly 0 (two-pass statistics; the one-pass
+    # sum(R^2)/n - mean^2 leaves +-1e-17 for 1000 returns of 0.1, which gave a value of order -1e16), so 0.0
+    r, v = torch.full((1000,), 0.1), torch.linspace(-1.0, 1.0, 1000)
+    assert explained_variance(v, r, torch.ones(1000)) == 0.0
+    assert explained_variance(v, r, torch.ones(1000), reduce=lambda xs: [3 * x for x in xs]) == 0.0  # 3 equal ranks
+    r, v = torch.full((5,), 0.3), torch.tensor([0.1, -0.2, 0.5, 0.0, 0.3])
+    # only the masked tokens count: the varying last return is outside the mask
+    assert explained_variance(v, torch.tensor([0.3, 0.3, 0.3, 0.3, 9.0]), torch.tensor([1.0, 1, 1, 1, 0])) == 0.0
+    assert explained_variance(v, r, torch.zeros(5)) == 0.0  # no loss token at all
+    # any spread in the returns, however small, gives the ordinary value again
+    r2 = torch.tensor([0.3, 0.3, 0.3, 0.3, 0.31])
+    assert explained_variance(r2, r2, mask) == pytest.approx(1.0, abs=1e-12)

@@ -67,10 +67,11 @@ class MegatronBackend:
     `megatron` config section."""
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimizerConfig, batch_cfg: BatchConfig, *, device: str,
-                 total_steps: int = 1, need_ref: bool = False, seed: int = 0, megatron_cfg: MegatronConfig | None = None,
-                 role: str = "actor"):
+                 total_steps: int = 1, need_ref: bool = False, need_teacher: bool = False, seed: int = 0,
+                 megatron_cfg: MegatronConfig | None = None, role: str = "actor"):
         """role "critic": the same GPTModel with a value head (model.add_value_heads) on the actor's parallel state,
-        from --critic-load or the actor's weights, with its own optimizer_cfg."""
+        from --critic-load or the actor's weights, with its own optimizer_cfg. need_teacher: --opd-teacher-load's
+        frozen teacher, compute_logprobs(model="teacher")."""
         require_megatron()
         self.role = role
         from transformers import AutoConfig
@@ -101,6 +102,10 @@ class MegatronBackend:
         self.model = self._build(path, train=True)
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer)
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        # --opd-teacher-load: kept like the reference model (resident, frozen, not in checkpoints: a resume reads its
+        # directory again), but of any size: its own HF and transformer configs, RoPE tables and vocabulary
+        self.teacher_hf_config, self._teacher_rope = None, None
+        self.teacher_model = self._build_teacher(model_cfg.opd_teacher_load) if need_teacher else None
         self.sched_step = 0
         self.skipped_steps = 0
         self._set_lr()
@@ -110,31 +115,58 @@ class MegatronBackend:
             from polyrl.backends.megatron.routing import MegatronRouting
             self.routing = MegatronRouting(self.model, self.hf_config.num_hidden_layers, self.config.num_moe_experts,
                                            self.config.moe_router_topk)
-        from polyrl.backends.megatron import bridge, thd
+        from polyrl.backends.megatron import bridge
         self._wrapped_layers = any(bridge.wrapped_mixer(self.hf_config, i) is not None
                                    for i in range(self.hf_config.num_hidden_layers))
-        # polyrl's core attention applies RoPE when the model leaves it out (bridge-built models);
-        # HF-wrapped mixers and a custom provider's own RoPE need none from us
-        no_pos = all(getattr(mm.unwrap(c), "position_embedding_type", None) == "none" for c in self.model)
-        mixers = getattr(bridge.FAMILIES.get(self.hf_config.model_type), "mixers", None)
-        self._rope = thd.PackedRope(self.hf_config, self.dtype, self.device) if no_pos and not mixers else None
+        self._rope = self._packed_rope(self.hf_config, self.model)
 
     # ---- construction -------------------------------------------------------------------
-    def _build(self, path: str, *, train: bool) -> list:
+    def _packed_rope(self, hf_config, chunks: list):
+        """polyrl's core attention applies RoPE when the model leaves it out (bridge-built models);
+        HF-wrapped mixers and a custom provider's own RoPE need none from us."""
+        from polyrl.backends.megatron import bridge, thd
+        no_pos = all(getattr(self.mm.unwrap(c), "position_embedding_type", None) == "none" for c in chunks)
+        mixers = getattr(bridge.FAMILIES.get(hf_config.model_type), "mixers", None)
+        return thd.PackedRope(hf_config, self.dtype, self.device) if no_pos and not mixers else None
+
+    def _build(self, path: str, *, train: bool, hf_config=None, config=None) -> list:
+        """hf_config / config: another model's (the OPD teacher's); by default the actor's."""
         import copy
 
         mm = self.mm
-        config = self.config if train else copy.copy(self.config)  # the ref model gets no grad-sync hooks
-        chunks = mm.build_chunks(config, self.hf_config, self.dims, self.vpp, self.mg.custom_model_provider_path)
+        hf_config = hf_config or self.hf_config
+        config = self.config if train else copy.copy(config or self.config)  # frozen models get no grad-sync hooks
+        chunks = mm.build_chunks(config, hf_config, self.dims, self.vpp, self.mg.custom_model_provider_path)
         if train and self.role == "critic":
             mm.add_value_heads(chunks, config)
-        mm.load_hf_weights(chunks, path, self.hf_config, config)
+        mm.load_hf_weights(chunks, path, hf_config, config)
         if train:
             return mm.wrap_chunks(chunks, config, self.ddp_config)
         out = [mm.half_module(config, c) for c in chunks]
         for m in out:
             m.eval().requires_grad_(False)
         return out
+
+    def _build_teacher(self, path: str) -> list:
+        """The OPD teacher in the actor's parallel layout (TP / PP / virtual stages / CP / EP), from its own config.
+        Micro-batches are packed once for all models (sequence-parallel padding included), and a pipeline runs one
+        schedule, so the teacher must split into the same stages and agree on sequence parallelism."""
+        from transformers import AutoConfig
+        hf = AutoConfig.from_pretrained(path)
+        stages = self.dims.pp * (self.vpp or 1)
+        if hf.num_hidden_layers % stages:
+            raise ValueError(f"--opd-teacher-load {path}: its {hf.num_hidden_layers} layers do not split into the "
+                             f"student's {stages} pipeline stages (--pipeline-model-parallel-size {self.dims.pp}"
+                             + (f" x {self.vpp} virtual stages, --num-layers-per-virtual-pipeline-stage" if self.vpp else "")
+                             + "); the teacher runs in the student's layout: pick a layout that divides both")
+        config = self.mm.transformer_config(hf, self.mg, self.dims, self.vpp, self.dtype)
+        if config.sequence_parallel != self.config.sequence_parallel:  # MoE turns it on at TP > 1
+            raise ValueError(f"--opd-teacher-load {path}: sequence parallelism would be {config.sequence_parallel} for the "
+                             f"teacher and {self.config.sequence_parallel} for the student (a MoE model needs it at "
+                             "--tensor-model-parallel-size > 1); set --sequence-parallel so both agree")
+        chunks = self._build(path, train=False, hf_config=hf, config=config)
+        self.teacher_hf_config, self._teacher_rope = hf, self._packed_rope(hf, chunks)
+        return chunks
 
     def _hf_uses_fused_experts(self) -> bool:
         """transformers >= 5 keeps MoE experts stacked in memory; the rollout engine's parameter
@@ -259,6 +291,8 @@ class MegatronBackend:
         cp_group = self.ps.get_context_parallel_group()
         chunk_ids = {id(c): i for i, c in enumerate(model)}
         micro_ids = {id(m): i for i, m in enumerate(micros)}
+        teacher = model is self.teacher_model  # a teacher of another size has its own vocabulary and RoPE
+        hf_config, rope = (self.teacher_hf_config, self._teacher_rope) if teacher else (self.hf_config, self._rope)
 
         def forward_step(data_iterator, chunk):
             item = next(data_iterator)
@@ -267,12 +301,12 @@ class MegatronBackend:
                 self.routing.begin(chunk_ids[id(chunk)], micro_ids[id(item)], targets=rp["targets"], has=rp["has"],
                                    valid=rp["valid"], replay=route_mode == "replay" and not item.dummy,
                                    record=route_mode == "record" and not item.dummy)
-            ids, pos, psp = mm.packed_inputs(item.pb, cp_group, self._rope)
+            ids, pos, psp = mm.packed_inputs(item.pb, cp_group, rope)
             if self.role == "critic":  # values where the actor has log-probs; the head lives on the last stage only
                 head, ctx = mm.value_head, mm.ValueContext(item.pb, getattr(mm.unwrap(chunk), mm.VALUE_HEAD, None))
             else:
                 head = mm.logprob_head
-                ctx = mm.HeadContext(item.pb, self.hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
+                ctx = mm.HeadContext(item.pb, hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
                                      with_entropy)
             out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=head, output_processor_context=ctx)
             return out, functools.partial(loss_func, item)
@@ -291,7 +325,9 @@ class MegatronBackend:
     # ---- TrainBackend ---------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
-        m = self.model if model == "actor" else self.ref_model
+        m = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
+        if m is None:
+            raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
         glob, counts = self._gather_batch(batch, with_fields=False)
         mode, routes = self._route_mode(glob, actor=model == "actor", logprob_pass=True)
         micros = self._plan(glob, routes)

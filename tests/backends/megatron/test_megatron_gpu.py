@@ -310,3 +310,44 @@ def test_fp32_deepseek_v3_ep2_and_glm4_tp2(family_refs32):
     _run(["fsdp-ref", f"{m[0]},{m[2]}", f"{r[0]},{r[2]}", "--fp32"])
     _assert_ok(_run(["layouts", "--models", m[0], "--refs", r[0], "--layouts", "ep=2;tp=2", "--fp32"], nproc=2), 6)
     _assert_ok(_run(["layouts", "--models", m[2], "--refs", r[2], "--layouts", "tp=2", "--fp32"], nproc=2), 3)
+
+
+_ZERO = '''
+def zero(sample):
+    return 0.0
+'''
+
+
+@pytest.mark.gpu
+def test_opd_teacher_of_another_size_megatron_tp1_matches_fsdp(tmp_path):
+    """On-policy distillation (--opd-teacher-load) on megatron, FP32, TP1: FSDP generates, trains and saves its samples;
+    Megatron trains on the same samples with the same teacher, of another size than the student (1 layer, hidden 32 vs
+    2 layers, hidden 64: its own transformer config, RoPE tables and vocabulary). The teacher is frozen and the samples
+    are the same, so opd/teacher_logprob (the mean teacher log-prob of the sampled tokens, size ~2.6) must agree at every
+    step to the harness's FP32 log-prob parity (~1e-6 per token; rel 1e-5 leaves 10x room for summation order); a
+    wrong teacher (the student's config or RoPE, the reference model) moves it by O(1). The student starts from the same
+    weights: step 1's opd/reverse_kl agrees to the same accuracy; step 2 follows one Adam step at lr 1e-5 on each side,
+    within rel 1e-3 as in the critic parity test. The reward is constant (GRPO's advantage 0) and each step is one
+    on-policy minibatch (ratio 1), so pg_loss = -mean(teacher - student) = opd/reverse_kl on megatron too: the
+    teacher's term reaches the megatron policy loss (abs 1e-5: ratio = exp(train - old log-prob) of one FP32 model on
+    the same tokens is 1 to ~1e-6, times advantages of size ~1)."""
+    _need(1)
+    from polyrl.tasks.arithmetic import build_model, write_datasets
+    build_model(str(tmp_path / "m"), hidden=64, layers=2, heads=4, kv_heads=2)
+    build_model(str(tmp_path / "teacher"), hidden=32, layers=1, heads=4, kv_heads=2, seed=7)
+    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
+    (tmp_path / "rm.py").write_text(_ZERO)
+    common = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d" / "train.jsonl"),
+              "--custom-rm-path", f"{tmp_path / 'rm.py'}:zero", "--rollout-batch-size", "4", "--n-samples-per-prompt",
+              "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "2", "--fp32", "--quiet",
+              "--opd-teacher-load", str(tmp_path / "teacher")]
+    data = str(tmp_path / "rollouts" / "step_{rollout_id}.jsonl")
+    fsdp = _polyrl_train(common + ["--save-debug-rollout-data", data], 1, tmp_path / "fsdp")
+    mg = _polyrl_train(common + ["--load-debug-rollout-data", data, "--train-backend", "megatron"], 1, tmp_path / "mg")
+    assert [r["step"] for r in mg] == [1, 2]
+    for k, (a, b) in enumerate(zip(fsdp, mg)):
+        assert a["opd/teacher_logprob"] < -0.1 and abs(a["opd/reverse_kl"]) > 1e-3, a  # two random models disagree
+        assert b["opd/teacher_logprob"] == pytest.approx(a["opd/teacher_logprob"], rel=1e-5), (a, b)
+        assert b["opd/reverse_kl"] == pytest.approx(a["opd/reverse_kl"], rel=1e-5 if k == 0 else 1e-3), (a, b)
+        assert b["pg_loss"] == pytest.approx(b["opd/reverse_kl"], abs=1e-5), b
+        assert b["grad_norm"] > 0, b
