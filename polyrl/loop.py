@@ -249,13 +249,16 @@ class Run:
                                         sum(s.finish_reason == "length" for s in samples)])
         m.update(self.engine.stats())
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.dataset.num_dropped,
-                  "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9),
-                  **{f"time/{k}": v for k, v in timer.times.items()}})
+                  "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9)})
         last = step + 1 == cfg.rollout.num_rollout
         if self.eval_set is not None and cfg.log.eval_interval and ((step + 1) % cfg.log.eval_interval == 0 or last):
-            m.update(self.evaluate())
+            with timer("eval"):
+                m.update(self.evaluate())
         now = time.perf_counter()
+        m.update({f"time/{k}": v for k, v in timer.times.items()})
         m["time/step"], self._t_step = now - self._t_step, now
+        # what no phase accounts for (metrics reduction, logging, Python between phases, the previous step's save)
+        m["time/other"] = m["time/step"] - sum(timer.times.values())
         self.logger.log(step + 1, m)
         if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
             self.save(step + 1, data_state)

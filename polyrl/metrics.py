@@ -13,7 +13,7 @@ CONSOLE_KEYS = [
     ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
     ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
-TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "step")
+TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "other", "step")
 
 
 def notice(msg: str) -> None:
