@@ -8,7 +8,7 @@ Held-out accuracy (greedy, problems seen in neither SFT nor RL) after SFT and af
 arm's final model with its tool taken away (--max-turns 1). Writes RUN_DIR/summary.json, and each GRPO step's
 scored rollouts (tokens, loss masks, tool results, rewards) to RUN_DIR/ARM/rollouts/step_N.jsonl.
 
-    python examples/tool_calculator/recipe.py            # from the repository root; about N minutes on 2 CPU cores
+    python examples/tool_calculator/recipe.py            # from the repository root; about 10 minutes on 2 busy CPU cores
 """
 
 from __future__ import annotations
