@@ -133,41 +133,65 @@ def test_flag_checks_and_prompt_filter(tiny_model, arith_data):
 
 
 class _Scripted:
-    """Writes `text` one character per call token, stopping early at a stop id, like a real engine would."""
+    """Writes turn k's text (one token per call step) on call k, stopping at a stop id or EOS like a real engine."""
     version, concurrent_update = 0, False
 
-    def __init__(self, tok, text: str):
-        self.tok, self.ids = tok, tok.encode(text, add_special_tokens=False)
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns, self.calls = tok, [tok.encode(t, add_special_tokens=False) for t in turns], 0
 
     def generate(self, prompts, params):
-        out = []
+        out, stops = [], {*params.stop_token_ids, self.tok.eos_token_id}
         for p in prompts:
             ids = []
-            for t in self.ids[:params.max_new_tokens]:
+            for t in self.turns[self.calls][:params.max_new_tokens]:
                 ids.append(t)
-                if t in params.stop_token_ids:
+                if t in stops:
                     break
-            out.append(Sample(list(p), ids, [-0.5] * len(ids), "stop" if ids and ids[-1] in params.stop_token_ids else "length"))
+            out.append(Sample(list(p), ids, [-0.5] * len(ids), "stop" if ids and ids[-1] in stops else "length"))
+        self.calls += 1
         return out
 
 
-@pytest.mark.parametrize("max_turns", [None, 1])
-def test_calculator_uses_the_tool_only_with_two_turns(max_turns):
+def _calculator():
     import importlib.util
     spec = importlib.util.spec_from_file_location("calculator", EXAMPLE)
     calc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calc)
-    tok = build_tokenizer()
-    items = [(tok.encode("12+34=", add_special_tokens=False), PromptRecord("12+34=", label="46"))]
-    # the model writes `12+34=` and then `46...`: with the tool the `=` is a call and the tool answers 46
-    (s,) = generate_with(calc.generate, "calc", _Scripted(tok, "12+34=46"), tok, items,
-                         SamplingParams(n=1, seed=0, max_new_tokens=12), timeout=5, concurrency=1, max_turns=max_turns)
-    if max_turns == 1:
+    return calc
+
+
+@pytest.mark.parametrize("max_turns", [None, 1])
+def test_calculator_uses_the_tool_only_with_two_turns(max_turns):
+    calc = _calculator()
+    tok = build_tokenizer(extra_tokens=calc.TOOL_TOKENS, chat_template=calc.CHAT_TEMPLATE)
+    items = [(tok.encode("12*34=", add_special_tokens=False), PromptRecord("12*34=", label="408"))]
+    # turn 1 calls the calculator, turn 2 copies its answer
+    engine = _Scripted(tok, ["<tool_call>12*34</tool_call><eos>", "408<eos>"])
+    (s,) = generate_with(calc.generate, "calc", engine, tok, items, SamplingParams(n=1, seed=0, max_new_tokens=24),
+                         timeout=5, concurrency=1, max_turns=max_turns)
+    if max_turns == 1:  # no tool: the call is the answer, and a wrong one
         assert s.metadata["turns"] == 1 and s.metadata["tool_calls"] == 0 and all(s.loss_mask)
-        assert calc.text(tok, s.response_ids) == "12+34=46"
+        assert s.metadata["answer"] == "<tool_call>12*34</tool_call>" and calc.reward(s) == 0.0
     else:
-        assert s.metadata["turns"] == 2 and s.metadata["tool_result"] == "46"
-        assert s.loss_mask == [1] * 6 + [0, 0] + [1] * 4 and len(s.response_ids) == 12  # 2nd turn fills the budget
+        assert s.metadata["turns"] == 2 and s.metadata["tool_result"] == "408" and s.metadata["answer"] == "408"
+        # <tool_call> 1 2 * 3 4 </tool_call> <eos> | <tool_response> 4 0 8 </tool_response> | 4 0 8 <eos>
+        assert s.loss_mask == [1] * 8 + [0] * 5 + [1] * 4 and calc.reward(s) == 1.0
+        assert calc.text(tok, s.response_ids) == "<tool_call>12*34</tool_call><tool_response>408</tool_response>408"
+        assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 0)
+
+
+def test_calculator_tool_turn_is_what_the_sft_traces_hold():
+    """The tokens generate() appends for the tool are the chat template's own for that turn, so RL rollouts and the
+    SFT conversations (rendered by polyrl.data.build_conversation_example) agree token for token."""
+    from polyrl.data import build_conversation_example
+    calc = _calculator()
+    tok = build_tokenizer(extra_tokens=calc.TOOL_TOKENS, chat_template=calc.CHAT_TEMPLATE)
+    chat = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": "<tool_call>12*34</tool_call>"},
+            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}]
+    ids, mask = build_conversation_example(tok, chat)
+    tool = calc.tool_turn(tok, "12*34=", "<tool_call>12*34</tool_call>", "408")
+    assert ids[14:19] == tool and mask[14:19] == [0] * 5  # after the 6 prompt and 8 call tokens
+    assert calc.CALL.fullmatch("<tool_call>12*34</tool_call>") and not calc.CALL.fullmatch("<tool_call>12*</tool_call>")
 
 
 def test_eval_runs_the_custom_generate_function(tiny_model, arith_data, tmp_path, capsys):

@@ -21,28 +21,35 @@ SPECIAL = ["<pad>", "<eos>"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}{% endfor %}"
 
 
-def build_tokenizer(out_dir: str | None = None):
-    """A one-token-per-character tokenizer (vocab of 14) as a PreTrainedTokenizerFast."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+def build_tokenizer(out_dir: str | None = None, *, extra_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):
+    """A one-token-per-character tokenizer (vocab of 14, then `extra_tokens` with the ids after it) as a
+    PreTrainedTokenizerFast. A tag such as `<tool_call>` is one token; the base ids never move, so a tokenizer with
+    extras still encodes the task's characters as the plain one does."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
+    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS + list(extra_tokens))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # tags are added tokens, matched before any pre-tokenizer: transformers loads a qwen2 model's tokenizer as
+    # Qwen2Tokenizer, whose own pre-tokenizer would cut a tag into unknown pieces
+    tok.add_tokens([AddedToken(t, normalized=False) for t in extra_tokens if len(t) > 1])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     if out_dir:
         fast.save_pretrained(out_dir)
     return fast
 
 
 def build_model(out_dir: str, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                seed: int = 0, arch: str = "qwen2"):
-    """A tiny causal LM with random weights, saved with the tokenizer as a local HF directory."""
+                seed: int = 0, arch: str = "qwen2", tokenizer=None):
+    """A tiny causal LM with random weights, saved with the tokenizer (build_tokenizer()'s unless given) as a local
+    HF directory."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    tok = build_tokenizer(out_dir)
+    tok = tokenizer or build_tokenizer()
+    tok.save_pretrained(out_dir)
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, norm_topk_prob=True) if arch == "qwen3_moe" else {}
     cfg = cls(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
