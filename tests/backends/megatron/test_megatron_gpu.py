@@ -253,6 +253,7 @@ def _critic_parity(tmp_path, nproc: int, tp: int) -> None:
     common = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d" / "train.jsonl"),
               "--custom-rm-path", f"{tmp_path / 'rm.py'}:digits", "--rollout-batch-size", "4", "--n-samples-per-prompt",
               "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "3", "--fp32", "--quiet",
+              "--no-compile",  # a wiring proof: FSDP's compile (the CUDA default) only adds minutes per rank here
               "--advantage-estimator", "gae", "--gamma", "0.99", "--lambd", "0.95", "--critic-lr", "1e-4"]
     data = str(tmp_path / "rollouts" / "step_{rollout_id}.jsonl")
     fsdp = _polyrl_train(common + ["--save-debug-rollout-data", data], nproc, tmp_path / "fsdp")
@@ -339,7 +340,7 @@ def test_opd_teacher_of_another_size_megatron_tp1_matches_fsdp(tmp_path):
     (tmp_path / "rm.py").write_text(_ZERO)
     common = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d" / "train.jsonl"),
               "--custom-rm-path", f"{tmp_path / 'rm.py'}:zero", "--rollout-batch-size", "4", "--n-samples-per-prompt",
-              "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "2", "--fp32", "--quiet",
+              "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "2", "--fp32", "--quiet", "--no-compile",
               "--opd-teacher-load", str(tmp_path / "teacher")]
     data = str(tmp_path / "rollouts" / "step_{rollout_id}.jsonl")
     fsdp = _polyrl_train(common + ["--save-debug-rollout-data", data], 1, tmp_path / "fsdp")
