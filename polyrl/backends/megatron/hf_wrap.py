@@ -245,14 +245,17 @@ class HFMixer(nn.Module):
             self.state_dict(prefix="", keep_vars=True), prefix, {f"hf.{n}": d for n, d in self.tp_dims.items()},
             sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
         key = f"{prefix}hf.conv1d.weight"
-        if "conv1d.weight" in self.tp_dims:
+        if key in sd and getattr(self.hf_config, "linear_num_key_heads", None) is not None:
+            # always three parts, split over TP or not: the checkpoint's keys must not depend on the TP size it was
+            # saved at (a TP=2 checkpoint resumes at TP=1 and back)
             base = sd[key]
-            tp_axis = len(sharded_offsets)
-            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+            split = "conv1d.weight" in self.tp_dims
+            rank, size = (dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)) if split else (0, 1)
+            tp_axis = ((len(sharded_offsets), rank, size),) if split else ()
             local = [n // size for n in bridge.gdn_conv_parts(self.hf_config)]
 
             def build(k, t, replica_id, flattened_range):
-                return [ShardedTensor.from_rank_offsets(f"{k}.{part}", piece, *sharded_offsets, (tp_axis, rank, size),
+                return [ShardedTensor.from_rank_offsets(f"{k}.{part}", piece, *sharded_offsets, *tp_axis,
                                                         replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
                         for part, piece in zip("qkv", t.split(local, dim=0))]
 

@@ -33,12 +33,14 @@ from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -163,6 +165,27 @@ class PostNormMLP(MLP):
         return self.post_layernorm(out if bias is None else out + bias), None
 
 
+class TPMLASelfAttention(MLASelfAttention):
+    """megatron-core's MLA with its column-parallel (local spec) kv down projection made exact under TP.
+
+    megatron (0.19.2, multi_latent_attention.py get_query_key_value_tensors) all-gathers the column-parallel
+    kv_combined [s, b, kv_lora_rank + rope_dim] over TP and splits off k_pos_emb, which every rank then broadcasts to
+    its own heads only. In backward the gather only splits the gradient, so the rope columns of linear_kv_down_proj
+    receive one rank's heads' share: log-probs are right, that weight's gradient is not (TP2 grad norm 9.011 vs FSDP
+    on the DeepSeek-V3 tiny model, 2026-11-23). Here the down projection's output is gathered over TP and scattered
+    back to this rank's sequence share, so megatron takes its sequence-parallel branch, whose all-gather of k_pos_emb
+    reduce-scatters (sums over TP) the gradient. Needs sequence parallelism with TP > 1 (transformer_config turns it
+    on for MLA)."""
+
+    def _qkv_down_projection(self, hidden_states):
+        q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+        if kv_combined.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:
+            if not self.config.sequence_parallel:
+                raise RuntimeError("TPMLASelfAttention under tensor parallelism needs sequence parallelism")
+            kv_combined = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(kv_combined))
+        return q_compressed, kv_combined
+
+
 def _norm(spec, cls):
     return spec if spec in (None, IdentityOp) else cls
 
@@ -174,6 +197,8 @@ def _patch_layer_spec(spec: ModuleSpec, post_norms: bool = False) -> ModuleSpec:
     if hasattr(a, "kv_layernorm"):  # MLA: norms of the compressed q / kv latents, shaped like the hidden states
         a = dataclasses.replace(a, core_attention=VarlenCoreAttention, q_layernorm=_norm(a.q_layernorm, HFRMSNorm),
                                 kv_layernorm=_norm(a.kv_layernorm, HFRMSNorm))
+        if attn.module is MLASelfAttention:
+            attn = dataclasses.replace(attn, module=TPMLASelfAttention)
     else:
         a = dataclasses.replace(a, core_attention=VarlenCoreAttention, q_layernorm=_norm(a.q_layernorm, HFQKNorm),
                                 k_layernorm=_norm(a.k_layernorm, HFQKNorm))
@@ -236,6 +261,10 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
     sp = mg.sequence_parallel
     if "num_moe_experts" in kw and dims.tp > 1 and not sp:
         log.warning("MoE with --tensor-model-parallel-size > 1: turning on --sequence-parallel (megatron-core requires it)")
+        sp = True
+    if kw.get("multi_latent_attention") and dims.tp > 1 and not sp:
+        log.warning("multi-latent attention with --tensor-model-parallel-size > 1: turning on --sequence-parallel "
+                    "(TPMLASelfAttention's exact k_pos_emb gradient uses it)")
         sp = True
     if hf_config.num_hidden_layers % dims.pp:
         raise ValueError(f"--pipeline-model-parallel-size {dims.pp} must divide the model's {hf_config.num_hidden_layers} layers")

@@ -313,6 +313,17 @@ def test_fp32_deepseek_v3_ep2_and_glm4_tp2(family_refs32):
     _assert_ok(_run(["layouts", "--models", m[2], "--refs", r[2], "--layouts", "tp=2", "--fp32"], nproc=2), 3)
 
 
+@pytest.mark.multigpu
+def test_fp32_glm4_moe_tp2_ep2(family_refs32):
+    """GLM4-MoE (sigmoid router with expert bias, shared expert, first dense layer, partial RoPE) at TP=2 (MoE with
+    sequence parallelism) and EP=2 against FP32 FSDP: log-probs, exact export, grad norm."""
+    _need(2)
+    models, ref = family_refs32
+    m, r = models.split(",")[1], ref.split(",")[1]
+    _run(["fsdp-ref", m, r, "--fp32"])
+    _assert_ok(_run(["layouts", "--models", m, "--refs", r, "--layouts", "tp=2;ep=2", "--fp32"], nproc=2), 6)
+
+
 _ZERO = '''
 def zero(sample):
     return 0.0
