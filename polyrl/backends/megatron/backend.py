@@ -350,20 +350,23 @@ class MegatronBackend:
             merged.update(p)
         start = sum(counts[:dist.get_rank()])
         mine = range(start, start + counts[dist.get_rank()])
-        if mode == "record":  # R2: every rank holds its CP / SP / stage share of each sample's routes; merge them
-            shares: dict[int, torch.Tensor] = {}
+        if mode == "record":  # R2: each rank holds its CP / SP / stage share of its micro-batches' routes; join them
+            from polyrl.backends.megatron.routing import merge_route_shares
+            from polyrl.backends.routing_replay import routes_dtype
+            shares: dict[int, tuple] = {}
+            # without SP every TP rank routes the same tokens: one of them sends
+            sends = self.config.sequence_parallel or self.ps.get_tensor_model_parallel_rank() == 0
             for k, item in enumerate(micros):
                 if item.dummy:
                     continue
                 got = self.routing.take_recorded(k, item.routes["glob"], item.routes["offsets"], item.routes["lens"])
-                for j, r in got.items():
-                    shares[item.index[j]] = r
+                if sends:
+                    shares.update({item.index[j]: r for j, r in got.items()})
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, shares)
-            full: dict[int, torch.Tensor] = {}
-            for p in parts:
-                for i, r in p.items():
-                    full[i] = torch.maximum(full[i], r) if i in full else r  # -1 where a rank does not hold the value
+            lens = {i: int(glob.input_ids[i].numel()) for i in mine}
+            full = merge_route_shares(parts, lens, self.hf_config.num_hidden_layers, self.config.moe_router_topk,
+                                      routes_dtype(self.config.num_moe_experts))
             batch.recorded_routed_experts = [full[i] for i in mine]
         return [merged[i] for i in mine]
 

@@ -46,6 +46,35 @@ def router_tokens(token_index: torch.Tensor, sp_size: int = 1, sp_rank: int = 0)
     return token_index[sp_rank * c:(sp_rank + 1) * c]
 
 
+def route_shares(rec: dict[int, torch.Tensor], glob: torch.Tensor, offsets: list[int], lens: list[int],
+                 dtype: torch.dtype) -> dict[int, tuple]:
+    """Recorded routes of one router token order (rec: layer -> [T, k], tokens at packed positions `glob`) as
+    per-sample shares (positions [m], layers [l], experts [m, l, k]); placeholder tokens (THD padding, each sample's
+    last token) are dropped. What a rank sends is what it holds, not the whole [n - 1, layers, k] of each sample."""
+    if not rec:
+        return {}
+    layers = sorted(rec)
+    stacked = torch.stack([rec[layer] for layer in layers], 1).to(dtype)  # [T, l, k]
+    out = {}
+    for i, (off, n) in enumerate(zip(offsets, lens)):
+        sel = ((glob >= off) & (glob < off + n - 1)).nonzero().flatten()
+        if sel.numel():
+            out[i] = ((glob[sel] - off).to(torch.int32), torch.tensor(layers, dtype=torch.int32), stacked[sel])
+    return out
+
+
+def merge_route_shares(shares: list[dict[int, tuple]], lens: dict[int, int], num_layers: int, top_k: int,
+                       dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Join the ranks' shares (each: sample -> (positions, layers, experts)) into one [n_i - 1, num_layers, k] per
+    sample of `lens` (sample -> length); layers without experts (dense layers) stay -1."""
+    full = {i: torch.full((max(n - 1, 0), num_layers, top_k), -1, dtype=dtype) for i, n in lens.items()}
+    for share in shares:
+        for i, (pos, layers, vals) in share.items():
+            if i in full:
+                full[i][pos.long()[:, None], layers.long()[None, :]] = vals.to(dtype)
+    return full
+
+
 class MegatronRouting:
     """RouterReplay control and routing metrics over the routers of the actor's model chunks."""
 
@@ -106,14 +135,12 @@ class MegatronRouting:
         if cur["record"]:
             self.recorded.setdefault(cur["micro"], {})[layer] = module.router_replay.get_recorded_indices().detach().cpu()
 
-    def take_recorded(self, micro_id: int, glob: torch.Tensor, offsets: list[int], lens: list[int]) -> dict[int, torch.Tensor]:
-        """This rank's share of one micro-batch's recorded routes: sample (within the micro-batch) -> [n_i - 1,
-        num_layers, k] with -1 wherever another rank (CP / SP share, pipeline stage) holds the value."""
+    def take_recorded(self, micro_id: int, glob: torch.Tensor, offsets: list[int], lens: list[int]) -> dict[int, tuple]:
+        """This rank's share of one micro-batch's recorded routes, compact: sample (within the micro-batch) ->
+        (token positions [m], layers [l], experts [m, l, k]) for the tokens and MoE layers this rank's routers saw
+        (its CP / SP share, its pipeline stage); `merge_route_shares` joins the ranks' shares."""
         rec = self.recorded.pop(micro_id, {})
-        full = torch.full((offsets[-1], self.num_layers, self.top_k), -1, dtype=routes_dtype(self.num_experts))
-        for layer, idx in rec.items():
-            full[glob, layer] = idx.to(full.dtype)
-        return {i: full[off:off + n - 1] for i, (off, n) in enumerate(zip(offsets, lens))}
+        return route_shares(rec, glob, offsets, lens, routes_dtype(self.num_experts))
 
     def drain_metrics(self) -> dict[str, float]:
         """moe/* load balance over every router of every rank (tokens are disjoint across DP / EP / CP / SP ranks and

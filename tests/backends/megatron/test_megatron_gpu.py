@@ -233,6 +233,17 @@ def test_fp32_moe_routing_replay_ep2(tmp_path):
     _assert_ok(_run(["replay", "--model", str(tmp_path / "m" / "qwen3_moe"), "--layout", "ep=2", "--fp32"], nproc=2), 5)
 
 
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "cp=2"])
+def test_fp32_moe_routing_replay_tp2_pp2_cp2(tmp_path, layout):
+    """The same replay checks with the router's tokens split otherwise: TP=2 (MoE turns sequence parallelism on: each
+    TP rank routes a contiguous share of the packed tokens), PP=2 (each stage records its own layers), CP=2 (each rank
+    routes its two chunks of every sequence). R3's targets and R2's recorded shares must land on the right tokens."""
+    _need(2)
+    _run(["models", str(tmp_path / "m")])
+    _assert_ok(_run(["replay", "--model", str(tmp_path / "m" / "qwen3_moe"), "--layout", layout, "--fp32"], nproc=2), 5)
+
+
 _DIGITS = '''
 def digits(sample):
     return sum(c.isdigit() for c in sample.response) / 8.0

@@ -196,3 +196,32 @@ def test_router_targets_cover_every_routed_token_once_across_cp_and_sp_ranks():
         for j in range(r.shape[0]):
             assert torch.equal(seen.pop(off + j), r[j].long())
     assert not seen
+
+
+def test_recorded_route_shares_merge_back_to_each_sample_over_cp_sp_and_pipeline_stages():
+    """R2 on megatron: each rank sends only the routes its routers recorded (its CP chunk, its SP share, its pipeline
+    stage's MoE layers); joining every rank's shares gives each sample's [n - 1, layers, k] routes exactly, -1 on
+    layers without experts."""
+    from polyrl.backends.megatron.routing import merge_route_shares, route_shares, router_targets
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in (9, 4, 13)]
+    layers, k, cp, sp = 4, 2, 2, 2
+    moe_layers_per_stage = [[1], [2, 3]]  # layer 0 dense; two pipeline stages
+    routes = [torch.randint(0, 8, (len(x) - 1, layers, k), generator=g, dtype=torch.int16) for x in ids]
+    for r in routes:
+        r[:, 0] = -1
+    shares = []
+    for cr in range(cp):
+        pb = thd.pack_thd(ids, [2, 2, 2], cp_size=cp, cp_rank=cr, sp_size=sp)
+        offs = [int(x) for x in pb.cu_seqlens]
+        for sr in range(sp):
+            tgt, has, glob = router_targets(pb.token_index, offs, routes, layers, k, sp, sr)
+            for stage in moe_layers_per_stage:
+                rec = {layer: tgt[:, layer] for layer in stage}  # what this stage's routers recorded, router order
+                share = route_shares(rec, glob, offs, [len(x) for x in ids], torch.int16)
+                held = sum(v[0].numel() for v in share.values())
+                assert held <= glob.numel()  # no more than this rank's tokens
+                shares.append(share)
+    full = merge_route_shares(shares, {i: len(x) for i, x in enumerate(ids)}, layers, k, torch.int16)
+    for i, r in enumerate(routes):
+        assert torch.equal(full[i], r)
