@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -32,8 +32,9 @@ class TrainBackend(Protocol):
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share); returns reduced metrics."""
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, one at a time."""
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one at a time. May be a polyrl.weight_sync.WeightExport, whose `copy_into(views)`
+        lets an engine in the same process take the weights straight into its own buffers."""
 
     def save(self, path: str) -> None: ...
 

@@ -39,7 +39,8 @@ class RolloutEngine(Protocol):
         (group_index i); each carries response ids, per-token logprobs and finish reason."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load an HF-named stream in place; `version` is the trainer step it came from."""
+        """Load an HF-named stream in place; `version` is the trainer step it came from. An in-process engine may
+        call the stream's `copy_into(views)` (polyrl.weight_sync.WeightExport) instead of iterating it."""
 
     def sleep(self) -> None:
         """Give the GPU to the trainer (colocated placement); a no-op where nothing is shared."""

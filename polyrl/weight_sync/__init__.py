@@ -5,7 +5,7 @@ Backends decide which tensors (and their HF names); transports decide how they m
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -26,6 +26,30 @@ def buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
         yield bucket
 
 
+class WeightExport:
+    """What a backend's export_weights() may return instead of a plain generator. Iterating it yields the (HF name,
+    full tensor) stream every transport understands. An engine in the same process that keeps its weights as named
+    views of its own buffers calls `copy_into(views)` instead: the backend writes them straight from its parameters
+    (polyrl.weight_sync.direct) and returns the names written, or None when it cannot here (the engine then iterates).
+    `nbytes`: the bytes delivered either way."""
+
+    def __init__(self, stream: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                 copy_into: Callable[[Mapping[str, torch.Tensor]], set[str] | None] | None = None):
+        self._stream, self._copy_into = stream, copy_into
+        self.nbytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._stream():
+            self.nbytes += t.numel() * t.element_size()
+            yield name, t
+
+    def copy_into(self, views: Mapping[str, torch.Tensor]) -> set[str] | None:
+        seen = self._copy_into(views) if self._copy_into is not None else None
+        if seen is not None:
+            self.nbytes += sum(views[n].numel() * views[n].element_size() for n in seen)
+        return seen
+
+
 class InMemoryTransport:
     """Colocated: trainer and engine share a process; tensors are copied in place, bucket by bucket."""
 
@@ -33,6 +57,9 @@ class InMemoryTransport:
         self.bucket_bytes = bucket_bytes
 
     def push(self, stream: Iterable[tuple[str, torch.Tensor]], engines: list, version: int) -> int:
+        if len(engines) == 1 and isinstance(stream, WeightExport):  # the engine may take the direct copy
+            engines[0].update_weights(stream, version)
+            return stream.nbytes
         total = 0
         def flat():
             nonlocal total

@@ -114,6 +114,43 @@ def test_offload_frees_gpu_memory_and_onload_restores(gpu_model):
     assert m["skipped_step"] == 0
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tied", [True, False])
+def test_direct_push_into_the_gpu_engine_equals_the_named_stream(tmp_path, tied):
+    """The colocated push (InMemoryTransport -> export's copy_into -> the engine's flat buffer, polyrl.weight_sync.direct)
+    leaves the engine's buffer bit-identical to loading the named stream one tensor at a time (both cast the same FP32
+    values to BF16), after a train step changed the weights, again after an offload/onload moved the parameters (the
+    cached sources are rebuilt), and while the trainer is offloaded (the stream is taken instead)."""
+    from polyrl.algorithms.losses import LossSettings, rl_loss
+    from polyrl.rollout.gpu.engine import GPUEngine
+    from polyrl.weight_sync import InMemoryTransport
+    d = make_model_dir(tmp_path, arch="qwen3", hidden=128, layers=2, tied=tied)
+    be = _backend(d, offload_train=True, micro_batch_size=8)
+    eng = GPUEngine(d, dtype=torch.bfloat16, mem_fraction=0.05, max_batch=8)
+    ref = torch.empty_like(eng.model.flat)
+
+    def check(version):
+        nbytes = InMemoryTransport().push(be.export_weights(), [eng], version)
+        got = eng.model.flat.clone()
+        eng.model.flat.copy_(ref)  # anything: the named load below must rewrite every weight
+        eng.model.load(be.export_weights(), strict=True)
+        for n, v in eng.model.hf.items():
+            assert torch.equal(got[v.data_ptr() // 2 - eng.model.flat.data_ptr() // 2:][:v.numel()].view(v.shape), v), n
+        assert nbytes >= sum(p.numel() for p in be.model.parameters()) * 2 * 0.99
+        assert eng.version == version
+
+    loss = functools.partial(rl_loss, s=LossSettings())
+    check(1)
+    be.train_step(fixed_batch(), loss)
+    check(2)
+    be.offload()
+    InMemoryTransport().push(be.export_weights(), [eng], 3)  # sources on the host: the named stream path
+    be.onload()
+    be.train_step(fixed_batch(), loss)
+    check(4)
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_match_one_gpu_nccl(gpu_model, tmp_path):

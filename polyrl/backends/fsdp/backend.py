@@ -22,6 +22,7 @@ from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl.backends.parallel_dims import ParallelDims
+from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
 
@@ -192,6 +193,7 @@ class FSDPBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
         self.skipped_steps = 0
         self._export_units: list | None = None  # export_weights' FSDP units, built on first use
+        self._direct: dict | None = None  # _copy_into's plan for the engine views it last wrote, and its sources
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, path: str, *, train: bool, value: bool = False) -> PolicyModel | ValueModel:
@@ -411,7 +413,59 @@ class FSDPBackend:
         return out
 
     # ---- weights ------------------------------------------------------------------------
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self) -> WeightExport:
+        """The HF-named stream below, and its direct copy into an in-process engine's views (`_copy_into`)."""
+        return WeightExport(self._export_stream, self._copy_into)
+
+    def _copy_into(self, views) -> set[str] | None:
+        """Write every exported weight straight into `views` (HF name -> the engine's tensor), a few kernels per FSDP
+        unit (polyrl.weight_sync.direct): the unit is gathered as in the stream, and each run of neighbouring
+        destinations is filled, cast included, by one `torch.cat`. None (iterate the stream instead) with LoRA, off
+        CUDA, or when the destinations are not on this device."""
+        if self.peft is not None or self.device.type != "cuda" or not any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return None
+        if next(iter(views.values())).device != self.device:
+            return None
+        if self._export_units is None:
+            self._export_units = _fsdp_units(self.model, {id(p): n for n, p in self.model.lm.named_parameters()})
+        single = dist.get_world_size() == 1
+        lm = self.model.lm
+
+        def sources(names: list[str]) -> list[torch.Tensor]:
+            out = []
+            for n in names:
+                p = lm.get_parameter(n)
+                out.append((p._local_tensor if isinstance(p, DTensor) else p).detach().reshape(-1))
+            return out
+
+        cache = self._direct
+        if cache is None or cache["views"] is not views:
+            shapes = [[(n, lm.get_parameter(n).shape) for n in names] for _, names in self._export_units]
+            owners = [(lm.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                      for _, names in self._export_units for n in names]
+            cache = self._direct = {"views": views, "plans": direct.plan_groups(shapes, views), "src": None,
+                                    "owners": owners}
+        if single:  # the local shards are the parameters: their flat views are reused while they stay in place
+            local = [getattr(m, a) for m, a in cache["owners"]]
+            ptrs = [(p._local_tensor if isinstance(p, DTensor) else p).data_ptr() for p in local]
+            if cache["src"] is None or cache["ptrs"] != ptrs:
+                cache["src"] = [sources(names) for _, names in self._export_units]
+                cache["ptrs"] = ptrs
+                if any(t.device != self.device for g in cache["src"] for t in g):  # offloaded: take the stream
+                    cache["src"] = None
+                    return None
+        seen: set[str] = set()
+        for k, ((unit, names), plan) in enumerate(zip(self._export_units, cache["plans"])):
+            if single:
+                plan.write(cache["src"][k])
+            else:
+                unit.unshard()
+                plan.write(sources(names))
+                unit.reshard()
+            seen.update(names)
+        return seen
+
+    def _export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (the train dtype on GPU). Shared (tied) parameters are yielded once, under their first
         name. Sharded models export one FSDP unit (a decoder layer, the root) at a time: the unit is all-gathered with
         FSDP's own batched collective, its tensors are cast and copied into one new flat buffer by a single `torch.cat`

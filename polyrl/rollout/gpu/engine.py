@@ -547,7 +547,10 @@ class GPUEngine(InProcessEngine):
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """In place (same storage, so captured graphs stay valid); while asleep, into the host copy."""
-        seen = self.model.load(weights, strict=False)
+        # an in-process trainer's export writes straight into the views (polyrl.weight_sync.direct), else name by name
+        seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") else None
+        if seen is None:
+            seen = self.model.load(weights, strict=False)
         if self._stale:  # woken without its weights: those this update did not write come from the host copy
             for name in self.model.missing(seen):
                 v = self.model.hf[name]

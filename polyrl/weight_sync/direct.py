@@ -1,0 +1,121 @@
+"""Colocated weight sync without a per-parameter step: the trainer's tensors are cast and written straight into the
+engine's weight buffer, a few kernels per FSDP unit.
+
+An in-process engine keeps its weights as HF-named views of one flat buffer (polyrl.rollout.gpu.model.DenseLM.hf).
+Writing name by name costs a Python lookup, a shape check and a view per parameter (~290 at the 0.5B shape, most of a
+7.6 ms push against a 0.7 ms device-copy floor, bench/RESULTS.md). Here the destinations of one source group (an FSDP
+unit: a decoder layer, the root) are sorted by their place in the engine's buffer; neighbours whose gap holds no other
+weight (alignment padding only) form a run, and a run is written by one `torch.cat(sources, out=region)`, which casts
+and copies in one kernel; zero fillers stand in for the padding. Destinations that are not contiguous views of that
+buffer go through one multi-tensor copy. Plans are built once and reused while the buffers stay where they are.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+
+def _check(name: str, shape: torch.Size, views: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    try:
+        dst = views[name]
+    except KeyError:
+        raise KeyError(f"weight sync sent {name!r}, which the rollout model does not have") from None
+    if tuple(shape) != tuple(dst.shape):
+        raise ValueError(f"{name}: got shape {tuple(shape)}, the rollout model has {tuple(dst.shape)}")
+    return dst
+
+
+@dataclass
+class GroupPlan:
+    """How one source group reaches the engine: `runs` (the contiguous destination region, and per slot either the
+    index of a source in the group's name order or a zero filler) and `loose` (source index, destination view)."""
+
+    runs: list[tuple[torch.Tensor, list[int | torch.Tensor]]] = field(default_factory=list)
+    loose: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def write(self, sources: list[torch.Tensor]) -> None:
+        """sources: the group's tensors flattened ([numel]), in the order the plan was built for."""
+        for out, slots in self.runs:
+            torch.cat([sources[s] if isinstance(s, int) else s for s in slots], out=out)
+        if self.loose:
+            torch._foreach_copy_([d for _, d in self.loose], [sources[i].view(d.shape) for i, d in self.loose],
+                                 non_blocking=True)
+
+
+class _Intervals:
+    """Element intervals of every view of one storage, to tell padding (no view) from another weight."""
+
+    def __init__(self, views: list[torch.Tensor], base: int, itemsize: int):
+        spans = sorted({((v.data_ptr() - base) // itemsize, v.numel()) for v in views})
+        self.starts = [s for s, _ in spans]
+        self.max_end: list[int] = []
+        m = -1
+        for s, n in spans:
+            m = max(m, s + n)
+            self.max_end.append(m)
+
+    def empty(self, a: int, b: int) -> bool:
+        """No view overlaps [a, b)."""
+        i = bisect.bisect_left(self.starts, b)
+        return i == 0 or self.max_end[i - 1] <= a
+
+
+def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, torch.Tensor]) -> list[GroupPlan]:
+    """One GroupPlan per group of (HF name, shape) sources. Unknown names and shape mismatches raise as the engine's
+    own load does."""
+    dsts = [[_check(n, s, views) for n, s in g] for g in groups]
+    flat_views = [v for v in views.values() if v.is_contiguous() and v.numel()]
+    by_storage: dict[tuple, _Intervals] = {}
+
+    def intervals(v: torch.Tensor) -> _Intervals:
+        st = v.untyped_storage()
+        key = (st.data_ptr(), v.dtype, v.device)
+        if key not in by_storage:
+            same = [w for w in flat_views if w.untyped_storage().data_ptr() == key[0] and w.dtype == v.dtype]
+            by_storage[key] = _Intervals(same, st.data_ptr(), v.element_size())
+        return by_storage[key]
+
+    plans = []
+    for g, dst in zip(groups, dsts):
+        plan = GroupPlan()
+        placed = []  # (storage key, start element, source index, view)
+        for i, d in enumerate(dst):
+            if d.is_contiguous() and d.numel():
+                st = d.untyped_storage()
+                placed.append(((st.data_ptr(), d.dtype, d.device), (d.data_ptr() - st.data_ptr()) // d.element_size(), i, d))
+            elif d.numel():
+                plan.loose.append((i, d))
+        placed.sort(key=lambda x: (x[0][0], x[1]))
+        run: list = []
+        for item in placed:
+            if run:
+                key, start, _, _ = run[-1]
+                end = start + run[-1][3].numel()
+                if not (item[0] == key and item[1] >= end and intervals(item[3]).empty(end, item[1])):
+                    plan.runs.append(_run(run))
+                    run = []
+            run.append(item)
+        if run:
+            plan.runs.append(_run(run))
+        plans.append(plan)
+    return plans
+
+
+def _run(items: list) -> tuple[torch.Tensor, list[int | torch.Tensor]]:
+    """The destination region from the first item's start to the last one's end and its cat slots."""
+    first, last = items[0], items[-1]
+    base = first[3]
+    n = last[1] + last[3].numel() - first[1]
+    out = base.as_strided((n,), (1,), base.storage_offset())
+    slots: list[int | torch.Tensor] = []
+    pos = first[1]
+    for _, start, i, d in items:
+        if start > pos:  # padding between two weights: written with zeros (nothing reads it)
+            slots.append(torch.zeros(start - pos, dtype=d.dtype, device=d.device))
+        slots.append(i)
+        pos = start + d.numel()
+    return out, slots
