@@ -31,19 +31,30 @@ def _check(name: str, shape: torch.Size, views: Mapping[str, torch.Tensor]) -> t
 
 @dataclass
 class GroupPlan:
-    """How one source group reaches the engine: `runs` (the contiguous destination region, and per slot either the
-    index of a source in the group's name order or a zero filler) and `loose` (source index, destination view)."""
+    """How one source group reaches the engine: `runs` (the name of the run's first destination, the run's length in
+    elements, and per slot either the index of a source in the group's order or a zero filler) and `loose` (source
+    index, destination name). It holds names, not the engine's tensors: an engine that sleeps frees its buffer."""
 
-    runs: list[tuple[torch.Tensor, list[int | torch.Tensor]]] = field(default_factory=list)
-    loose: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    runs: list[tuple[str, int, list[int | torch.Tensor]]] = field(default_factory=list)
+    loose: list[tuple[int, str]] = field(default_factory=list)
 
-    def write(self, sources: list[torch.Tensor]) -> None:
-        """sources: the group's tensors flattened ([numel]), in the order the plan was built for."""
-        for out, slots in self.runs:
-            torch.cat([sources[s] if isinstance(s, int) else s for s in slots], out=out)
-        if self.loose:
-            torch._foreach_copy_([d for _, d in self.loose], [sources[i].view(d.shape) for i, d in self.loose],
-                                 non_blocking=True)
+    def bind(self, sources: list[torch.Tensor]) -> tuple[list, list]:
+        """The kernels' source arguments (sources: the group's tensors flattened, [numel], in the plan's order):
+        ([cat inputs per run], [loose sources]); reusable while the sources stay where they are."""
+        return ([[sources[s] if isinstance(s, int) else s for s in slots] for _, _, slots in self.runs],
+                [sources[i] for i, _ in self.loose])
+
+    def run(self, bound: tuple[list, list], views: Mapping[str, torch.Tensor]) -> None:
+        cats, loose = bound
+        for (first, n, _), inputs in zip(self.runs, cats):
+            v = views[first]
+            torch.cat(inputs, out=v.as_strided((n,), (1,), v.storage_offset()))
+        if loose:
+            dsts = [views[name] for _, name in self.loose]
+            torch._foreach_copy_(dsts, [t.view(d.shape) for t, d in zip(loose, dsts)], non_blocking=True)
+
+    def write(self, sources: list[torch.Tensor], views: Mapping[str, torch.Tensor]) -> None:
+        self.run(self.bind(sources), views)
 
 
 class _Intervals:
@@ -82,19 +93,20 @@ def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, 
     plans = []
     for g, dst in zip(groups, dsts):
         plan = GroupPlan()
-        placed = []  # (storage key, start element, source index, view)
-        for i, d in enumerate(dst):
+        placed = []  # (storage key, start element, source index, view, name)
+        for i, ((name, _), d) in enumerate(zip(g, dst)):
             if d.is_contiguous() and d.numel():
                 st = d.untyped_storage()
-                placed.append(((st.data_ptr(), d.dtype, d.device), (d.data_ptr() - st.data_ptr()) // d.element_size(), i, d))
+                placed.append(((st.data_ptr(), d.dtype, d.device), (d.data_ptr() - st.data_ptr()) // d.element_size(),
+                               i, d, name))
             elif d.numel():
-                plan.loose.append((i, d))
+                plan.loose.append((i, name))
         placed.sort(key=lambda x: (x[0][0], x[1]))
         run: list = []
         for item in placed:
             if run:
-                key, start, _, _ = run[-1]
-                end = start + run[-1][3].numel()
+                key, start, _, d, _ = run[-1]
+                end = start + d.numel()
                 if not (item[0] == key and item[1] >= end and intervals(item[3]).empty(end, item[1])):
                     plan.runs.append(_run(run))
                     run = []
@@ -105,17 +117,14 @@ def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, 
     return plans
 
 
-def _run(items: list) -> tuple[torch.Tensor, list[int | torch.Tensor]]:
-    """The destination region from the first item's start to the last one's end and its cat slots."""
+def _run(items: list) -> tuple[str, int, list[int | torch.Tensor]]:
+    """(first destination's name, elements from its start to the last one's end, cat slots)."""
     first, last = items[0], items[-1]
-    base = first[3]
-    n = last[1] + last[3].numel() - first[1]
-    out = base.as_strided((n,), (1,), base.storage_offset())
     slots: list[int | torch.Tensor] = []
     pos = first[1]
-    for _, start, i, d in items:
+    for _, start, i, d, _ in items:
         if start > pos:  # padding between two weights: written with zeros (nothing reads it)
             slots.append(torch.zeros(start - pos, dtype=d.dtype, device=d.device))
         slots.append(i)
         pos = start + d.numel()
-    return out, slots
+    return first[4], last[1] + last[3].numel() - first[1], slots

@@ -144,11 +144,20 @@ def test_direct_push_into_the_gpu_engine_equals_the_named_stream(tmp_path, tied)
     check(1)
     be.train_step(fixed_batch(), loss)
     check(2)
-    be.offload()
+    torch.cuda.synchronize()
+    param_bytes = sum(p.to_local().numel() * p.element_size() for p in be.model.parameters())
+    before = torch.cuda.memory_allocated()
+    be.offload()  # the direct copy's cached source views must not keep the parameters' GPU storage alive
+    assert before - torch.cuda.memory_allocated() >= 0.9 * param_bytes
     InMemoryTransport().push(be.export_weights(), [eng], 3)  # sources on the host: the named stream path
     be.onload()
     be.train_step(fixed_batch(), loss)
     check(4)
+    before, flat_bytes = torch.cuda.memory_allocated(), eng.model.nbytes
+    eng.sleep()  # nor the engine's buffer: a sleeping engine frees it
+    assert before - torch.cuda.memory_allocated() >= 0.9 * flat_bytes
+    eng.wake()
+    check(5)  # a new engine buffer: a new plan
 
 
 @pytest.mark.multigpu

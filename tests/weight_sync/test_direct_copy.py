@@ -45,7 +45,7 @@ def test_direct_copy_writes_every_weight_bit_exact_in_few_runs(tmp_path, arch, t
     groups = _groups(list(src))
     plans = plan_groups([[(n, src[n].shape) for n in g] for g in groups], m.hf)
     for g, plan in zip(groups, plans):
-        plan.write([src[n].reshape(-1) for n in g])
+        plan.write([src[n].reshape(-1) for n in g], m.hf)
     for n, t in src.items():
         assert torch.equal(m.hf[n], t.to(torch.bfloat16)), n
     if m.spec.tied:
@@ -68,7 +68,7 @@ def test_a_gap_holding_another_weight_breaks_the_run(tmp_path):
     a = "model.layers.0.self_attn."
     src = {n: torch.randn(m.hf[n].shape) for n in (a + "q_proj.weight", a + "v_proj.weight")}
     (plan,) = plan_groups([[(n, t.shape) for n, t in src.items()]], m.hf)
-    plan.write([t.reshape(-1) for t in src.values()])
+    plan.write([t.reshape(-1) for t in src.values()], m.hf)
     assert len(plan.runs) == 2
     assert (m.hf[a + "k_proj.weight"] == 3.0).all()
     for n, t in src.items():
@@ -83,7 +83,7 @@ def test_per_expert_sources_and_bad_names_or_shapes(tmp_path):
     names = [n for n in m.hf if n.startswith(e) and n[len(e)].isdigit()]
     src = {n: torch.randn(m.hf[n].shape) for n in names}
     (plan,) = plan_groups([[(n, t.shape) for n, t in src.items()]], m.hf)
-    plan.write([t.reshape(-1) for t in src.values()])
+    plan.write([t.reshape(-1) for t in src.values()], m.hf)
     for n, t in src.items():
         assert torch.equal(m.hf[n], t.to(torch.bfloat16))
     with pytest.raises(KeyError, match="which the rollout model does not have"):

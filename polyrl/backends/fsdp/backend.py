@@ -422,46 +422,46 @@ class FSDPBackend:
         unit (polyrl.weight_sync.direct): the unit is gathered as in the stream, and each run of neighbouring
         destinations is filled, cast included, by one `torch.cat`. None (iterate the stream instead) with LoRA, off
         CUDA, or when the destinations are not on this device."""
-        if self.peft is not None or self.device.type != "cuda" or not any(isinstance(p, DTensor) for p in self.model.parameters()):
+        if self.peft is not None or self.device.type != "cuda" or next(iter(views.values())).device != self.device:
             return None
-        if next(iter(views.values())).device != self.device:
-            return None
-        if self._export_units is None:
-            self._export_units = _fsdp_units(self.model, {id(p): n for n, p in self.model.lm.named_parameters()})
-        single = dist.get_world_size() == 1
         lm = self.model.lm
+        cache = self._direct
+        first = next(iter(views.values()))
+        key = (id(views), first.untyped_storage().data_ptr())  # the engine's current buffer (names -> views)
+        if cache is None or cache["key"] != key:
+            if not any(isinstance(p, DTensor) for p in self.model.parameters()):
+                return None
+            if self._export_units is None:
+                self._export_units = _fsdp_units(self.model, {id(p): n for n, p in lm.named_parameters()})
+            units = self._export_units
+            if dist.get_world_size() == 1:  # nothing to gather: the whole model is one group, its runs cross units
+                units = [(None, [n for _, names in units for n in names])]
+            shapes = [[(n, lm.get_parameter(n).shape) for n in names] for _, names in units]
+            owners = [(lm.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for _, names in units for n in names]
+            plans = direct.plan_groups(shapes, views)
+            cache = self._direct = {"key": key, "units": units, "plans": plans, "owners": owners, "bound": None,
+                                    "ptrs": None}
 
         def sources(names: list[str]) -> list[torch.Tensor]:
-            out = []
-            for n in names:
-                p = lm.get_parameter(n)
-                out.append((p._local_tensor if isinstance(p, DTensor) else p).detach().reshape(-1))
-            return out
+            local = [lm.get_parameter(n) for n in names]
+            return [(p._local_tensor if isinstance(p, DTensor) else p).detach().reshape(-1) for p in local]
 
-        cache = self._direct
-        if cache is None or cache["views"] is not views:
-            shapes = [[(n, lm.get_parameter(n).shape) for n in names] for _, names in self._export_units]
-            owners = [(lm.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
-                      for _, names in self._export_units for n in names]
-            cache = self._direct = {"views": views, "plans": direct.plan_groups(shapes, views), "src": None,
-                                    "owners": owners}
-        if single:  # the local shards are the parameters: their flat views are reused while they stay in place
+        units, plans = cache["units"], cache["plans"]
+        if units[0][0] is None:  # one rank: the local shards are the parameters, bound while they stay in place
             local = [getattr(m, a) for m, a in cache["owners"]]
             ptrs = [(p._local_tensor if isinstance(p, DTensor) else p).data_ptr() for p in local]
-            if cache["src"] is None or cache["ptrs"] != ptrs:
-                cache["src"] = [sources(names) for _, names in self._export_units]
-                cache["ptrs"] = ptrs
-                if any(t.device != self.device for g in cache["src"] for t in g):  # offloaded: take the stream
-                    cache["src"] = None
+            if cache["ptrs"] != ptrs:
+                src = sources(units[0][1])
+                if any(t.device != self.device for t in src):  # offloaded: the caller takes the stream
                     return None
+                cache["bound"], cache["ptrs"] = plans[0].bind(src), ptrs
+            plans[0].run(cache["bound"], views)
+            return set(units[0][1])
         seen: set[str] = set()
-        for k, ((unit, names), plan) in enumerate(zip(self._export_units, cache["plans"])):
-            if single:
-                plan.write(cache["src"][k])
-            else:
-                unit.unshard()
-                plan.write(sources(names))
-                unit.reshard()
+        for (unit, names), plan in zip(units, plans):
+            unit.unshard()
+            plan.write(sources(names), views)
+            unit.reshard()
             seen.update(names)
         return seen
 
@@ -578,6 +578,8 @@ class FSDPBackend:
         moments to CPU). Nothing to do on CPU or when FSDP already keeps everything on CPU."""
         if self.device.type != "cuda" or self.mcfg.fsdp_cpu_offload or not self.mcfg.offload_train:
             return
+        if self._direct is not None:  # _copy_into's bound views of the parameters would keep their GPU storage alive
+            self._direct.update(bound=None, ptrs=None)
         self.model.to("cpu")
         self._move_optimizer_state("cpu")
 
