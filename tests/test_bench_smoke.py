@@ -12,7 +12,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-SCRIPTS = ["compare_trl.py", "weight_sync.py", "train_throughput.py"]
+SCRIPTS = ["compare_trl.py", "weight_sync.py", "train_throughput.py", "offload_train.py"]
 # Runs a script with `import trl` (and torch, for --help) made to fail, as on a machine without them.
 NO_TRL = ("import sys, runpy; sys.modules['trl'] = None; sys.modules['torch'] = None; "
           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
