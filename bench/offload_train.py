@@ -55,7 +55,8 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, offload_train=True, compile=False), OptimizerConfig(lr=1e-6),
                      BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=a.tokens), device="cuda", total_steps=2)
     from train_throughput import synthetic_batch
-    batch, _ = synthetic_batch(a.tokens, 128, 512, SHAPES[shape]["vocab_size"], seed=0)
+    from transformers import AutoConfig
+    batch, _ = synthetic_batch(a.tokens, 128, 512, AutoConfig.from_pretrained(model_dir).vocab_size, seed=0)
     be.train_step(batch, functools.partial(rl_loss, s=LossSettings()))
     torch.cuda.synchronize()
     param_bytes = sum(p.to_local().numel() * p.element_size() for p in be.model.parameters())
