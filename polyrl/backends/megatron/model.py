@@ -258,6 +258,11 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
     if mg.moe_router_topk is not None and "moe_router_topk" in kw:
         kw["moe_router_topk"] = mg.moe_router_topk
     kw["moe_token_dispatcher_type"] = "alltoall"  # megatron refuses allgather with variable_seq_lengths (even dense)
+    if kw.get("gated_linear_unit") and kw.get("activation_func") is torch.nn.functional.silu and "num_moe_experts" not in kw \
+            and not kw.get("add_bias_linear"):
+        # megatron's fused SwiGLU (its jit fuser is torch.compile): one kernel each way, and it keeps only its input
+        # for backward where autograd's silu * up keeps three tensors
+        kw["bias_activation_fusion"] = True
     sp = mg.sequence_parallel
     if "num_moe_experts" in kw and dims.tp > 1 and not sp:
         log.warning("MoE with --tensor-model-parallel-size > 1: turning on --sequence-parallel (megatron-core requires it)")
