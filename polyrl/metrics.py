@@ -24,14 +24,40 @@ def notice(msg: str) -> None:
 
 
 class Timer:
+    """Wall time per phase of a step; each phase is also a `phase/NAME` range in a --profile-step trace."""
+
     def __init__(self):
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
+        from torch.profiler import record_function
         t0 = time.perf_counter()
-        yield
+        with record_function(f"phase/{name}"):
+            yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+
+def phase_busy(trace: dict) -> list[tuple[str, float, float]]:
+    """(phase, wall s, device-busy s) for each `phase/NAME` range of a chrome trace: the union of the GPU kernels' and
+    copies' intervals inside the range. Busy well under wall means the phase waits on the host (Python, launches)."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    merged: list[list[float]] = []
+    for a, b in gpu:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    for e in ev:
+        name = e.get("name", "")
+        if e.get("cat") == "user_annotation" and name.startswith("phase/"):
+            lo, hi = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            busy = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged)
+            out.append((name[len("phase/"):], (hi - lo) / 1e6, busy / 1e6))
+    return sorted(out, key=lambda r: -r[1])
 
 
 def start_wandb(run_dir: str, *, project: str, group: str | None = None, name: str | None = None, mode: str = "online",
@@ -170,5 +196,11 @@ def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
     table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
     busy = sum(getattr(e, key) for e in prof.key_averages()) / 1e6
     where = "device" if cuda else "host"
+    phases = ""
+    if cuda:
+        with open(path) as f:
+            rows = phase_busy(json.load(f))
+        phases = "".join(f"\n  {n:<12} {w:8.3f} s wall, device busy {b:8.3f} s ({b / max(w, 1e-9):4.0%})" for n, w, b in rows)
+        phases = f"\nphases (device busy = GPU kernels and copies running inside the phase):{phases}"
     print(f"\n--profile-step {step}: {wall:.3f} s wall, {busy:.3f} s of {where} time in ops "
-          f"({busy / max(wall, 1e-9):.0%} of the wall time); trace: {path}\n{table}", flush=True)
+          f"({busy / max(wall, 1e-9):.0%} of the wall time); trace: {path}{phases}\n{table}", flush=True)

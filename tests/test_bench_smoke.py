@@ -114,3 +114,12 @@ def test_compare_trl_budgets_and_trl_steps():
     row = ct.summarize("trl", [res], {"warmup": 1, "reward_last_k": 5}, [100])
     assert row["warmup_in_median"] and row["step_s_median"] == 60.0 and row["stopped"].startswith("row budget")
     assert abs(row["trained_tokens_per_s"] - 1100.0 / 60.0) < 1e-9
+
+
+def test_decode_kernels_help_without_torch():
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "decode_kernels.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--sweep" in out.stdout and "--baseline-ops" in out.stdout
+    a = load("decode_kernels.py").parse_args(["--batch", "64", "256", "--sweep"])
+    assert a.batch == [64, 256] and a.sweep

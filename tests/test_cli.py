@@ -326,3 +326,30 @@ def test_compile_defaults_on_for_dense_cuda_decoders_only():
     # Qwen3-Next's DeltaNet loops and HF MoE blocks spent minutes in the compiler on an H100: eager unless asked
     assert not m.compiled("cuda", "qwen3_next") and not m.compiled("cuda", "qwen3_moe")
     assert ModelConfig(compile=True).compiled("cpu", "qwen3_next") and not ModelConfig(compile=False).compiled("cuda", "qwen2")
+
+
+def test_gpu_token_budget_follows_memory_model_and_state():
+    """The default GPU micro-batch budget from the device's memory: the sizes the formula gives for the benchmark
+    shapes (arithmetic in gpu_token_budget's docstring), clamped to [16384, 65536], and the floor under offload."""
+    from types import SimpleNamespace
+
+    from polyrl.config import GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET_MAX, gpu_token_budget
+    q05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864)
+    q15 = SimpleNamespace(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960)
+    h100, h200 = 80 * 2**30, 140 * 2**30
+    kw = dict(checkpointing=False, offload=False)
+    b05 = gpu_token_budget(q05, h100, total_params=494_000_000, trainable_params=494_000_000, **kw)
+    # 0.6 x 85.9e9 - 16 x 494e6 = 43.6e9 bytes over 2 x (6 x 896 + 3 x 4864) x 24 = 958,464 bytes per token: 45.5k
+    assert b05 == 45056
+    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=1_540_000_000, **kw) == GPU_TOKEN_BUDGET
+    assert gpu_token_budget(q05, h200, total_params=494_000_000, trainable_params=494_000_000, **kw) == GPU_TOKEN_BUDGET_MAX
+    # checkpointing stores one block plus each layer's input: more tokens fit
+    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=1_540_000_000,
+                            checkpointing=True, offload=False) > GPU_TOKEN_BUDGET
+    # LoRA: frozen weights cost 4 bytes, not 16
+    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=10_000_000, **kw) > GPU_TOKEN_BUDGET
+    assert gpu_token_budget(q05, h200, total_params=1, trainable_params=1, checkpointing=False, offload=True) == GPU_TOKEN_BUDGET
+    assert gpu_token_budget(SimpleNamespace(), h200, total_params=1, trainable_params=1, **kw) == GPU_TOKEN_BUDGET
+    from polyrl.config import BatchConfig
+    assert BatchConfig().micro_batch_plan("cuda", 300, b05) == {"max_tokens": b05}
+    assert BatchConfig(max_tokens_per_gpu=1000).micro_batch_plan("cuda", 300, b05) == {"max_tokens": 1000}

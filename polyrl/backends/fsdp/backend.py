@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from polyrl.backends.base import LossFn, plan_micro_batches
@@ -192,6 +193,16 @@ class FSDPBackend:
                                            fused=self.device.type == "cuda" and not model_cfg.fsdp_cpu_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
         self.skipped_steps = 0
+        self.token_budget = None  # the GPU default micro-batch token budget (gpu_token_budget), None on CPU
+        if self.device.type == "cuda":
+            from polyrl.config import gpu_token_budget
+            mem = torch.cuda.get_device_properties(self.device).total_memory
+            n_all = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global size; a rank holds 1/dp
+            n_train = sum(p.numel() for p in params)
+            self.token_budget = gpu_token_budget(
+                AutoConfig.from_pretrained(model_cfg.hf_checkpoint), mem, total_params=n_all // self.dims.dp,
+                trainable_params=n_train // self.dims.dp, checkpointing=model_cfg.gradient_checkpointing,
+                offload=model_cfg.offload_train or model_cfg.fsdp_cpu_offload)
         self._export_units: list | None = None  # export_weights' FSDP units, built on first use
         self._direct: dict | None = None  # _copy_into's plan for the engine views it last wrote, and its sources
 
@@ -232,7 +243,12 @@ class FSDPBackend:
         # the plain module load into sharded ones and back, so resumes across world sizes still work.
         sharded = not (dist.get_world_size() == 1 and self.device.type == "cpu" and self.dtype == torch.float32 and not offload)
         if sharded:
-            apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload)
+            # One rank has nothing to all-gather: resharding after the forward only drops the BF16 copies that the
+            # backward then casts again (one more cast and FSDP hook round per layer; the 0.5B GRPO train phase 0.595 ->
+            # 0.493 s on an H100, bench/RESULTS.md), for 2 bytes per parameter held from forward to backward. Kept
+            # where memory is the point (offload) and on several ranks (the all-gather is what the resharding saves).
+            keep = dist.get_world_size() == 1 and not offload and not self.mcfg.offload_train
+            apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload, reshard_after_forward=not keep)
         root.to_empty(device="cpu" if offload else self.device)
         if not sharded and getattr(lm.config, "tie_word_embeddings", False):
             lm.tie_weights()  # to_empty re-creates parameters one module at a time, which unties them
@@ -284,7 +300,7 @@ class FSDPBackend:
     # ---- forward ------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         lens = [int(x.numel()) for x in batch.input_ids]
-        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1))
+        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1), self.token_budget)
         dyn = "max_tokens" in kw
         k = torch.tensor(len(plan_micro_batches(lens, **kw)) if lens else 1)
         if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
@@ -335,8 +351,9 @@ class FSDPBackend:
                 self.routing.end()
             if record:
                 batch.recorded_routed_experts = routes
-        if hasattr(m, "reshard"):
-            m.reshard()  # FSDP2 keeps the root unsharded after a forward with no backward; free it
+        for mod in m.modules():  # FSDP2 keeps the root (and, at one rank, every layer) unsharded after a forward with
+            if isinstance(mod, FSDPModule):  # no backward: free those copies
+                mod.reshard()
         if parts:  # one device-to-host copy for the whole batch, not one (and a host sync) per micro-batch
             lens = [batch.response_lens[i] for i in order]
             for i, part in zip(order, torch.cat(parts).cpu().split(lens)):
@@ -620,7 +637,6 @@ EXPORT_CHUNK_BYTES = 256 * 2**20  # one export copy; bounds the extra memory of 
 def _fsdp_units(root: nn.Module, names: dict[int, str]) -> list[tuple[nn.Module, list[str]]]:
     """(FSDP unit, the HF names of the parameters it owns), in the model's parameter order; a parameter belongs to the
     innermost fully_shard-ed module above it."""
-    from torch.distributed.fsdp import FSDPModule
     owner: dict[str, nn.Module] = {}
     for _, mod in root.named_modules():  # pre-order: an inner unit overrides its parent
         if isinstance(mod, FSDPModule):
