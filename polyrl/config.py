@@ -173,7 +173,7 @@ def gpu_token_budget(hf_config, device_memory: int, *, total_params: int, traina
     """The default token budget of a GPU micro-batch (no --micro-batch-size / --max-tokens-per-gpu): as many tokens as
     the activations of 60% of the device's memory hold beside the training state, between GPU_TOKEN_BUDGET and
     GPU_TOKEN_BUDGET_MAX, in 4096-token steps. Every micro-batch pays the same host cost (Python, launches, FSDP
-    hooks), so fewer fuller ones keep the GPU busy (0.5B GRPO train phase on an H100: 0.537 s at 16k tokens, 0.415 s at
+    hooks), so fewer fuller ones keep the GPU busy (0.5B GRPO train phase on one H100: 0.600 s at 16k tokens, 0.368 s at
     40k, bench/RESULTS.md). The engine sleeps during training, so its memory is free then.
     Saved activations per token and layer ~ 2 bytes x (6 hidden + 3 intermediate) (norm outputs, q/k/v, attention
     output, residuals, gate/up/SiLU of a Llama/Qwen block in BF16; within ~15% of what was measured at 0.5B/1.5B);

@@ -245,8 +245,9 @@ class FSDPBackend:
         if sharded:
             # One rank has nothing to all-gather: resharding after the forward only drops the BF16 copies that the
             # backward then casts again (one more cast and FSDP hook round per layer; the 0.5B GRPO train phase 0.595 ->
-            # 0.493 s on an H100, bench/RESULTS.md), for 2 bytes per parameter held from forward to backward. Kept
-            # where memory is the point (offload) and on several ranks (the all-gather is what the resharding saves).
+            # 0.493 s on one H100, not seen on another: bench/RESULTS.md), for 2 bytes per parameter held from forward
+            # to backward. Kept where memory is the point (offload) and on several ranks (the all-gather is what the
+            # resharding saves).
             keep = dist.get_world_size() == 1 and not offload and not self.mcfg.offload_train
             apply_fsdp(root, lm, self.mesh, param_dtype=self.dtype, cpu_offload=offload, reshard_after_forward=not keep)
         root.to_empty(device="cpu" if offload else self.device)
