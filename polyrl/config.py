@@ -168,8 +168,7 @@ GPU_TOKEN_BUDGET = 16384  # tokens per micro-batch by default on GPU: the floor 
 GPU_TOKEN_BUDGET_MAX = 65536
 
 
-def gpu_token_budget(hf_config, device_memory: int, *, total_params: int, trainable_params: int,
-                     checkpointing: bool, offload: bool) -> int:
+def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpointing: bool, offload: bool) -> int:
     """The default token budget of a GPU micro-batch (no --micro-batch-size / --max-tokens-per-gpu): as many tokens as
     the activations of 60% of the device's memory hold beside the training state, between GPU_TOKEN_BUDGET and
     GPU_TOKEN_BUDGET_MAX, in 4096-token steps. Every micro-batch pays the same host cost (Python, launches, FSDP
@@ -177,19 +176,22 @@ def gpu_token_budget(hf_config, device_memory: int, *, total_params: int, traina
     40k, bench/RESULTS.md). The engine sleeps during training, so its memory is free then.
     Saved activations per token and layer ~ 2 bytes x (6 hidden + 3 intermediate) (norm outputs, q/k/v, attention
     output, residuals, gate/up/SiLU of a Llama/Qwen block in BF16; within ~15% of what was measured at 0.5B/1.5B);
-    with activation checkpointing one layer's worth plus each layer's input. State: FP32 weights (4 bytes), and for
-    trained weights FP32 grads and two Adam moments (12 more). With --offload-train the state's residency is what
-    limits, so the floor is kept."""
+    with activation checkpointing one layer's worth plus each layer's input; MoE layers count top-k experts' widths
+    where that exceeds the dense one. state_bytes: what the training state holds on the device (the caller: memory
+    allocated now, every co-resident model included, plus grads and Adam moments not allocated yet). With
+    --offload-train the state's residency is what limits, so the floor is kept."""
     if offload:
         return GPU_TOKEN_BUDGET
     h = int(getattr(hf_config, "hidden_size", 0) or 0)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    inter = int(getattr(hf_config, "intermediate_size", 0) or getattr(hf_config, "moe_intermediate_size", 0) or 4 * h)
+    inter = int(getattr(hf_config, "intermediate_size", 0) or 4 * h)
+    routed = int(getattr(hf_config, "num_experts_per_tok", 0) or 0) * int(getattr(hf_config, "moe_intermediate_size", 0) or 0)
+    inter = max(inter, routed)
     if not h or not layers:
         return GPU_TOKEN_BUDGET
     block = 2 * (6 * h + 3 * inter)
     per_token = block + 2 * h * layers if checkpointing else block * layers
-    room = 0.6 * device_memory - 4 * total_params - 12 * trainable_params
+    room = 0.6 * device_memory - state_bytes
     budget = int(room / per_token) // 4096 * 4096
     return min(GPU_TOKEN_BUDGET_MAX, max(GPU_TOKEN_BUDGET, budget))
 

@@ -333,23 +333,28 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     shapes (arithmetic in gpu_token_budget's docstring), clamped to [16384, 65536], and the floor under offload."""
     from types import SimpleNamespace
 
-    from polyrl.config import GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET_MAX, gpu_token_budget
+    from polyrl.config import GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET_MAX, BatchConfig, gpu_token_budget
     q05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864)
     q15 = SimpleNamespace(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960)
-    h100, h200 = 80 * 2**30, 140 * 2**30
+    h100, h200 = 81079 * 2**20, 143771 * 2**20  # total_memory of the lent H100 / H200
     kw = dict(checkpointing=False, offload=False)
-    b05 = gpu_token_budget(q05, h100, total_params=494_000_000, trainable_params=494_000_000, **kw)
-    # 0.6 x 85.9e9 - 16 x 494e6 = 43.6e9 bytes over 2 x (6 x 896 + 3 x 4864) x 24 = 958,464 bytes per token: 45.5k
-    assert b05 == 45056
-    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=1_540_000_000, **kw) == GPU_TOKEN_BUDGET
-    assert gpu_token_budget(q05, h200, total_params=494_000_000, trainable_params=494_000_000, **kw) == GPU_TOKEN_BUDGET_MAX
+    full = 16  # bytes per trained parameter: FP32 weight, grad, two Adam moments
+    b05 = gpu_token_budget(q05, h100, state_bytes=full * 494_032_768, **kw)
+    # 0.6 x 85.0e9 - 7.9e9 = 43.1e9 bytes over 2 x (6 x 896 + 3 x 4864) x 24 = 958,464 bytes per token: 45.0k -> 40960
+    assert b05 == 40960
+    assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, **kw) == GPU_TOKEN_BUDGET  # 13.3k: the floor
+    assert gpu_token_budget(q05, h200, state_bytes=full * 494_032_768, **kw) == GPU_TOKEN_BUDGET_MAX  # 87k: the cap
+    assert gpu_token_budget(q15, h200, state_bytes=full * 1_543_714_304, **kw) == 28672
+    # a co-resident critic's state (as much again) leaves less room
+    assert gpu_token_budget(q15, h200, state_bytes=2 * full * 1_543_714_304, **kw) == 16384
     # checkpointing stores one block plus each layer's input: more tokens fit
-    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=1_540_000_000,
-                            checkpointing=True, offload=False) > GPU_TOKEN_BUDGET
-    # LoRA: frozen weights cost 4 bytes, not 16
-    assert gpu_token_budget(q15, h100, total_params=1_540_000_000, trainable_params=10_000_000, **kw) > GPU_TOKEN_BUDGET
-    assert gpu_token_budget(q05, h200, total_params=1, trainable_params=1, checkpointing=False, offload=True) == GPU_TOKEN_BUDGET
-    assert gpu_token_budget(SimpleNamespace(), h200, total_params=1, trainable_params=1, **kw) == GPU_TOKEN_BUDGET
-    from polyrl.config import BatchConfig
+    assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, checkpointing=True, offload=False) == GPU_TOKEN_BUDGET_MAX
+    # MoE: top-k experts' widths when wider than the dense MLP (8 x 768 > 6144 would be; here 8 x 1536 = 12288)
+    moe = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_experts_per_tok=8,
+                          moe_intermediate_size=1536)
+    assert gpu_token_budget(moe, h100, state_bytes=full * 494_032_768, **kw) < b05
+    assert gpu_token_budget(q05, h200, state_bytes=1, checkpointing=False, offload=True) == GPU_TOKEN_BUDGET
+    assert gpu_token_budget(SimpleNamespace(), h200, state_bytes=1, **kw) == GPU_TOKEN_BUDGET
     assert BatchConfig().micro_batch_plan("cuda", 300, b05) == {"max_tokens": b05}
     assert BatchConfig(max_tokens_per_gpu=1000).micro_batch_plan("cuda", 300, b05) == {"max_tokens": 1000}
+    assert BatchConfig().micro_batch_plan("cuda", 50_000, b05) == {"max_tokens": 50_000}  # never below the longest sample

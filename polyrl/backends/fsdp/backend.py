@@ -193,16 +193,7 @@ class FSDPBackend:
                                            fused=self.device.type == "cuda" and not model_cfg.fsdp_cpu_offload)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim_cfg, total_steps))
         self.skipped_steps = 0
-        self.token_budget = None  # the GPU default micro-batch token budget (gpu_token_budget), None on CPU
-        if self.device.type == "cuda":
-            from polyrl.config import gpu_token_budget
-            mem = torch.cuda.get_device_properties(self.device).total_memory
-            n_all = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global size; a rank holds 1/dp
-            n_train = sum(p.numel() for p in params)
-            self.token_budget = gpu_token_budget(
-                AutoConfig.from_pretrained(model_cfg.hf_checkpoint), mem, total_params=n_all // self.dims.dp,
-                trainable_params=n_train // self.dims.dp, checkpointing=model_cfg.gradient_checkpointing,
-                offload=model_cfg.offload_train or model_cfg.fsdp_cpu_offload)
+        self.token_budget: int | None = None  # the GPU default micro-batch token budget, sized on first use
         self._export_units: list | None = None  # export_weights' FSDP units, built on first use
         self._direct: dict | None = None  # _copy_into's plan for the engine views it last wrote, and its sources
 
@@ -299,9 +290,32 @@ class FSDPBackend:
         self.routing.begin(lens, self.layout, self.device, routes=routes, replay=replay, record=record)
 
     # ---- forward ------------------------------------------------------------------------
+    def _token_budget(self) -> int | None:
+        """polyrl.config.gpu_token_budget, sized once, at the first forward: by then every co-resident model (a PPO
+        critic beside the actor) is on the device and the engine is asleep, so the memory allocated now is the state;
+        grads and Adam moments not allocated yet (before the first step) are added."""
+        if self.token_budget is None and self.device.type == "cuda":
+            from polyrl.config import gpu_token_budget
+            pending = 0 if self.optimizer.state else 12 * sum(
+                p.numel() for g in self.optimizer.param_groups for p in g["params"]) // self.dims.dp
+            self.token_budget = gpu_token_budget(
+                AutoConfig.from_pretrained(self.mcfg.hf_checkpoint), torch.cuda.get_device_properties(self.device).total_memory,
+                state_bytes=torch.cuda.memory_allocated(self.device) + pending,
+                checkpointing=self.mcfg.gradient_checkpointing,
+                offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload)
+            if dist.get_world_size() > 1:  # one budget on every rank (their allocations differ by a few buffers)
+                b = torch.tensor([self.token_budget], device=self.device)
+                dist.all_reduce(b, op=dist.ReduceOp.MIN)
+                self.token_budget = int(b)
+            if self.bcfg.micro_batch_size is None and not self.bcfg.max_tokens_per_gpu:
+                from polyrl.metrics import notice
+                notice(f"{self.role}: micro-batches of up to {self.token_budget} tokens (sized from the GPU's memory; "
+                       "--max-tokens-per-gpu or --micro-batch-size to choose)")
+        return self.token_budget
+
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         lens = [int(x.numel()) for x in batch.input_ids]
-        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1), self.token_budget)
+        kw = self.bcfg.micro_batch_plan(self.device.type, max(lens, default=1), self._token_budget())
         dyn = "max_tokens" in kw
         k = torch.tensor(len(plan_micro_batches(lens, **kw)) if lens else 1)
         if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
