@@ -293,3 +293,35 @@ def test_no_timeout_runs_sync_functions_inline():
     assert rm.timeout is None
     s = sample("x", "x")
     assert rm.score([s])["reward/mean"] == 1.0
+
+
+def test_sync_calls_go_in_one_hand_off_each_with_its_own_deadline():
+    """The helper thread gets all calls of a step at once; the deadline is per call (five 0.1 s calls under a 0.3 s
+    timeout all finish), a stuck call is abandoned and the ones after it run on a fresh thread, in order, once each."""
+    import threading
+
+    from polyrl.rewards import TIMED_OUT, _DaemonCaller
+    calls: list[tuple[int, str]] = []
+    release = threading.Event()
+
+    def fn(i):
+        calls.append((i, threading.current_thread().name))
+        if i == 2:
+            release.wait(30)  # stuck until the test lets it go (bounded: the thread ends either way)
+            return "late"
+        time.sleep(0.1 if i < 0 else 0)
+        return i * 10
+
+    caller = _DaemonCaller()
+    t = time.perf_counter()
+    assert caller.map(fn, [-1, -2, -3, -4, -5], 0.3) == [-10, -20, -30, -40, -50]  # 0.5 s in all, none > 0.3 s
+    assert time.perf_counter() - t < 5
+    assert {name for _, name in calls} == {"polyrl-reward"} and threading.main_thread().name not in {n for _, n in calls}
+    calls.clear()
+    t = time.perf_counter()
+    out = caller.map(fn, [0, 1, 2, 3, 4], 0.3)
+    assert out == [0, 10, TIMED_OUT, 30, 40] and time.perf_counter() - t < 5
+    release.set()  # the abandoned call returns now: its thread must not run 3 or 4 again
+    time.sleep(0.2)
+    assert sorted(i for i, _ in calls) == [0, 1, 2, 3, 4]
+    assert caller(fn, 7, 0.3) == 70  # a single call goes through the same path

@@ -20,6 +20,7 @@ import numbers
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from math import isfinite  # not `import math`: importing polyrl.rewards.math rebinds that name here
@@ -98,38 +99,79 @@ def _as_reward(value: Any) -> float | Exception:
 TIMED_OUT = object()  # the outcome of a call that did not return within the timeout
 
 
+class _Batch:
+    """Calls in flight on a _DaemonCaller's thread: their results in order, when the running one started, and a
+    flag that stops the thread before its next call (set under the lock, so a call is never started twice)."""
+
+    def __init__(self, fn: Callable, args: list):
+        self.fn, self.args = fn, args
+        self.results: list = []
+        self.started: float | None = None  # time.monotonic() when call len(results) started
+        self.cancelled = False
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+
 class _DaemonCaller:
-    """Calls ``fn(arg)`` on a daemon thread, one call at a time, and waits at most ``timeout``
-    seconds. A call past it is abandoned with its thread (a daemon: it holds up neither the step
-    nor the process exit; Python threads cannot be killed) and the next call gets a fresh thread,
-    so calls still run one after another, in order."""
+    """Calls ``fn(arg)`` for each arg on a daemon thread, one after another in order, each with its own deadline of
+    ``timeout`` seconds. A call past it is abandoned with its thread (a daemon: it holds up neither the step nor the
+    process exit; Python threads cannot be killed) and the rest go to a fresh thread, so calls still run in order and
+    none runs twice. One hand-off per batch, not per call (~30 us each: 8 ms per CPU step of 256 samples before)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue | None = None
 
     def __call__(self, fn: Callable, arg: Any, timeout: float) -> Any:
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="polyrl-reward").start()
-            weakref.finalize(self, self._jobs.put, None)  # an idle thread ends with its caller
-        box: list = []
-        done = threading.Event()
-        self._jobs.put((fn, arg, box, done))
-        if done.wait(timeout):
-            return box[0]
-        self._jobs.put(None)  # the stuck thread ends if its call ever returns
-        self._jobs = None
-        return TIMED_OUT
+        return self.map(fn, [arg], timeout)[0]
+
+    def map(self, fn: Callable, args: list, timeout: float) -> list:
+        out: list = []
+        while len(out) < len(args):
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="polyrl-reward").start()
+                weakref.finalize(self, self._jobs.put, None)  # an idle thread ends with its caller
+            batch = _Batch(fn, args[len(out):])
+            self._jobs.put(batch)
+            out += self._wait(batch, timeout)
+        return out
+
+    def _wait(self, batch: _Batch, timeout: float) -> list:
+        """The batch's results; on the first call past its deadline, those before it and TIMED_OUT for it."""
+        while True:
+            with batch.lock:
+                k, t0 = len(batch.results), batch.started
+            if k == len(batch.args):
+                return batch.results
+            left = timeout if t0 is None else t0 + timeout - time.monotonic()
+            if left > 0 and batch.done.wait(left):
+                return batch.results
+            with batch.lock:
+                if len(batch.results) != k or batch.started is None or time.monotonic() - batch.started < timeout:
+                    continue  # it moved on (or had not started): a new deadline
+                batch.cancelled = True  # the stuck thread starts nothing more
+                self._jobs.put(None)  # and ends if its call ever returns
+                self._jobs = None
+                return batch.results[:k] + [TIMED_OUT]
 
     @staticmethod
     def _work(jobs: queue.SimpleQueue) -> None:
-        while (job := jobs.get()) is not None:
-            fn, arg, box, done = job
-            try:
-                box.append(fn(arg))
-            except BaseException as e:  # noqa: BLE001 - the caller isolates it like any failure
-                box.append(e)
-            done.set()
+        while (batch := jobs.get()) is not None:
+            for arg in batch.args:
+                with batch.lock:
+                    if batch.cancelled:
+                        return
+                    batch.started = time.monotonic()
+                try:
+                    r = batch.fn(arg)
+                except BaseException as e:  # noqa: BLE001 - the caller isolates it like any failure
+                    r = e
+                with batch.lock:
+                    if batch.cancelled:
+                        return
+                    batch.results.append(r)
+                    batch.started = None
+            batch.done.set()
 
 
 class RewardManager:
@@ -206,21 +248,17 @@ class RewardManager:
         else:
             units = [[i] for i in range(len(samples))]
 
-        outcomes: list[Any] = [None] * len(units)
-        pending: dict[int, Any] = {}
-        for u, idx in enumerate(units):
-            arg = [samples[i] for i in idx] if self.group_rm else samples[idx[0]]
-            if self._is_async or self.timeout is None:
+        args = [[samples[i] for i in idx] if self.group_rm else samples[idx[0]] for idx in units]
+        if self._is_async or self.timeout is None:
+            outcomes: list[Any] = []
+            for arg in args:
                 try:
-                    out = self.fn(arg)
+                    outcomes.append(self.fn(arg))
                 except Exception as e:
-                    out = e
-            else:
-                out = self._call_sync(self.fn, arg, self.timeout)
-            if inspect.isawaitable(out):
-                pending[u] = out
-            else:
-                outcomes[u] = out
+                    outcomes.append(e)
+        else:  # one hand-off to the helper thread for all of them, each call with its own deadline
+            outcomes = self._call_sync.map(self.fn, args, self.timeout)
+        pending = {u: out for u, out in enumerate(outcomes) if inspect.isawaitable(out)}
         if pending:
             for u, out in zip(pending, self._await_all(list(pending.values()))):
                 outcomes[u] = out
