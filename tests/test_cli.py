@@ -358,3 +358,34 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     assert BatchConfig().micro_batch_plan("cuda", 300, b05) == {"max_tokens": b05}
     assert BatchConfig(max_tokens_per_gpu=1000).micro_batch_plan("cuda", 300, b05) == {"max_tokens": 1000}
     assert BatchConfig().micro_batch_plan("cuda", 50_000, b05) == {"max_tokens": 50_000}  # never below the longest sample
+
+
+def test_fsdp_backend_sizes_its_budget_from_what_the_gpu_holds(monkeypatch):
+    """The FSDP backend's first-forward sizing on a (faked) 80 GiB GPU: memory allocated now + what other processes
+    hold + the grads and Adam moments still to come is the state; an engine server holding 60 GiB beside the trainer
+    leaves the floor. torch.cuda's memory queries and the model config are faked (this runs on CPU); the arithmetic is
+    gpu_token_budget's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from polyrl.backends.fsdp import backend as fb
+    from polyrl.config import GPU_TOKEN_BUDGET, BatchConfig, ModelConfig, gpu_token_budget
+    total, gib = 80 * 2**30, 2**30
+    q05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864)
+    monkeypatch.setattr(fb.AutoConfig, "from_pretrained", lambda path: q05)
+    monkeypatch.setattr(fb.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: gib)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1000))])
+
+    def budget(others: int) -> int:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - 2 * gib - others, total))
+        fake = SimpleNamespace(token_budget=None, device=torch.device("cuda", 0), optimizer=opt, dims=SimpleNamespace(dp=1),
+                               mcfg=ModelConfig(hf_checkpoint="unused"), bcfg=BatchConfig(), role="actor")
+        return fb.FSDPBackend._token_budget(fake)
+
+    alone = budget(0)
+    assert alone == gpu_token_budget(q05, total, state_bytes=gib + 12 * 1000, checkpointing=False, offload=False) == 49152
+    assert budget(60 * gib) == GPU_TOKEN_BUDGET  # an engine server's 60 GiB on the same GPU
+    assert GPU_TOKEN_BUDGET < budget(20 * gib) < alone

@@ -292,15 +292,19 @@ class FSDPBackend:
     # ---- forward ------------------------------------------------------------------------
     def _token_budget(self) -> int | None:
         """polyrl.config.gpu_token_budget, sized once, at the first forward: by then every co-resident model (a PPO
-        critic beside the actor) is on the device and the engine is asleep, so the memory allocated now is the state;
-        grads and Adam moments not allocated yet (before the first step) are added."""
+        critic beside the actor) is on the device, so the memory allocated now is the state, the engine's included
+        where it stays awake (--async on one GPU) and what other processes hold on the GPU (an engine server beside
+        the trainer); grads and Adam moments not allocated yet (before the first step) are added."""
         if self.token_budget is None and self.device.type == "cuda":
             from polyrl.config import gpu_token_budget
             pending = 0 if self.optimizer.state else 12 * sum(
                 p.numel() for g in self.optimizer.param_groups for p in g["params"]) // self.dims.dp
+            free, total = torch.cuda.mem_get_info(self.device)
+            others = max(0, total - free - torch.cuda.memory_reserved(self.device))  # other processes (an engine
+            # server on this GPU), CUDA context, NCCL and library buffers
             self.token_budget = gpu_token_budget(
-                AutoConfig.from_pretrained(self.mcfg.hf_checkpoint), torch.cuda.get_device_properties(self.device).total_memory,
-                state_bytes=torch.cuda.memory_allocated(self.device) + pending,
+                AutoConfig.from_pretrained(self.mcfg.hf_checkpoint), total,
+                state_bytes=torch.cuda.memory_allocated(self.device) + others + pending,
                 checkpointing=self.mcfg.gradient_checkpointing,
                 offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload)
             if dist.get_world_size() > 1:  # one budget on every rank (their allocations differ by a few buffers)
