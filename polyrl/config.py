@@ -173,7 +173,8 @@ def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpo
     the activations of 60% of the device's memory hold beside the training state, between GPU_TOKEN_BUDGET and
     GPU_TOKEN_BUDGET_MAX, in 4096-token steps. Every micro-batch pays the same host cost (Python, launches, FSDP
     hooks), so fewer fuller ones keep the GPU busy (0.5B GRPO train phase on one H100: 0.600 s at 16k tokens, 0.368 s at
-    40k, bench/RESULTS.md). The engine sleeps during training, so its memory is free then.
+    40k, bench/RESULTS.md). A colocated engine sleeps during training (its memory is free then); one that stays
+    awake counts in state_bytes.
     Saved activations per token and layer ~ 2 bytes x (6 hidden + 3 intermediate) (norm outputs, q/k/v, attention
     output, residuals, gate/up/SiLU of a Llama/Qwen block in BF16; within ~15% of what was measured at 0.5B/1.5B);
     with activation checkpointing one layer's worth plus each layer's input; MoE layers count top-k experts' widths

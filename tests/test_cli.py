@@ -373,7 +373,6 @@ def test_fsdp_backend_sizes_its_budget_from_what_the_gpu_holds(monkeypatch):
     from polyrl.config import GPU_TOKEN_BUDGET, BatchConfig, ModelConfig, gpu_token_budget
     total, gib = 80 * 2**30, 2**30
     q05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864)
-    monkeypatch.setattr(fb.AutoConfig, "from_pretrained", lambda path: q05)
     monkeypatch.setattr(fb.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: gib)
@@ -382,7 +381,7 @@ def test_fsdp_backend_sizes_its_budget_from_what_the_gpu_holds(monkeypatch):
     def budget(others: int) -> int:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - 2 * gib - others, total))
         fake = SimpleNamespace(token_budget=None, device=torch.device("cuda", 0), optimizer=opt, dims=SimpleNamespace(dp=1),
-                               mcfg=ModelConfig(hf_checkpoint="unused"), bcfg=BatchConfig(), role="actor")
+                               mcfg=ModelConfig(hf_checkpoint="unused"), bcfg=BatchConfig(), role="actor", hf_config=q05)
         return fb.FSDPBackend._token_budget(fake)
 
     alone = budget(0)

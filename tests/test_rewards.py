@@ -324,4 +324,4 @@ def test_sync_calls_go_in_one_hand_off_each_with_its_own_deadline():
     release.set()  # the abandoned call returns now: its thread must not run 3 or 4 again
     time.sleep(0.2)
     assert sorted(i for i, _ in calls) == [0, 1, 2, 3, 4]
-    assert caller(fn, 7, 0.3) == 70  # a single call goes through the same path
+    assert caller.map(fn, [7], 0.3) == [70]  # a single call goes through the same path

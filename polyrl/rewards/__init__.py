@@ -121,9 +121,6 @@ class _DaemonCaller:
     def __init__(self):
         self._jobs: queue.SimpleQueue | None = None
 
-    def __call__(self, fn: Callable, arg: Any, timeout: float) -> Any:
-        return self.map(fn, [arg], timeout)[0]
-
     def map(self, fn: Callable, args: list, timeout: float) -> list:
         out: list = []
         while len(out) < len(args):

@@ -164,8 +164,8 @@ class FSDPBackend:
         from polyrl.backends.fsdp.attention import resolve
         # linear-attention (recurrent) layers, e.g. Qwen3-Next's gated DeltaNet: HF's torch path carries
         # state across a packed row, so these models take padded rows with dense attention
-        recurrent = "linear_attention" in (getattr(AutoConfig.from_pretrained(model_cfg.hf_checkpoint), "layer_types",
-                                                   None) or ())
+        self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
+        recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
         self.attn_impl = resolve(requested, self.device.type, self.dtype)
         self.layout = batch_cfg.micro_batch_layout
@@ -291,30 +291,31 @@ class FSDPBackend:
 
     # ---- forward ------------------------------------------------------------------------
     def _token_budget(self) -> int | None:
-        """polyrl.config.gpu_token_budget, sized once, at the first forward: by then every co-resident model (a PPO
-        critic beside the actor) is on the device, so the memory allocated now is the state, the engine's included
-        where it stays awake (--async on one GPU) and what other processes hold on the GPU (an engine server beside
-        the trainer); grads and Adam moments not allocated yet (before the first step) are added."""
-        if self.token_budget is None and self.device.type == "cuda":
-            from polyrl.config import gpu_token_budget
-            pending = 0 if self.optimizer.state else 12 * sum(
-                p.numel() for g in self.optimizer.param_groups for p in g["params"]) // self.dims.dp
-            free, total = torch.cuda.mem_get_info(self.device)
-            others = max(0, total - free - torch.cuda.memory_reserved(self.device))  # other processes (an engine
-            # server on this GPU), CUDA context, NCCL and library buffers
-            self.token_budget = gpu_token_budget(
-                AutoConfig.from_pretrained(self.mcfg.hf_checkpoint), total,
-                state_bytes=torch.cuda.memory_allocated(self.device) + others + pending,
-                checkpointing=self.mcfg.gradient_checkpointing,
-                offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload)
-            if dist.get_world_size() > 1:  # one budget on every rank (their allocations differ by a few buffers)
-                b = torch.tensor([self.token_budget], device=self.device)
-                dist.all_reduce(b, op=dist.ReduceOp.MIN)
-                self.token_budget = int(b)
-            if self.bcfg.micro_batch_size is None and not self.bcfg.max_tokens_per_gpu:
-                from polyrl.metrics import notice
-                notice(f"{self.role}: micro-batches of up to {self.token_budget} tokens (sized from the GPU's memory; "
-                       "--max-tokens-per-gpu or --micro-batch-size to choose)")
+        """polyrl.config.gpu_token_budget, sized once, at the first forward, when the user chose no micro-batch size or
+        budget: by then every co-resident model (a PPO critic beside the actor) is on the device, so the memory
+        allocated now is the state, the engine's included where it stays awake (--async on one GPU), plus what other
+        processes hold on the GPU (an engine server beside the trainer) and the grads and Adam moments not allocated
+        yet (before the first step)."""
+        b = self.bcfg
+        if (self.token_budget is not None or self.device.type != "cuda" or b.use_dynamic_batch_size
+                or b.micro_batch_size is not None or b.max_tokens_per_gpu):
+            return self.token_budget
+        from polyrl.config import gpu_token_budget
+        pending = 0 if self.optimizer.state else 12 * sum(
+            p.numel() for g in self.optimizer.param_groups for p in g["params"]) // self.dims.dp
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = max(0, total - free - torch.cuda.memory_reserved(self.device))  # other processes (an engine server
+        # on this GPU), CUDA context, NCCL and library buffers
+        self.token_budget = gpu_token_budget(
+            self.hf_config, total, state_bytes=torch.cuda.memory_allocated(self.device) + others + pending,
+            checkpointing=self.mcfg.gradient_checkpointing, offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload)
+        if dist.get_world_size() > 1:  # one budget on every rank (their allocations differ by a few buffers)
+            t = torch.tensor([self.token_budget], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            self.token_budget = int(t)
+        from polyrl.metrics import notice
+        notice(f"{self.role}: micro-batches of up to {self.token_budget} tokens (sized from the GPU's memory; "
+               "--max-tokens-per-gpu or --micro-batch-size to choose)")
         return self.token_budget
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:

@@ -247,7 +247,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_si
 
 
 @triton.jit
-def _segment_max(logits_ptr, row, stride_l, V, lo, hi, it, BLOCK: tl.constexpr):
+def _segment_max(logits_ptr, row, stride_l, lo, hi, it, BLOCK: tl.constexpr):
     # pass 1: the segment's largest scaled logit (loads only; the segment is re-read from L2 in pass 2)
     offs = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], -float("inf"), tl.float32)
@@ -289,7 +289,7 @@ def _sample_kernel(logits_ptr, stride_l, V, seg_len, inv_temp_ptr, noise_ptr, th
     offs = tl.arange(0, BLOCK)
     lo = seg * seg_len
     hi = tl.minimum(V, lo + seg_len)
-    mx = tl.maximum(_segment_max(logits_ptr, row, stride_l, V, lo, hi, it, BLOCK), -1e30)  # finite: empty segments
+    mx = tl.maximum(_segment_max(logits_ptr, row, stride_l, lo, hi, it, BLOCK), -1e30)  # finite: empty segments
     ssum = tl.zeros([BLOCK], tl.float32)
     best = tl.full([BLOCK], -1.0, tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
