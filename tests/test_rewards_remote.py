@@ -50,18 +50,21 @@ class RewardServer:
                 try:
                     srv.stopping.wait(srv.work_s)
                     rewards = [digits_reward(r) for r in body["responses"]]
+                    status = 200
                     if path == "/slow":
                         srv.stopping.wait(srv.slow_s)  # returns at once when the server stops
                     elif path == "/error" or (path == "/flaky" and n_path <= 2):
-                        return self._send(500, {"error": "boom"})
+                        status = 500
                     elif path == "/short":
                         rewards = rewards[:-1]
                     elif path == "/nan":
                         rewards[1] = "high"
-                    self._send(200, {"rewards": rewards})
                 finally:
+                    # A request stops counting as in flight before its answer leaves: once the client has the
+                    # answer it may send the next request before this thread would run a later decrement.
                     with srv.lock:
                         srv.in_flight -= 1
+                self._send(status, {"rewards": rewards} if status == 200 else {"error": "boom"})
 
             def _send(self, status, obj):
                 data = json.dumps(obj).encode()

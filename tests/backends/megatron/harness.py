@@ -253,7 +253,7 @@ def mode_fsdp_ref(models: str, outs: str) -> None:
 
 def _fsdp_ref(model_dir: str, out: str) -> None:
     from polyrl.backends.fsdp.backend import FSDPBackend
-    be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32), OptimizerConfig(lr=1e-3, clip_grad=1.0),
+    be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, compile=False), OptimizerConfig(lr=1e-3, clip_grad=1.0),
                      BatchConfig(micro_batch_size=3), device="cuda", total_steps=10)
     batch = fixed_batch()
     logp = be.compute_logprobs(batch)
@@ -484,7 +484,7 @@ def mode_hf_wrap(a) -> None:
         build_qwen3_next(a.arg1, sparse=a.sparse)
     dist.barrier()
     from polyrl.backends.fsdp.backend import FSDPBackend
-    be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, attn_implementation="sdpa"),
+    be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, attn_implementation="sdpa", compile=False),
                      OptimizerConfig(lr=1e-3, clip_grad=1.0),
                      BatchConfig(micro_batch_size=3, micro_batch_layout="padded"), device="cuda", total_steps=10)
     batch = fixed_batch()
