@@ -5,9 +5,11 @@ An in-process engine keeps its weights as HF-named views of one flat buffer (pol
 Writing name by name costs a Python lookup, a shape check and a view per parameter (~290 at the 0.5B shape, most of a
 7.6 ms push against a 0.7 ms device-copy floor, bench/RESULTS.md). Here the destinations of one source group (an FSDP
 unit: a decoder layer, the root) are sorted by their place in the engine's buffer; neighbours whose gap holds no other
-weight (alignment padding only) form a run, and a run is written by one `torch.cat(sources, out=region)`, which casts
-and copies in one kernel; zero fillers stand in for the padding. Destinations that are not contiguous views of that
-buffer go through one multi-tensor copy. Plans are built once and reused while the buffers stay where they are.
+weight (alignment padding only) form a run. A run's region is split into its destinations with one call, and every
+destination of the group is written by one multi-tensor copy (`torch._foreach_copy_`: a few kernel launches for the
+whole model, the FP32 -> BF16 cast included; `torch.cat(..., out=)` would fall back to one copy kernel per source when
+the dtypes differ). Padding is left as it is (nothing reads it). Destinations that are not contiguous views of that
+buffer go through a second multi-tensor copy. Plans are built once and reused while the buffers stay where they are.
 """
 
 from __future__ import annotations
@@ -32,23 +34,32 @@ def _check(name: str, shape: torch.Size, views: Mapping[str, torch.Tensor]) -> t
 @dataclass
 class GroupPlan:
     """How one source group reaches the engine: `runs` (the name of the run's first destination, the run's length in
-    elements, and per slot either the index of a source in the group's order or a zero filler) and `loose` (source
-    index, destination name). It holds names, not the engine's tensors: an engine that sleeps frees its buffer."""
+    elements, and its slots in buffer order: (source index in the group's order, or None for padding, elements)) and
+    `loose` (source index, destination name). It holds names, not the engine's tensors: an engine that sleeps frees
+    its buffer."""
 
-    runs: list[tuple[str, int, list[int | torch.Tensor]]] = field(default_factory=list)
+    runs: list[tuple[str, int, list[tuple[int | None, int]]]] = field(default_factory=list)
     loose: list[tuple[int, str]] = field(default_factory=list)
 
-    def bind(self, sources: list[torch.Tensor]) -> tuple[list, list]:
-        """The kernels' source arguments (sources: the group's tensors flattened, [numel], in the plan's order):
-        ([cat inputs per run], [loose sources]); reusable while the sources stay where they are."""
-        return ([[sources[s] if isinstance(s, int) else s for s in slots] for _, _, slots in self.runs],
-                [sources[i] for i, _ in self.loose])
+    def bind(self, sources: list[torch.Tensor]) -> tuple[list, list, list]:
+        """The copies' source arguments (sources: the group's tensors flattened, [numel], in the plan's order):
+        (sources of the runs' destinations in order, per run (slot sizes, which slots are sources), loose sources);
+        reusable while the sources stay where they are."""
+        srcs, splits = [], []
+        for _, _, slots in self.runs:
+            srcs += [sources[i] for i, _ in slots if i is not None]
+            splits.append(([n for _, n in slots], [j for j, (i, _) in enumerate(slots) if i is not None]))
+        return srcs, splits, [sources[i] for i, _ in self.loose]
 
-    def run(self, bound: tuple[list, list], views: Mapping[str, torch.Tensor]) -> None:
-        cats, loose = bound
-        for (first, n, _), inputs in zip(self.runs, cats):
+    def run(self, bound: tuple[list, list, list], views: Mapping[str, torch.Tensor]) -> None:
+        srcs, splits, loose = bound
+        dsts: list[torch.Tensor] = []
+        for (first, n, _), (sizes, keep) in zip(self.runs, splits):
             v = views[first]
-            torch.cat(inputs, out=v.as_strided((n,), (1,), v.storage_offset()))
+            pieces = v.as_strided((n,), (1,), v.storage_offset()).split(sizes)
+            dsts += [pieces[j] for j in keep]
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         if loose:
             dsts = [views[name] for _, name in self.loose]
             torch._foreach_copy_(dsts, [t.view(d.shape) for t, d in zip(loose, dsts)], non_blocking=True)
@@ -117,14 +128,14 @@ def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, 
     return plans
 
 
-def _run(items: list) -> tuple[str, int, list[int | torch.Tensor]]:
-    """(first destination's name, elements from its start to the last one's end, cat slots)."""
+def _run(items: list) -> tuple[str, int, list[tuple[int | None, int]]]:
+    """(first destination's name, elements from its start to the last one's end, slots)."""
     first, last = items[0], items[-1]
-    slots: list[int | torch.Tensor] = []
+    slots: list[tuple[int | None, int]] = []
     pos = first[1]
     for _, start, i, d, _ in items:
-        if start > pos:  # padding between two weights: written with zeros (nothing reads it)
-            slots.append(torch.zeros(start - pos, dtype=d.dtype, device=d.device))
-        slots.append(i)
+        if start > pos:  # padding between two weights (nothing reads it)
+            slots.append((None, start - pos))
+        slots.append((i, d.numel()))
         pos = start + d.numel()
     return first[4], last[1] + last[3].numel() - first[1], slots
