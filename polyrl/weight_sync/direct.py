@@ -4,17 +4,17 @@ engine's weight buffer, a few kernels per FSDP unit.
 An in-process engine keeps its weights as HF-named views of one flat buffer (polyrl.rollout.gpu.model.DenseLM.hf).
 Writing name by name costs a Python lookup, a shape check and a view per parameter (~290 at the 0.5B shape, most of a
 7.6 ms push against a 0.7 ms device-copy floor, bench/RESULTS.md). Here the destinations of one source group (an FSDP
-unit: a decoder layer, the root) are sorted by their place in the engine's buffer; neighbours whose gap holds no other
-weight (alignment padding only) form a run. A run's region is split into its destinations with one call, and every
-destination of the group is written by one multi-tensor copy (`torch._foreach_copy_`: a few kernel launches for the
-whole model, the FP32 -> BF16 cast included; `torch.cat(..., out=)` would fall back to one copy kernel per source when
-the dtypes differ). Padding is left as it is (nothing reads it). Destinations that are not contiguous views of that
-buffer go through a second multi-tensor copy. Plans are built once and reused while the buffers stay where they are.
+unit: a decoder layer, the root) are sorted by their place in the engine's buffer and form one run per buffer (a new
+run where a destination aliases one already in it). A run's region is split into its destinations with one call, and
+every destination of the group is written by one multi-tensor copy (`torch._foreach_copy_`: a few kernel launches for
+the whole model, the FP32 -> BF16 cast included; `torch.cat(..., out=)` would fall back to one copy kernel per source
+when the dtypes differ). Gaps (padding, weights of other groups) are not written. Destinations that are not contiguous
+views of that buffer go through a second multi-tensor copy. Plans are built once and reused while the buffers stay
+where they are.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -68,39 +68,10 @@ class GroupPlan:
         self.run(self.bind(sources), views)
 
 
-class _Intervals:
-    """Element intervals of every view of one storage, to tell padding (no view) from another weight."""
-
-    def __init__(self, views: list[torch.Tensor], base: int, itemsize: int):
-        spans = sorted({((v.data_ptr() - base) // itemsize, v.numel()) for v in views})
-        self.starts = [s for s, _ in spans]
-        self.max_end: list[int] = []
-        m = -1
-        for s, n in spans:
-            m = max(m, s + n)
-            self.max_end.append(m)
-
-    def empty(self, a: int, b: int) -> bool:
-        """No view overlaps [a, b)."""
-        i = bisect.bisect_left(self.starts, b)
-        return i == 0 or self.max_end[i - 1] <= a
-
-
 def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, torch.Tensor]) -> list[GroupPlan]:
     """One GroupPlan per group of (HF name, shape) sources. Unknown names and shape mismatches raise as the engine's
     own load does."""
     dsts = [[_check(n, s, views) for n, s in g] for g in groups]
-    flat_views = [v for v in views.values() if v.is_contiguous() and v.numel()]
-    by_storage: dict[tuple, _Intervals] = {}
-
-    def intervals(v: torch.Tensor) -> _Intervals:
-        st = v.untyped_storage()
-        key = (st.data_ptr(), v.dtype, v.device)
-        if key not in by_storage:
-            same = [w for w in flat_views if w.untyped_storage().data_ptr() == key[0] and w.dtype == v.dtype]
-            by_storage[key] = _Intervals(same, st.data_ptr(), v.element_size())
-        return by_storage[key]
-
     plans = []
     for g, dst in zip(groups, dsts):
         plan = GroupPlan()
@@ -118,7 +89,7 @@ def plan_groups(groups: list[list[tuple[str, torch.Size]]], views: Mapping[str, 
             if run:
                 key, start, _, d, _ = run[-1]
                 end = start + d.numel()
-                if not (item[0] == key and item[1] >= end and intervals(item[3]).empty(end, item[1])):
+                if item[0] != key or item[1] < end:  # another buffer, or an alias of a weight already in the run
                     plan.runs.append(_run(run))
                     run = []
             run.append(item)
@@ -134,7 +105,7 @@ def _run(items: list) -> tuple[str, int, list[tuple[int | None, int]]]:
     slots: list[tuple[int | None, int]] = []
     pos = first[1]
     for _, start, i, d, _ in items:
-        if start > pos:  # padding between two weights (nothing reads it)
+        if start > pos:  # a gap: padding or a weight this group does not send, left as it is
             slots.append((None, start - pos))
         slots.append((i, d.numel()))
         pos = start + d.numel()

@@ -457,8 +457,8 @@ class FSDPBackend:
     def _copy_into(self, views) -> set[str] | None:
         """Write every exported weight straight into `views` (HF name -> the engine's tensor), a few kernels per FSDP
         unit (polyrl.weight_sync.direct): the unit is gathered as in the stream, and its destinations are filled, cast
-        included, by one multi-tensor copy. None (iterate the stream instead) with LoRA, off
-        CUDA, or when the destinations are not on this device."""
+        included, by one multi-tensor copy. None (iterate the stream instead) with LoRA, off CUDA, or when the
+        destinations are not on this device."""
         if self.peft is not None or self.device.type != "cuda" or next(iter(views.values())).device != self.device:
             return None
         lm = self.model.lm
