@@ -4,6 +4,7 @@ train backend, rollout engine, datasets, rewards. Each component gets its own se
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -187,13 +188,22 @@ def rollout(engine, items: list, params: SamplingParams, max_context_len: int | 
 
 
 def to_train_batch(samples: list[Sample]) -> TrainBatch:
-    ids = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long) for s in samples]
-    mask = [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids), dtype=torch.float32)
-            for s in samples]
+    # one tensor per field for the whole batch, split into per-sample views (not one tensor per sample and field)
+    lens, rlens = [s.num_tokens for s in samples], [len(s.response_ids) for s in samples]
+
+    def flat(rows, dtype, sizes):
+        return list(torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype).split(sizes))
+
+    ids = flat((s.prompt_ids + s.response_ids for s in samples), torch.long, lens)
+    if all(s.loss_mask is None for s in samples):
+        mask = list(torch.ones(sum(rlens), dtype=torch.float32).split(rlens))
+    else:
+        mask = flat((s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples),
+                    torch.float32, rlens)
     routes = [s.routed_experts for s in samples]  # MoE: the engine's routes (R3), when every sample has them
     return TrainBatch(ids, [len(s.prompt_ids) for s in samples], {
         "loss_mask": mask,
-        "rollout_logprobs": [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples],
+        "rollout_logprobs": flat((s.rollout_logprobs for s in samples), torch.float32, rlens),
     }, rollout_routed_experts=routes if samples and all(r is not None for r in routes) else None)
 
 

@@ -85,13 +85,15 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
     """
     lens = [int(x.numel()) for x in input_ids]
     width = max(lens) if layout == "padded" else sum(lens)
-    gather, seq = [], []
-    off = 0
-    for i, (l, p) in enumerate(zip(lens, prompt_lens)):
-        gather.append(torch.arange(off + p - 1, off + l - 1))
-        seq.append(torch.full((l - p,), i, dtype=torch.long))
-        off += width if layout == "padded" else l
-    gather_idx, seq_ids = torch.cat(gather), torch.cat(seq)
+    off = sum(lens)
+    # a few vector ops for the whole micro-batch (not a few per sample): sample i's response predictions sit at
+    # flat positions start_i + p_i - 1 ... start_i + l_i - 2
+    lens_t, plens_t = torch.tensor(lens, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
+    starts = torch.arange(len(lens)) * width if layout == "padded" else torch.cumsum(lens_t, 0) - lens_t
+    rlens = lens_t - plens_t
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), rlens)
+    first = torch.cumsum(rlens, 0) - rlens  # where each sample's responses start in the gathered order
+    gather_idx = (starts + plens_t - 1 - first)[seq_ids] + torch.arange(int(rlens.sum()))
     # everything is built on the host and crosses in one pinned, asynchronous copy: a blocking copy per tensor
     # would wait for the previous micro-batch's backward each time and leave the GPU idle while Python runs
     if layout == "padded":
@@ -105,7 +107,8 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         pos = torch.arange(width, device=device).expand(len(lens), -1)
         return ids, pos, mask, gather_idx, targets, seq_ids, {}
     ids = torch.cat(input_ids)
-    host = [ids, torch.cat([torch.arange(l) for l in lens]), gather_idx, seq_ids, ids[gather_idx + 1],
+    pos = torch.arange(off) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+    host = [ids, pos, gather_idx, seq_ids, ids[gather_idx + 1],
             torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)]
     ids, pos, gather_idx, seq_ids, targets, cu = to_device(host, device)
     mask, varlen = None, {}
@@ -388,7 +391,7 @@ class FSDPBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         self.model.train()
-        local = torch.tensor([float(sum(m.sum() for m in batch.token_fields["loss_mask"])), float(len(batch)),
+        local = torch.tensor([float(torch.cat(batch.token_fields["loss_mask"]).sum()) if len(batch) else 0.0, float(len(batch)),
                               float(sum(int(x.numel()) for x in batch.input_ids))], dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(local)

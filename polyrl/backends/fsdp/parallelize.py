@@ -36,8 +36,10 @@ def apply_fsdp(root: nn.Module, lm: nn.Module, mesh, *, param_dtype: torch.dtype
                reshard_after_forward: bool = True) -> nn.Module:
     kw: dict = {"mesh": mesh}
     if param_dtype != torch.float32:
-        # compute in low precision, keep FP32 master weights and reduce gradients in FP32
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        # compute in low precision, keep FP32 master weights and reduce gradients in FP32; on one rank nothing is
+        # reduced: the BF16 gradient goes to the FP32 sharded grad as is (the same numbers, half the bytes copied)
+        reduce = torch.float32 if mesh.size() > 1 else param_dtype
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
     if cpu_offload:
         # pinned memory needs a CUDA driver; on CPU-only machines plain pageable memory
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())

@@ -336,7 +336,13 @@ def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, 
     starting at `vocab_start`), targets [T] -> logprobs [T], entropy [T] | None (fp32), the
     same on every rank of `group`. The full vocabulary is never gathered: a max and two sums
     are all-reduced per token; at most `chunk_size` x V/tp fp32 logits exist at a time (the
-    backward recomputes each chunk)."""
+    backward recomputes each chunk).
+    Without a TP group (or one of one rank) this is polyrl.backends.logprobs.chunked_logprobs over the real vocabulary
+    rows (the backward keeps the per-token lse instead of recomputing the softmax; Triton passes on CUDA)."""
+    if (group is None or dist.get_world_size(group) == 1) and vocab_start == 0 and hidden.shape[0]:
+        from polyrl.backends.logprobs import chunked_logprobs
+        return chunked_logprobs(hidden, weight[:min(vocab_size, weight.shape[0])], targets, temperature=temperature,
+                                chunk_size=chunk_size, with_entropy=with_entropy)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     lps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_size):

@@ -49,6 +49,26 @@ def _dense_global(q_all, k_all, v_all, seq, pos):
         q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), attn_mask=mask[None], scale=0.3)
     return out.transpose(0, 1)
 
+def test_one_rank_head_skips_megatron_vocab_padding():
+    # TP 1 takes chunked_logprobs over the real vocabulary rows: padding rows take no probability and get no gradient
+    torch.manual_seed(0)
+    vocab, padded, H, T = 37, 48, 16, 9
+    hidden, weight = torch.randn(T, H, dtype=torch.float64), torch.randn(padded, H, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (T,))
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = thd.vocab_parallel_logprobs(h, w, targets, vocab_start=0, vocab_size=vocab, temperature=0.7, chunk_size=4,
+                                          with_entropy=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight[:vocab].clone().requires_grad_(True)
+    z = (h2 @ w2.t()).float() / 0.7
+    lse = torch.logsumexp(z, -1)
+    lp2, ent2 = z.gather(1, targets[:, None]).squeeze(1) - lse, lse - (torch.softmax(z, -1) * z).sum(-1)
+    (lp2.sum() + 0.3 * ent2.sum()).backward()
+    # fp32 log-softmax over 37 terms on both sides: ~1e-6; 1e-4 leaves room and still catches any formula error
+    for a, b in ((lp, lp2), (ent, ent2), (h.grad, h2.grad), (w.grad[:vocab], w2.grad)):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(w.grad[vocab:]) == 0
+
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_cp_attention_plan_equals_full_attention(cp):
