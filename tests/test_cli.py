@@ -340,13 +340,15 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     kw = dict(checkpointing=False, offload=False)
     full = 16  # bytes per trained parameter: FP32 weight, grad, two Adam moments
     b05 = gpu_token_budget(q05, h100, state_bytes=full * 494_032_768, **kw)
-    # 0.6 x 85.0e9 - 7.9e9 = 43.1e9 bytes over 2 x (6 x 896 + 3 x 4864) x 24 = 958,464 bytes per token: 45.0k -> 40960
-    assert b05 == 40960
-    assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, **kw) == GPU_TOKEN_BUDGET  # 13.3k: the floor
-    assert gpu_token_budget(q05, h200, state_bytes=full * 494_032_768, **kw) == GPU_TOKEN_BUDGET_MAX  # 87k: the cap
-    assert gpu_token_budget(q15, h200, state_bytes=full * 1_543_714_304, **kw) == 28672
+    # 0.8 x 85.0e9 - 7.9e9 = 60.1e9 bytes over 2 x (6 x 896 + 3 x 4864) x 24 = 958,464 bytes per token: 62.7k -> 61440
+    assert b05 == 61440
+    # 68.0e9 - 24.7e9 = 43.3e9 over 2,021,376 bytes per token: 21.4k -> 20480
+    assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, **kw) == 20480
+    assert gpu_token_budget(q15, h100, state_bytes=2 * full * 1_543_714_304, **kw) == GPU_TOKEN_BUDGET  # 9.2k: the floor
+    assert gpu_token_budget(q05, h200, state_bytes=full * 494_032_768, **kw) == GPU_TOKEN_BUDGET_MAX  # 118k: the cap
+    assert gpu_token_budget(q15, h200, state_bytes=full * 1_543_714_304, **kw) == 45056
     # a co-resident critic's state (as much again) leaves less room
-    assert gpu_token_budget(q15, h200, state_bytes=2 * full * 1_543_714_304, **kw) == 16384
+    assert gpu_token_budget(q15, h200, state_bytes=2 * full * 1_543_714_304, **kw) == 32768
     # checkpointing stores one block plus each layer's input: more tokens fit
     assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, checkpointing=True, offload=False) == GPU_TOKEN_BUDGET_MAX
     # MoE: top-k experts' widths when wider than the dense MLP (8 x 768 > 6144 would be; here 8 x 1536 = 12288)
@@ -357,7 +359,7 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     assert gpu_token_budget(SimpleNamespace(), h200, state_bytes=1, **kw) == GPU_TOKEN_BUDGET
     assert BatchConfig().micro_batch_plan("cuda", 300, b05) == {"max_tokens": b05}
     assert BatchConfig(max_tokens_per_gpu=1000).micro_batch_plan("cuda", 300, b05) == {"max_tokens": 1000}
-    assert BatchConfig().micro_batch_plan("cuda", 50_000, b05) == {"max_tokens": 50_000}  # never below the longest sample
+    assert BatchConfig().micro_batch_plan("cuda", 70_000, b05) == {"max_tokens": 70_000}  # never below the longest sample
 
 
 def test_fsdp_backend_sizes_its_budget_from_what_the_gpu_holds(monkeypatch):
