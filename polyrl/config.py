@@ -168,7 +168,8 @@ GPU_TOKEN_BUDGET = 16384  # tokens per micro-batch by default on GPU: the floor 
 GPU_TOKEN_BUDGET_MAX = 65536
 
 
-def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpointing: bool, offload: bool) -> int:
+def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpointing: bool, offload: bool,
+                     compiled: bool = False) -> int:
     """The default token budget of a GPU micro-batch (no --micro-batch-size / --max-tokens-per-gpu): as many tokens as
     the activations of 80% of the device's memory hold beside the training state, between GPU_TOKEN_BUDGET and
     GPU_TOKEN_BUDGET_MAX, in 4096-token steps. Every micro-batch pays the same host cost (Python, launches, FSDP
@@ -176,9 +177,10 @@ def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpo
     40k, bench/RESULTS.md). A colocated engine sleeps during training (its memory is free then); one that stays
     awake counts in state_bytes.
     Saved activations per token and layer ~ 2 bytes x (6 hidden + 3 intermediate) (norm outputs, q/k/v, attention
-    output, residuals, gate/up/SiLU of a Llama/Qwen block in BF16): an upper bound, the compiled layers keep less
-    (measured on an H100 in GRPO: 0.79 MB per token at 0.5B against 0.96 here, 1.47 MB at 1.5B against 2.02), so 80%
-    of the memory leaves a fifth or more for the transient ones (LM-head chunks, FSDP buffers, the allocator's slack);
+    output, residuals, gate/up/SiLU of a Llama/Qwen block in BF16); compiled layers keep less, so 0.9 of that
+    (GRPO on an H100, peak allocated less the state over the micro-batch's tokens: 0.83 MB per token at 0.5B against
+    0.96 here, 1.35 MB at 1.5B against 2.02); 80% of the memory for state and activations leaves a fifth for the
+    transient buffers (LM-head chunks, FSDP's, the allocator's slack);
     with activation checkpointing one layer's worth plus each layer's input; MoE layers count top-k experts' widths
     where that exceeds the dense one. state_bytes: what the training state holds on the device (the caller: memory
     allocated now, every co-resident model included, plus grads and Adam moments not allocated yet). With
@@ -194,6 +196,8 @@ def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpo
         return GPU_TOKEN_BUDGET
     block = 2 * (6 * h + 3 * inter)
     per_token = block + 2 * h * layers if checkpointing else block * layers
+    if compiled:
+        per_token = int(0.9 * per_token)
     room = 0.8 * device_memory - state_bytes
     budget = int(room / per_token) // 4096 * 4096
     return min(GPU_TOKEN_BUDGET_MAX, max(GPU_TOKEN_BUDGET, budget))

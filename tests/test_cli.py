@@ -345,6 +345,10 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     # 68.0e9 - 24.7e9 = 43.3e9 over 2,021,376 bytes per token: 21.4k -> 20480
     assert gpu_token_budget(q15, h100, state_bytes=full * 1_543_714_304, **kw) == 20480
     assert gpu_token_budget(q15, h100, state_bytes=2 * full * 1_543_714_304, **kw) == GPU_TOKEN_BUDGET  # 9.2k: the floor
+    # the benchmark's 1.5B shape (untied head, 1.777B parameters): 68.0e9 - 28.4e9 = 39.6e9 bytes: 19.6k -> the floor
+    # eager, 21.8k -> 20480 compiled (0.9 x 2,021,376 bytes per token)
+    assert gpu_token_budget(q15, h100, state_bytes=full * 1_777_088_000, **kw) == GPU_TOKEN_BUDGET
+    assert gpu_token_budget(q15, h100, state_bytes=full * 1_777_088_000, compiled=True, **kw) == 20480
     assert gpu_token_budget(q05, h200, state_bytes=full * 494_032_768, **kw) == GPU_TOKEN_BUDGET_MAX  # 118k: the cap
     assert gpu_token_budget(q15, h200, state_bytes=full * 1_543_714_304, **kw) == 45056
     # a co-resident critic's state (as much again) leaves less room

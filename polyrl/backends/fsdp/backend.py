@@ -311,7 +311,8 @@ class FSDPBackend:
         # on this GPU), CUDA context, NCCL and library buffers
         self.token_budget = gpu_token_budget(
             self.hf_config, total, state_bytes=torch.cuda.memory_allocated(self.device) + others + pending,
-            checkpointing=self.mcfg.gradient_checkpointing, offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload)
+            checkpointing=self.mcfg.gradient_checkpointing, offload=self.mcfg.offload_train or self.mcfg.fsdp_cpu_offload,
+            compiled=self.mcfg.compiled(self.device.type, getattr(self.hf_config, "model_type", None)))
         if dist.get_world_size() > 1:  # one budget on every rank (their allocations differ by a few buffers)
             t = torch.tensor([self.token_budget], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
