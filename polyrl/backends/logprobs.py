@@ -173,9 +173,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.inv_temp, ctx.chunk = inv_temp, chunk
         ctx.set_materialize_grads(False)  # an unused output (the entropy) gets None, not a zero tensor to multiply
-        if ent is not None:
-            return logp, ent
-        return logp, None
+        return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
@@ -204,14 +202,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     chunk_size: int = 1024, with_entropy: bool = False, compiled: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden: [T, H], weight: [V, H] (the LM head), targets: [T] -> logprobs [T] (fp32), entropy [T] | None.
-    `compiled` is accepted for the callers' sake: the passes are Triton kernels on CUDA and torch ops elsewhere."""
-    del compiled
+                     chunk_size: int = 1024, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden: [T, H], weight: [V, H] (the LM head), targets: [T] -> logprobs [T] (fp32), entropy [T] | None."""
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets.long(), inv_temp, with_entropy, max(1, int(chunk_size)))
-    return logp, (ent if with_entropy else None)
+    return _ChunkedLogprobs.apply(hidden, weight, targets.long(), inv_temp, with_entropy, max(1, int(chunk_size)))
 
 
 def reference_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,

@@ -42,18 +42,17 @@ class PolicyModel(nn.Module):
     """Wraps an HF causal LM so one FSDP forward returns per-token log-probs (and entropy)
     of the targets, computed from hidden states in chunks: no [T, V] logits tensor."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
-        self.compiled = compiled
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
                 with_entropy: bool = False, **attn_kwargs):
         hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
-                                with_entropy=with_entropy, compiled=self.compiled)
+                                with_entropy=with_entropy)
 
 
 class ValueModel(nn.Module):
@@ -89,7 +88,8 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
     # a few vector ops for the whole micro-batch (not a few per sample): sample i's response predictions sit at
     # flat positions start_i + p_i - 1 ... start_i + l_i - 2
     lens_t, plens_t = torch.tensor(lens, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
-    starts = torch.arange(len(lens)) * width if layout == "padded" else torch.cumsum(lens_t, 0) - lens_t
+    packed_starts = torch.cumsum(lens_t, 0) - lens_t
+    starts = torch.arange(len(lens)) * width if layout == "padded" else packed_starts
     rlens = lens_t - plens_t
     seq_ids = torch.repeat_interleave(torch.arange(len(lens)), rlens)
     first = torch.cumsum(rlens, 0) - rlens  # where each sample's responses start in the gathered order
@@ -107,7 +107,7 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         pos = torch.arange(width, device=device).expand(len(lens), -1)
         return ids, pos, mask, gather_idx, targets, seq_ids, {}
     ids = torch.cat(input_ids)
-    pos = torch.arange(off) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+    pos = torch.arange(off) - torch.repeat_interleave(packed_starts, lens_t)
     host = [ids, pos, gather_idx, seq_ids, ids[gather_idx + 1],
             torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)]
     ids, pos, gather_idx, seq_ids, targets, cu = to_device(host, device)
@@ -230,7 +230,7 @@ class FSDPBackend:
         compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None))
         if compiled:
             apply_compile(lm)
-        root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size, compiled=compiled)
+        root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         # One CPU rank in FP32 has nothing to shard, cast or offload: FSDP2's hooks and DTensor
         # dispatch would be pure overhead there (~15% of a tiny model's step). DCP checkpoints of
