@@ -20,7 +20,7 @@ from polyrl.backends.base import load_backend_class
 from polyrl.backends.parallel_dims import init_distributed
 from polyrl.config import Config
 from polyrl.data import PromptDataset, load_records
-from polyrl.rollout.base import load_engine_class
+from polyrl.rollout.base import InProcessEngine, load_engine_class
 from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.rollout.sampling import cut_to_budget
 from polyrl.types import Sample, SamplingParams, TrainBatch
@@ -110,7 +110,10 @@ def build_engine(cfg: Config, device: str):
         from polyrl.debug_rollout import NoEngine
         return NoEngine()
     name = "external" if cfg.engines.rollout_external else cfg.rollout.rollout_engine
-    return load_engine_class(name).from_config(cfg, device)
+    engine = load_engine_class(name).from_config(cfg, device)
+    if isinstance(engine, InProcessEngine):  # the trainer allocates from the same CUDA caching allocator
+        engine.shares_allocator = True
+    return engine
 
 
 def weight_sync_mode(cfg: Config) -> str:

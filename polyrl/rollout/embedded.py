@@ -181,7 +181,7 @@ class EmbeddedEngine(InProcessEngine):
     def sleep(self) -> None:
         if self.device.type == "cuda":
             self.model.to("cpu")
-            torch.cuda.empty_cache()
+            self.release_cached_memory()
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         if self.device.type == "cuda" and "weights" in wake_tags(tags):  # transformers' generate has no KV pool to take

@@ -246,6 +246,35 @@ def test_sleep_releases_weights_and_kv_cache_and_wake_restores(qwen2_dir):
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
 
 
+def test_sleep_beside_an_in_process_trainer_keeps_the_memory_cached_for_it(qwen2_dir):
+    """shares_allocator (set by runtime.build_engine): sleep frees the engine's tensors but leaves the memory in the
+    caching allocator, so a trainer allocation of that size is served without going to the driver, and the wake after
+    it (the trainer's tensors freed) gets its KV cache back from the cache as well."""
+    from polyrl.types import SamplingParams
+    _free()
+    e = _engine(qwen2_dir)
+    e.shares_allocator = True
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[3, 4, 5, 6]] * 4
+    want = e.generate(prompts, sp)
+    kv = e.kv.nbytes
+    alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    e.sleep()
+    assert alloc0 - torch.cuda.memory_allocated() >= 0.95 * (e.model.nbytes + kv)  # freed ...
+    assert torch.cuda.memory_reserved() == reserved0  # ... but still cached
+    mallocs = torch.cuda.memory_stats()["segment.all.allocated"]
+    activations = torch.empty(kv // 2, dtype=torch.uint8, device="cuda")  # a train phase's allocation
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs  # carved from the engine's freed block
+    del activations
+    e.wake()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] - mallocs <= 1  # the weights' buffer at most
+    got = e.generate(prompts, sp)
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    e.shares_allocator = False
+    e.sleep()
+    assert torch.cuda.memory_reserved() <= reserved0 - 0.9 * kv  # an engine of its own returns it to the driver
+
+
 def test_wake_then_partial_or_full_update_keeps_every_weight(qwen2_dir):
     """wake() leaves the weights on the host until needed (a full update overwrites them all anyway): after a wake, a
     partial update gets the rest from the host copy, a full one needs none of it, and generate / get_weight never see

@@ -583,7 +583,7 @@ class GPUEngine(InProcessEngine):
         self.graphs.clear()  # they point at the freed buffers; recaptured after wake()
         self.graph_pool = self.logits_buf = None
         self.asleep = True
-        torch.cuda.empty_cache()
+        self.release_cached_memory()
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         tags = wake_tags(tags)
