@@ -289,7 +289,8 @@ def train(cfg: Config) -> dict:
             with timer("rollout"):
                 run.backend.offload()
                 samples, scored, m = run.rollout(step)  # scored: the reward metrics when dynamic sampling scored them
-                run.engine.sleep()  # colocated: the trainer gets the GPU
+                if not cfg.debug.debug_rollout_only:  # nothing trains then: the engine keeps its memory
+                    run.engine.sleep()  # colocated: the trainer gets the GPU
             run.learn(samples, step, m, timer, scored)
             with timer("weight_sync"):
                 run.sync_weights(step + 1)

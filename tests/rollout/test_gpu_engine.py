@@ -246,10 +246,26 @@ def test_sleep_releases_weights_and_kv_cache_and_wake_restores(qwen2_dir):
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
 
 
-def test_sleep_beside_an_in_process_trainer_keeps_the_memory_cached_for_it(qwen2_dir):
+def test_garbage_in_unwritten_cache_slots_never_reaches_the_output(qwen2_dir):
+    """Beside the trainer the KV cache is reused trainer memory (never cleared): NaN in every slot but the scratch
+    block must not change the tokens or logprobs (graph buckets pad rows, splits cut contexts: all masked loads)."""
+    from polyrl.types import SamplingParams
+    _free()
+    e = _engine(qwen2_dir)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, n=3)
+    prompts = [[3, 4, 5, 6, 7], [8, 9], list(range(10, 40))]
+    e.kv.data.zero_()
+    want = [(s.response_ids, s.rollout_logprobs) for s in e.generate(prompts, sp)]
+    e.kv.data.fill_(float("nan"))
+    e.kv.data[:, :, :e.block_size].zero_()
+    assert [(s.response_ids, s.rollout_logprobs) for s in e.generate(prompts, sp)] == want
+
+
+def test_sleep_beside_an_in_process_trainer_keeps_memory_cached_and_no_host_copy(qwen2_dir):
     """shares_allocator (set by runtime.build_engine): sleep frees the engine's tensors but leaves the memory in the
-    caching allocator, so a trainer allocation of that size is served without going to the driver, and the wake after
-    it (the trainer's tensors freed) gets its KV cache back from the cache as well."""
+    caching allocator, so a trainer allocation of that size is served without going to the driver; the weights are
+    not copied to the host (the trainer pushes them all after the wake, as in the RL loop); the wake gets its buffers
+    back from the cache at the same addresses, so the captured CUDA graphs are replayed, not captured again."""
     from polyrl.types import SamplingParams
     _free()
     e = _engine(qwen2_dir)
@@ -257,9 +273,14 @@ def test_sleep_beside_an_in_process_trainer_keeps_the_memory_cached_for_it(qwen2
     sp = SamplingParams(temperature=0.0, max_new_tokens=12)
     prompts = [[3, 4, 5, 6]] * 4
     want = e.generate(prompts, sp)
+    weights = {n: v.clone() for n, v in e.model.hf.items()}
+    graphs = dict(e.graphs)
+    assert graphs
     kv = e.kv.nbytes
     alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    e._cpu_flat = torch.zeros(e.model.numel, dtype=e.dtype, pin_memory=True)
     e.sleep()
+    assert not e._cpu_flat.any()  # no device-to-host copy of the weights
     assert alloc0 - torch.cuda.memory_allocated() >= 0.95 * (e.model.nbytes + kv)  # freed ...
     assert torch.cuda.memory_reserved() == reserved0  # ... but still cached
     mallocs = torch.cuda.memory_stats()["segment.all.allocated"]
@@ -267,12 +288,35 @@ def test_sleep_beside_an_in_process_trainer_keeps_the_memory_cached_for_it(qwen2
     assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs  # carved from the engine's freed block
     del activations
     e.wake()
-    assert torch.cuda.memory_stats()["segment.all.allocated"] - mallocs <= 1  # the weights' buffer at most
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs
+    with pytest.raises(RuntimeError, match="full weight update"):  # nothing to restore the weights from
+        e.generate(prompts, sp)
+    with pytest.raises(RuntimeError, match="must write every weight"):
+        e.update_weights(iter(list(weights.items())[1:]), version=1)
+    e.wake()
+    e.update_weights(iter(weights.items()), version=1)
     got = e.generate(prompts, sp)
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
-    e.shares_allocator = False
+    same = e._graph_ptrs == (e.model.flat.data_ptr(), e.kv.data.data_ptr())
+    _report("graphs_across_sleep", {"same_addresses": same})
+    if same:  # the caching allocator's usual answer: the graphs are replayed
+        assert e.graphs == graphs and e.last_stats["graph_capture_s"] == 0.0
+    else:
+        assert e.last_stats["graph_capture_s"] > 0.0
+    e.sleep()  # buffers back at other addresses: the graphs are dropped and captured again
+    e._graph_ptrs = (0, 0)
+    e.wake()
+    assert not e.graphs
+    e.update_weights(iter(weights.items()), version=2)
+    got = e.generate(prompts, sp)
+    assert [s.response_ids for s in got] == [s.response_ids for s in want] and e.last_stats["graph_capture_s"] > 0.0
+
+    e.shares_allocator = False  # an engine in a process of its own: the host copy, and the memory to the driver
     e.sleep()
-    assert torch.cuda.memory_reserved() <= reserved0 - 0.9 * kv  # an engine of its own returns it to the driver
+    assert torch.cuda.memory_reserved() <= reserved0 - 0.9 * kv
+    e.wake()
+    got = e.generate(prompts, sp)
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
 
 
 def test_wake_then_partial_or_full_update_keeps_every_weight(qwen2_dir):

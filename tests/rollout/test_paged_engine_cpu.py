@@ -85,6 +85,21 @@ def test_continuous_batching_and_kv_pressure_do_not_change_results(model_dir):
     assert tight.alloc.num_free == 11 and big.alloc.num_free == 255  # every block back
 
 
+def test_unwritten_cache_slots_never_reach_the_output(model_dir):
+    """The KV cache is allocated uninitialized and never cleared (beside the trainer it is reused trainer memory), so
+    the slots past a row's context can hold anything, NaN included: the results must not depend on them. A cache
+    filled with NaN (but the scratch block, which padded rows read) gives the same tokens and logprobs as a fresh one.
+    (This used to fail intermittently through 0 * NaN in the reference attention's value sum.)"""
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, seed=5)
+    clean = engine(model_dir)
+    clean.kv.data.zero_()
+    want = [(s.response_ids, s.rollout_logprobs) for s in clean.generate(prompts(clean), sp)]
+    dirty = engine(model_dir)
+    dirty.kv.data.fill_(float("nan"))
+    dirty.kv.data[:, :, :dirty.block_size].zero_()
+    assert [(s.response_ids, s.rollout_logprobs) for s in dirty.generate(prompts(dirty), sp)] == want
+
+
 def test_prefix_sharing_matches_the_transformers_path_and_saves_blocks(model_dir):
     e = engine(model_dir)
     p = e.tokenizer("1234+5678=")["input_ids"]  # 10 tokens: 2 full blocks of 4 + a partial one

@@ -164,6 +164,8 @@ class GPUEngine(InProcessEngine):
         self._cpu_flat: torch.Tensor | None = None
         self.asleep = False
         self._stale = False  # awake, but the GPU buffer does not hold the weights yet (see wake)
+        self._host_valid = True  # False after a sleep that kept no host copy, until a full update
+        self._graph_ptrs = (0, 0)  # the weights' and KV cache's addresses the graphs were captured with
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB), "
@@ -329,7 +331,7 @@ class GPUEngine(InProcessEngine):
         if self._want_routes:
             routes = torch.full((sum(lens), *self.route_buf.shape[1:]), -1, dtype=self.route_buf.dtype, device=dev)
         logits = self.model.forward(torch.cat(ids).to(dev), pos.to(dev), torch.cat(slots).to(dev), self.kv,
-                                    PrefillAttn(self.ops, lens), logits_rows=last, routes=routes)
+                                    PrefillAttn(self.ops, lens, dev), logits_rows=last, routes=routes)
         if routes is not None:  # every prompt token is forwarded: its route is the sample's first P rows
             per_prompt = routes.cpu().split(lens)
             for seq, r in zip(new, (r for r, g in zip(per_prompt, groups) for _ in range(g.n))):
@@ -551,11 +553,20 @@ class GPUEngine(InProcessEngine):
         seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") else None
         if seen is None:
             seen = self.model.load(weights, strict=False)
-        if self._stale:  # woken without its weights: those this update did not write come from the host copy
-            for name in self.model.missing(seen):
-                v = self.model.hf[name]
-                v.copy_(self._cpu_flat.as_strided(v.shape, v.stride(), v.storage_offset()), non_blocking=True)
-            self._stale = False
+        if self._stale or not self._host_valid:
+            # woken without its weights (or asleep without a host copy): the weights this update did not write come
+            # from the host copy, which a sleep beside the trainer did not take
+            missing = self.model.missing(seen)
+            if missing and not self._host_valid:
+                raise RuntimeError(
+                    f"update_weights after a sleep that kept no host copy of the weights (the engine shares this "
+                    f"process with the trainer, which pushes them all) must write every weight; it lacks "
+                    f"{len(missing)}, e.g. {sorted(missing)[:3]}")
+            if self._stale:
+                for name in missing:
+                    v = self.model.hf[name]
+                    v.copy_(self._cpu_flat.as_strided(v.shape, v.stride(), v.storage_offset()), non_blocking=True)
+            self._stale, self._host_valid = False, True
         n = len(seen)
         if self.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -564,24 +575,32 @@ class GPUEngine(InProcessEngine):
 
     def _restore(self) -> None:
         """Bring back the weights a wake() left on the host, unless an update has written them all since."""
+        if not self._host_valid and (self._stale or self.asleep):
+            raise RuntimeError("the engine slept beside the trainer without a host copy of its weights (the trainer "
+                               "holds them): push a full weight update (update_weights) before generating or reading")
         if self._stale:
             self.model.flat.copy_(self._cpu_flat)
             self._stale = False
 
     def sleep(self) -> None:
-        """Free the weights' and the KV cache's GPU memory (weights kept in pinned host memory)."""
+        """Free the weights' and the KV cache's GPU memory. The weights go to pinned host memory first, unless the
+        trainer shares this process (shares_allocator): it holds them and pushes them all after every wake (as SGLang
+        drops them without --enable-weights-cpu-backup), which saves a device-to-host copy of the model per RL step.
+        The captured CUDA graphs are kept, with their pool and the logits buffer: a wake that gets the weights and the
+        KV cache back at the same addresses (the caching allocator's usual answer) replays them instead of capturing."""
         if not self.is_cuda:
             return
         if self.model.flat.is_cuda:
+            self._graph_ptrs = (self.model.flat.data_ptr(), self.kv.data.data_ptr() if self.kv.data is not None else 0)
             if self._cpu_flat is None:
                 self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
-            if not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
+            if self.shares_allocator:
+                self._host_valid = False
+            elif not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
                 self._cpu_flat.copy_(self.model.flat)
             self._stale = False
             self.model.bind(self._cpu_flat)
         self.kv.release()
-        self.graphs.clear()  # they point at the freed buffers; recaptured after wake()
-        self.graph_pool = self.logits_buf = None
         self.asleep = True
         self.release_cached_memory()
 
@@ -598,6 +617,10 @@ class GPUEngine(InProcessEngine):
             self.kv.allocate()
             self._split_val = -1
         self.asleep = not self.model.flat.is_cuda or self.kv.data is None
+        if not self.asleep and self.graphs and self._graph_ptrs != (self.model.flat.data_ptr(), self.kv.data.data_ptr()):
+            self.graphs.clear()  # they read the old addresses; recaptured on first use
+            self.graph_pool = self.logits_buf = None
+            log.debug("GPU engine: weights or KV cache came back at new addresses; CUDA graphs will be recaptured")
 
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

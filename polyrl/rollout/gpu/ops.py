@@ -110,16 +110,28 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def prefill_index(lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every packed token in the right-padded [len(lens), max(lens)] layout, built on the host and
+    moved once per prefill: built per layer on the device, the lengths' host-to-device copy and repeat_interleave's
+    size read-back stalled the stream twice in every layer."""
+    lens_t = torch.tensor(lens)
+    row = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    col = torch.arange(int(lens_t.sum())) - (torch.cumsum(lens_t, 0) - lens_t)[row]
+    return row.to(device), col.to(device)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                      index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention within each of the packed sequences (no cached prefix).
     q: [T, Hq, D], k, v: [T, Hkv, D], lens: the sequences' lengths (sum T) -> [T, Hq, D].
     Sequences are right-padded to the longest one and run through SDPA: under a causal
-    mask, a real query only sees real keys, so padding never leaks in."""
+    mask, a real query only sees real keys, so padding never leaks in. index: prefill_index(lens), if built already."""
     T, hq, d = q.shape
     hkv = k.shape[1]
-    if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable)
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
+    if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable); expand +
+        # reshape, not repeat_interleave, whose CUDA path reads its output size back from the device (a stall per call)
+        k = k[:, :, None].expand(T, hkv, hq // hkv, d).reshape(T, hq, d)
+        v = v[:, :, None].expand(T, hkv, hq // hkv, d).reshape(T, hq, d)
     B, L = len(lens), max(lens)
     if B == 1:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -130,10 +142,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
         o = F.scaled_dot_product_attention(q.reshape(shape).transpose(1, 2), k.reshape(shape).transpose(1, 2),
                                            v.reshape(shape).transpose(1, 2), is_causal=True)
         return o.transpose(1, 2).reshape(T, hq, d)
-    lens_t = torch.tensor(lens, device=q.device)
-    row = torch.repeat_interleave(torch.arange(B, device=q.device), lens_t)
-    starts = torch.cumsum(lens_t, 0) - lens_t
-    col = torch.arange(T, device=q.device) - starts[row]
+    row, col = index if index is not None else prefill_index(lens, q.device)
 
     def pad(x):
         out = x.new_zeros(B, L, hq, d)
@@ -155,12 +164,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     L = int(ctx_lens.max())
     pos = torch.arange(L, device=q.device)
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    past = pos[None, :] >= ctx_lens[:, None]  # [B, L]: slots past the row's context hold anything (NaN included:
+    # the cache is never cleared), so their values are zeroed, not only their scores masked (0 * NaN is NaN)
     k = k_cache[slots].float()  # [B, L, Hkv, D]
-    v = v_cache[slots].float()
+    v = v_cache[slots].float().masked_fill(past[:, :, None, None], 0.0)
     g = hq // hkv
     qf = q.float().view(B, hkv, g, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) / math.sqrt(d)
-    scores = scores.masked_fill((pos[None, :] >= ctx_lens[:, None])[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
     o = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, -1), v)
     return o.reshape(B, hq, d).to(q.dtype)
 
