@@ -85,7 +85,7 @@ class RolloutConfig:
     rollout_engine: str = opt("embedded", "rollout engine: embedded (in the trainer process) | server (launched `polyrl serve` "
                                           "processes) | sglang (launched `python -m sglang.launch_server`)", ROLLOUT_ENGINES)
     rollout_batch_generate: int = opt(0, "max sequences per generate call on the embedded engine (0 = all at once; "
-                                          "on its GPU path: max sequences decoding at once, 0 = 256)")
+                                          "on its GPU path: max sequences decoding at once, 0 = 512)")
     rollout_gpu_engine: bool = opt(True, "on CUDA, run Llama/Qwen2/Qwen3 on the embedded engine's GPU path (paged KV cache, "
                                          "continuous batching, CUDA graphs); --no-rollout-gpu-engine: the transformers path")
     rollout_mem_fraction: float = opt(0.4, "share of GPU memory the embedded GPU engine holds (weights + KV cache + "

@@ -3,7 +3,7 @@ prefix sharing, CUDA-graph decode and a fused GPU sampler, behind the RolloutEng
 
 One generate() call:
   1. every prompt becomes a group of its n samples, waiting in order;
-  2. admission: while slots (--rollout-batch-generate, default 256) and KV blocks allow, a
+  2. admission: while slots (--rollout-batch-generate, default 512) and KV blocks allow, a
      group is admitted with blocks for its full length reserved up front (so nothing is ever
      preempted); its prompt is prefilled once (varlen, up to `max_prefill_tokens` per
      forward) and the n samples share the prompt's full blocks; the partial last block is
@@ -48,7 +48,8 @@ from polyrl.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MAX_RUNNING = 512  # default most sequences decoding at once (64 prompts x 8 samples decode as one batch)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class GPUEngine(InProcessEngine):
                  max_prefill_tokens: int = 16384, num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  use_triton: bool | None = None, decode_splits: int | None = None, ignore_eos: bool = False,
                  profile: bool = False):
-        """max_batch: most sequences decoding at once (0: 256). mem_fraction: share of the
+        """max_batch: most sequences decoding at once (0: MAX_RUNNING). mem_fraction: share of the
         GPU's memory for weights + KV cache + workspace; the KV cache gets what is left
         (num_kv_blocks overrides it, e.g. on CPU). ignore_eos: never stop on EOS (benchmarks
         with random weights). profile: time GPU work with events (last_stats)."""
@@ -122,7 +123,7 @@ class GPUEngine(InProcessEngine):
         self.profile = profile and self.is_cuda
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_running = max_batch or 256
+        self.max_running = max_batch or MAX_RUNNING
         self.max_len = min(spec.max_pos, max_model_len or spec.max_pos)
 
         self.model = DenseLM(spec, self.device, dtype, self.ops)
