@@ -82,8 +82,9 @@ def test_weight_sync_parse_args():
         ws.parse_args(["--model-shapes", "gpt2"])
 
 
-def test_rollout_throughput_help_without_torch():
-    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "rollout_throughput.py"), "--help"],
+@pytest.mark.parametrize("script", ["rollout_throughput.py", "engine_cycle.py"])
+def test_gpu_engine_bench_help_without_torch(script):
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, script), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
