@@ -334,13 +334,10 @@ class ModelConfig:
     def compiled(self, device_type: str, model_type: str | None = None) -> bool:
         """--compile / --no-compile, else on for CUDA with a dense attention decoder: the first step pays the compile
         time, which the measured dense families win back within a few steps; Qwen3-Next's DeltaNet fallback loops and
-        HF MoE blocks' data-dependent expert shapes spend minutes in the compiler instead (seen on an H100). Off by
-        default with LoRA: on one H100 (FSDP, BF16, compiled layers) the LoRA GRPO run with a KL reference (the
-        adapters switched off and on again by peft) failed its first backward with a loss that did not require grad,
-        at this commit and at the two sessions' before it (tests/backends/test_lora.py, CUDA case)."""
+        HF MoE blocks' data-dependent expert shapes spend minutes in the compiler instead (seen on an H100)."""
         if self.compile is not None:
             return self.compile
-        return device_type == "cuda" and model_type in COMPILE_BY_DEFAULT and not self.lora_rank
+        return device_type == "cuda" and model_type in COMPILE_BY_DEFAULT
 
     lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning; FSDP backend, needs peft): only the adapters train, the "
                             "reference model is the base with the adapters off, engines get merged weights")
