@@ -179,15 +179,18 @@ def test_target_modules_the_model_lacks_name_the_flag(tiny_model):
         backend(tiny_model, lora_rank=4, lora_target_modules="nope_proj")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["cpu", "cpu-bf16", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")])])
 def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, arith_data, tmp_path, device):
     """`polyrl train --lora-rank` end to end on the arithmetic prompts, with a target a random model can find by sampling:
     the answer 7 to every prompt (1 token; a random policy hits it ~1/14 of the time, so GRPO has signal from step 1).
     Greedy held-out accuracy goes from 0 to > 0.8 within 5 steps only if the adapters train AND the engine samples
     the merged weights (the greedy eval runs on the engine). The demo task itself needs an SFT warm start first:
-    examples/lora/README.md has that run."""
+    examples/lora/README.md has that run. cpu-bf16: BF16 on CPU takes the sharded FSDP2 path of a GPU (mixed precision,
+    parameters kept unsharded after the forward), where peft's own adapter switch once left the adapters frozen."""
     from polyrl.cli import main
+    extra = ["--bf16"] if device == "cpu-bf16" else []
+    device = device.split("-")[0]
     data = {}
     for split in ("train", "eval"):
         rows = [json.loads(line) for line in open(arith_data[split])]
@@ -199,11 +202,15 @@ def test_lora_grpo_learns_and_the_engine_samples_the_merged_policy(tiny_model, a
                  "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1",
                  "--micro-batch-size", "128", "--lr", "1e-2", "--lora-rank", "8", "--use-kl-loss", "--kl-loss-coef", "0.001",
                  "--rollout-shuffle", "--seed", "1", "--quiet", "--run-dir", str(run), "--save-hf", str(tmp_path / "hf"),
-                 "--save-hf-adapter"]) == 0
+                 "--save-hf-adapter", *extra]) == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert acc[0] < 0.2 and acc[5] > 0.8, acc
     # the engine samples what the trainer scores: FP32 on CPU (~1e-6), BF16 rounding on GPU (~1e-2)
-    assert rows[-1]["train_rollout_logprob_abs_diff"] < (1e-4 if device == "cpu" else 5e-2)
-    assert rows[1]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the reference is the base: KL starts at 0 and grows
+    assert rows[-1]["train_rollout_logprob_abs_diff"] < (1e-4 if device == "cpu" and not extra else 5e-2)
+    # the reference is the base: KL starts at 0 and grows. Exactly 0 in FP32 on CPU; in BF16 the reference pass (adapters
+    # off) and the actor's (adapters on, B = 0) may run differently fused kernels (compiled layers on CUDA), so their
+    # log-probs differ by BF16 rounding, |d| <~ 1e-2, and the k3 KL estimate ~ d^2 / 2 stays under 1e-4 (3.5e-7 seen on
+    # an H100)
+    assert rows[1]["kl"] <= (0.0 if device == "cpu" and not extra else 1e-4) and rows[-1]["kl"] > 0
     assert os.path.isfile(tmp_path / "hf" / "adapter_config.json")

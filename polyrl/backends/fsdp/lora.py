@@ -55,9 +55,23 @@ def add_lora(lm: nn.Module, m: ModelConfig, *, meta: bool):
     return model
 
 
-def adapters_off(peft_model) -> contextlib.AbstractContextManager:
-    """The base model: the reference policy of a LoRA run."""
-    return peft_model.disable_adapter()
+@contextlib.contextmanager
+def adapters_off(peft_model):
+    """The base model: the reference policy of a LoRA run. Flips only each LoRA layer's off switch (what its forward
+    reads). peft's own disable_adapter() also sets the adapters' requires_grad to False and back to True; under FSDP2
+    with parameters kept unsharded after the forward (one rank), the way back reached the unsharded copies only, so
+    the adapters stayed frozen: the first backward found a loss without grad (the CUDA case of
+    tests/backends/test_lora.py, and --bf16 on CPU)."""
+    peft = require_peft()
+    layers = [m for m in peft_model.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    was = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, w in zip(layers, was):
+            m._disable_adapters = w
 
 
 def merged_weights(lm: nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
