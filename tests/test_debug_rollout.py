@@ -60,7 +60,31 @@ def test_train_only_on_saved_rollouts_gives_the_original_losses(args, reward, tm
     assert "time/weight_sync" in replay[0]
 
 
-def test_rollout_only_generates_and_scores_without_training(args, reward, tmp_path):
+class _SleepsLikeAGPU:
+    """The real engine, but asleep after sleep() until wake(), as the GPU engine is (on CPU sleep is a no-op)."""
+
+    def __init__(self, engine):
+        self._engine, self.asleep, self.sleeps = engine, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def sleep(self):
+        self.asleep, self.sleeps = True, self.sleeps + 1
+
+    def wake(self, tags=None):
+        self.asleep = False
+
+    def generate(self, *a, **kw):
+        assert not self.asleep, "generate() on a sleeping engine"
+        return self._engine.generate(*a, **kw)
+
+
+def test_rollout_only_generates_and_scores_without_training(args, reward, tmp_path, monkeypatch):
+    """Nothing trains, so nothing would wake a colocated engine put to sleep after the rollout: it stays awake."""
+    import polyrl.runtime as rt
+    build, engines = rt.build_engine, []
+    monkeypatch.setattr(rt, "build_engine", lambda cfg, device: engines.append(_SleepsLikeAGPU(build(cfg, device))) or engines[-1])
     data = tmp_path / "ro" / "r_{rollout_id}.jsonl"
     assert main([*args, *reward, "--run-dir", str(tmp_path / "run"), "--debug-rollout-only",
                  "--save-debug-rollout-data", str(data)]) == 0
@@ -70,6 +94,7 @@ def test_rollout_only_generates_and_scores_without_training(args, reward, tmp_pa
         assert "reward/mean" in r and "response_len/mean" in r and "time/rollout" in r
         assert "loss" not in r and "grad_norm" not in r and "time/train" not in r
     assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == ["r_0.jsonl", "r_1.jsonl"]
+    assert len(engines) == 1 and engines[0].sleeps == 0
 
 
 def test_a_file_from_another_tokenizer_is_refused(args, reward, tiny_model, tmp_path, capsys):
