@@ -278,10 +278,9 @@ class PrefillAttn:
     """Causal attention over whole prompts (packed, lengths `lens`)."""
     needs_k = True
 
-    def __init__(self, ops, lens: list[int], device=None):
+    def __init__(self, ops, lens: list[int], device):
         self.ops, self.lens = ops, lens
-        ragged = len(set(lens)) > 1
-        self.index = ops.prefill_index(lens, device) if ragged and device is not None else None  # once, not per layer
+        self.index = ops.prefill_index(lens, device) if len(set(lens)) > 1 else None  # ragged: once, not per layer
 
     def __call__(self, q, k, v, k_cache, v_cache):
         return self.ops.prefill_attention(q, k, v, self.lens, self.index)
