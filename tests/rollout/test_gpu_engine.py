@@ -278,9 +278,10 @@ def test_sleep_beside_an_in_process_trainer_keeps_memory_cached_and_no_host_copy
     assert graphs
     kv = e.kv.nbytes
     alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    e._cpu_flat = torch.zeros(e.model.numel, dtype=e.dtype, pin_memory=True)
     e.sleep()
-    assert not e._cpu_flat.any()  # no device-to-host copy of the weights
+    assert e._cpu_flat is None and e.model.flat.is_meta  # no host buffer, no device-to-host copy of the weights
+    with pytest.raises(RuntimeError, match="wake"):  # nowhere to write an update until the weights wake
+        e.update_weights(iter(weights.items()), version=1)
     assert alloc0 - torch.cuda.memory_allocated() >= 0.95 * (e.model.nbytes + kv)  # freed ...
     assert torch.cuda.memory_reserved() == reserved0  # ... but still cached
     mallocs = torch.cuda.memory_stats()["segment.all.allocated"]

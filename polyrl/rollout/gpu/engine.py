@@ -549,7 +549,11 @@ class GPUEngine(InProcessEngine):
     # ---- weights & memory --------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """In place (same storage, so captured graphs stay valid); while asleep, into the host copy."""
+        """In place (same storage, so captured graphs stay valid); while asleep, into the host copy (an engine that
+        slept beside the trainer has none: wake its weights first)."""
+        if self.model.flat.is_meta:
+            raise RuntimeError("update_weights while the weights sleep without a host copy (the engine shares this "
+                               "process with the trainer): wake(('weights',)) first, then push every weight")
         # an in-process trainer's export writes straight into the views (polyrl.weight_sync.direct), else name by name
         seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") else None
         if seen is None:
@@ -593,14 +597,16 @@ class GPUEngine(InProcessEngine):
             return
         if self.model.flat.is_cuda:
             self._graph_ptrs = (self.model.flat.data_ptr(), self.kv.data.data_ptr() if self.kv.data is not None else 0)
-            if self._cpu_flat is None:
-                self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
-            if self.shares_allocator:
+            if self.shares_allocator:  # no host buffer at all (it would be model-sized pinned RAM, never filled)
                 self._host_valid = False
-            elif not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
-                self._cpu_flat.copy_(self.model.flat)
+                self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device="meta"))
+            else:
+                if self._cpu_flat is None:
+                    self._cpu_flat = torch.empty(self.model.numel, dtype=self.dtype, pin_memory=True)
+                if not self._stale:  # a stale GPU buffer holds nothing the host copy lacks
+                    self._cpu_flat.copy_(self.model.flat)
+                self.model.bind(self._cpu_flat)
             self._stale = False
-            self.model.bind(self._cpu_flat)
         self.kv.release()
         self.asleep = True
         self.release_cached_memory()
@@ -609,7 +615,7 @@ class GPUEngine(InProcessEngine):
         tags = wake_tags(tags)
         if not self.is_cuda:
             return
-        if "weights" in tags and not self.model.flat.is_cuda:
+        if "weights" in tags and not self.model.flat.is_cuda:  # on the host, or on meta (slept without a host copy)
             # the host copy goes back lazily (_restore): the RL loop wakes the engine to push a full weight update,
             # which makes copying the old weights in first (a full host-to-device copy of the model) wasted time
             self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device=self.device))
