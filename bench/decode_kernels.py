@@ -7,8 +7,10 @@ time is GPU time without launch gaps (as in the engine's captured decode step). 
               (programs per row); GB/s = logits bytes / time
   attention   paged decode attention, B sequences of --ctx tokens (random pages), per
               (block_n, num_warps, num_stages, splits); GB/s = KV bytes read / time
-  gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS
-              and cuBLASLt; GB/s = weight bytes / time, TFLOP/s = 2 M N K / time
+  gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS,
+              cuBLASLt and the engine's skinny Triton GEMM (--sweep: its tile / split settings), weights
+              read from HBM (cycled through copies larger than L2); GB/s = weight bytes / time,
+              TFLOP/s = 2 M N K / time
   elementwise add_rmsnorm, rope_store, silu_mul at T = B
 
   python bench/decode_kernels.py --batch 256 --ctx 384 --out runs/bench/decode_kernels.json
@@ -32,8 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--ctx", type=int, default=384, help="tokens in each sequence's cache (attention rows)")
     p.add_argument("--iters", type=int, default=20, help="launches per captured graph")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is reported")
-    p.add_argument("--sweep", action="store_true", help="attention: every launch setting, not only the default")
+    p.add_argument("--sweep", action="store_true", help="attention and skinny GEMM: every launch setting, not only the default")
     p.add_argument("--baseline-ops", default=None, help="a file with another triton_ops (e.g. an older commit's) to time beside")
+    p.add_argument("--only", nargs="+", default=None, choices=["sampler", "attention", "gemm", "elementwise"],
+                   help="run these kernel groups only")
     p.add_argument("--out", default="runs/bench/decode_kernels.json")
     return p.parse_args(argv)
 
@@ -60,6 +64,11 @@ def gpu_time(fn, iters: int, repeats: int) -> float:
         b.synchronize()
         best = min(best, a.elapsed_time(b) / 1e3 / iters)
     return best
+
+
+def _cfg_name(c: dict) -> str:
+    return (f"m{c['BLOCK_M']} n{c['BLOCK_N']} k{c['BLOCK_K']} split{c['SPLIT_K']} w{c['num_warps']} "
+            f"s{c['num_stages']}")
 
 
 def load_ops(path: str):
@@ -94,64 +103,95 @@ def main(argv=None) -> dict:
 
     base = load_ops(a.baseline_ops) if a.baseline_ops else None
     for B in a.batch:
-        # ---- sampler ----
-        logits = (torch.randn(B, V, device=dev) * 4).to(bf)
-        it = torch.ones(B, device=dev)
-        noise = torch.ones(B, device=dev, dtype=torch.int32)
-        thr = torch.full((B,), float("-inf"), device=dev)
-        seeds, ctr = torch.arange(B, device=dev), torch.zeros(B, device=dev, dtype=torch.long)
-        for nseg in (None, 1, 2, 4, 8, 16):
-            t = gpu_time(lambda: tops.sample(logits, it, noise, thr, seeds, ctr, num_segments=nseg), a.iters, a.repeats)
-            add("sampler", f"segments={nseg or 'default'}", B, t, logits.numel() * 2)
-        if base is not None:
-            t = gpu_time(lambda: base.sample(logits, it, noise, thr, seeds, ctr), a.iters, a.repeats)
-            add("sampler", "baseline default", B, t, logits.numel() * 2)
-        del logits
-        # ---- paged decode attention ----
-        BS = 16
-        nb = -(-a.ctx // BS)
-        NB = B * nb + 1
-        kc, vc = (torch.randn(NB * BS, hkv, d, device=dev, dtype=bf) for _ in range(2))
-        q = torch.randn(B, hq, d, device=dev, dtype=bf)
-        bt = (1 + torch.randperm(NB - 1, device=dev)[:B * nb]).view(B, nb).to(torch.int32)
-        ctx = torch.full((B,), a.ctx, device=dev, dtype=torch.int32)
-        kv_bytes = 2 * B * a.ctx * hkv * d * 2
-        grid = list(itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2, 4))) if a.sweep else [(None, None, None, 1)]
-        for bn, nw, ns, sp in grid:
-            split = torch.tensor([-(-a.ctx // (sp * 64)) * 64], device=dev, dtype=torch.int32)
-            try:
-                t = gpu_time(lambda: tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns),
-                             a.iters, a.repeats)
-            except Exception as e:  # noqa: BLE001 (a setting that does not compile, e.g. out of shared memory)
-                print(f"attention {bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
-                continue
-            add("attention", f"block_n={bn} warps={nw} stages={ns} splits={sp}", B, t, kv_bytes)
-        del kc, vc
-        # ---- GEMMs of one layer + the LM head ----
-        x = torch.randn(B, max(H, I), device=dev, dtype=bf)
-        shapes = {"qkv": (hq * d + 2 * hkv * d, H), "o": (H, hq * d), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
-        for lib in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(lib)
+        if a.only is None or "sampler" in a.only:
+            # ---- sampler ----
+            logits = (torch.randn(B, V, device=dev) * 4).to(bf)
+            it = torch.ones(B, device=dev)
+            noise = torch.ones(B, device=dev, dtype=torch.int32)
+            thr = torch.full((B,), float("-inf"), device=dev)
+            seeds, ctr = torch.arange(B, device=dev), torch.zeros(B, device=dev, dtype=torch.long)
+            for nseg in (None, 1, 2, 4, 8, 16):
+                t = gpu_time(lambda: tops.sample(logits, it, noise, thr, seeds, ctr, num_segments=nseg), a.iters, a.repeats)
+                add("sampler", f"segments={nseg or 'default'}", B, t, logits.numel() * 2)
+            if base is not None:
+                t = gpu_time(lambda: base.sample(logits, it, noise, thr, seeds, ctr), a.iters, a.repeats)
+                add("sampler", "baseline default", B, t, logits.numel() * 2)
+            del logits
+        if a.only is None or "attention" in a.only:
+            # ---- paged decode attention ----
+            BS = 16
+            nb = -(-a.ctx // BS)
+            NB = B * nb + 1
+            kc, vc = (torch.randn(NB * BS, hkv, d, device=dev, dtype=bf) for _ in range(2))
+            q = torch.randn(B, hq, d, device=dev, dtype=bf)
+            bt = (1 + torch.randperm(NB - 1, device=dev)[:B * nb]).view(B, nb).to(torch.int32)
+            ctx = torch.full((B,), a.ctx, device=dev, dtype=torch.int32)
+            kv_bytes = 2 * B * a.ctx * hkv * d * 2
+            grid = list(itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2, 4))) if a.sweep else [(None, None, None, 1)]
+            for bn, nw, ns, sp in grid:
+                split = torch.tensor([-(-a.ctx // (sp * 64)) * 64], device=dev, dtype=torch.int32)
+                try:
+                    t = gpu_time(lambda: tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns),
+                                 a.iters, a.repeats)
+                except Exception as e:  # noqa: BLE001 (a setting that does not compile, e.g. out of shared memory)
+                    print(f"attention {bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
+                    continue
+                add("attention", f"block_n={bn} warps={nw} stages={ns} splits={sp}", B, t, kv_bytes)
+            del kc, vc
+        if a.only is None or "gemm" in a.only:
+            # ---- GEMMs of one layer + the LM head ----
+            # weights cycled through copies that together exceed the L2 cache, so each launch reads its weight from HBM
+            # as in a decode step (the same weight launched back to back would be served from L2)
+            x = torch.randn(B, max(H, I), device=dev, dtype=bf)
+            shapes = {"qkv": (hq * d + 2 * hkv * d, H), "o": (H, hq * d), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
+            bias = {"qkv": torch.randn(hq * d + 2 * hkv * d, device=dev, dtype=bf)}
+            l2 = torch.cuda.get_device_properties(dev).L2_cache_size
             for name, (n, k) in shapes.items():
-                w = torch.randn(n, k, device=dev, dtype=bf)
-                xi = x[:, :k].contiguous()
-                t = gpu_time(lambda: F.linear(xi, w), a.iters, a.repeats)
-                add("gemm", f"{name} {n}x{k} {lib}", B, t, w.numel() * 2, 2 * B * n * k)
-        torch.backends.cuda.preferred_blas_library("cublas")
-        # ---- elementwise ----
-        h, r, wn = torch.randn(B, H, device=dev, dtype=bf), torch.randn(B, H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
-        add("elementwise", "add_rmsnorm", B, gpu_time(lambda: tops.add_rmsnorm(h, r, wn, 1e-6), a.iters, a.repeats), 4 * B * H * 2)
-        qkv = torch.randn(B, (hq + 2 * hkv) * d, device=dev, dtype=bf)
-        pos = torch.arange(B, device=dev)
-        slots = torch.arange(B, device=dev)
-        kc1, vc1 = torch.zeros(B, hkv, d, device=dev, dtype=bf), torch.zeros(B, hkv, d, device=dev, dtype=bf)
-        cos, sin = torch.randn(4096, d // 2, device=dev, dtype=bf), torch.randn(4096, d // 2, device=dev, dtype=bf)
-        add("elementwise", "rope_store", B, gpu_time(lambda: tops.rope_store(qkv, pos, slots, kc1, vc1, cos, sin, hq, hkv, d,
-                                                                              write_k=False), a.iters, a.repeats),
-            2 * qkv.numel() * 2)
-        gu = torch.randn(B, 2 * I, device=dev, dtype=bf)
-        add("elementwise", "silu_mul", B, gpu_time(lambda: tops.silu_mul(gu), a.iters, a.repeats), 3 * B * I * 2)
-        del x, gu
+                copies = max(1, -(-4 * l2 // (n * k * 2)))
+                ws = [torch.randn(n, k, device=dev, dtype=bf) for _ in range(copies)]
+                xi, bi = x[:, :k].contiguous(), bias.get(name)
+                cyc = itertools.cycle(ws)
+
+                def run(f):
+                    return gpu_time(lambda: f(xi, next(cyc), bi), max(a.iters, copies), a.repeats)
+
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    add("gemm", f"{name} {n}x{k} {lib}", B, run(F.linear), n * k * 2, 2 * B * n * k)
+                torch.backends.cuda.preferred_blas_library("cublas")
+                if name == "lm_head":
+                    continue
+                cfg = tops.skinny_config(B, n, k, tops._sm_count(torch.device(dev)))
+                add("gemm", f"{name} {n}x{k} skinny {_cfg_name(cfg)} (default)", B, run(tops.skinny_linear), n * k * 2,
+                    2 * B * n * k)
+                if a.sweep:
+                    for bm, bn, bk, sp, nw, ns in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8),
+                                                                     (3, 4)):
+                        if (nw == 8 and bm == 64) or (bk == 128 and (bn == 128 or ns == 4)) or k // sp < 2 * bk:
+                            continue
+                        c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=nw, num_stages=ns)
+                        try:
+                            t = run(lambda xx, ww, bb: tops.skinny_linear(xx, ww, bb, c))
+                        except Exception as e:  # noqa: BLE001 (out of shared memory / registers)
+                            print(f"skinny {name} {_cfg_name(c)}: {type(e).__name__}", flush=True)
+                            continue
+                        add("gemm", f"{name} {n}x{k} skinny {_cfg_name(c)}", B, t, n * k * 2, 2 * B * n * k)
+                del ws
+        if a.only is None or "elementwise" in a.only:
+            # ---- elementwise ----
+            h, r, wn = torch.randn(B, H, device=dev, dtype=bf), torch.randn(B, H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
+            add("elementwise", "add_rmsnorm", B, gpu_time(lambda: tops.add_rmsnorm(h, r, wn, 1e-6), a.iters, a.repeats), 4 * B * H * 2)
+            qkv = torch.randn(B, (hq + 2 * hkv) * d, device=dev, dtype=bf)
+            pos = torch.arange(B, device=dev)
+            slots = torch.arange(B, device=dev)
+            kc1, vc1 = torch.zeros(B, hkv, d, device=dev, dtype=bf), torch.zeros(B, hkv, d, device=dev, dtype=bf)
+            cos, sin = torch.randn(4096, d // 2, device=dev, dtype=bf), torch.randn(4096, d // 2, device=dev, dtype=bf)
+            add("elementwise", "rope_store", B, gpu_time(lambda: tops.rope_store(qkv, pos, slots, kc1, vc1, cos, sin, hq, hkv, d,
+                                                                                  write_k=False), a.iters, a.repeats),
+                2 * qkv.numel() * 2)
+            gu = torch.randn(B, 2 * I, device=dev, dtype=bf)
+            add("elementwise", "silu_mul", B, gpu_time(lambda: tops.silu_mul(gu), a.iters, a.repeats), 3 * B * I * 2)
+            del x, gu
     print(markdown_table(["kernel", "setting", "B", "us", "GB/s", "TFLOP/s"], rows))
     write_json(a.out, res)
     return res

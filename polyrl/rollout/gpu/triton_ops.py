@@ -398,3 +398,101 @@ def grouped_linear(x, w, offs):
 
 def moe_experts(x, gate_up, down, gates, experts):
     return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
+
+
+# ---- decode GEMMs ------------------------------------------------------------------------------
+@triton.jit
+def _skinny_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # y = x @ w^T (+ b) for few rows: program (m tile, n tile, k split), the m tiles of one weight tile adjacent in
+    # launch order so the weight is read from HBM once. SPLIT_K > 1 writes fp32 partials [SPLIT_K, M, N] that
+    # _split_sum_kernel adds up in a fixed order (deterministic, one rounding to the output dtype like cuBLAS).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mm, mn = offs_m < M, offs_n < N
+    k_lo = pid_k * k_per_split
+    xp = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    wp = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in tl.range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(xp, mask=mm[:, None], other=0.0)
+            wt = tl.load(wp, mask=mn[:, None], other=0.0)
+        else:
+            mk = (k_lo + kk + offs_k) < K
+            xt = tl.load(xp, mask=mm[:, None] & mk[None, :], other=0.0)
+            wt = tl.load(wp, mask=mn[:, None] & mk[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(wt), acc)
+        xp += BLOCK_K
+        wp += BLOCK_K
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])
+    else:
+        part = y_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part, acc, mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.load(part_ptr + offs, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+# rows up to which the decode linears run on _skinny_mm_kernel instead of cuBLAS (prefill stays on cuBLAS)
+SKINNY_MAX_M = 512
+
+
+def skinny_config(M: int, N: int, K: int, sms: int) -> dict:
+    """Tiles and K splits for the decode GEMMs: one m tile up to 128 rows (the weight is then read once), enough
+    (n tile, k split) programs to give every SM work, each split at least 4 k steps long."""
+    bm = 64 if M <= 64 else 128
+    bn, bk = 64, 64
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = 1
+    while tiles * split * 2 <= 2 * sms and K // (split * 2) >= 4 * bk:
+        split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+def skinny_linear(x, w, b=None, config: dict | None = None):
+    """F.linear(x, w, b) for a 2-D x of few rows ([M, K] x [N, K]^T), in one or two Triton launches."""
+    M, K = x.shape
+    N = w.shape[0]
+    c = dict(config or skinny_config(M, N, K, _sm_count(x.device)))
+    split, launch = c.pop("SPLIT_K"), {k: c.pop(k) for k in ("num_warps", "num_stages")}
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M:
+        return y
+    k_per = triton.cdiv(triton.cdiv(K, split), c["BLOCK_K"]) * c["BLOCK_K"]
+    grid = (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]), split)
+    even = K % c["BLOCK_K"] == 0 and k_per * split == K
+    dst = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _skinny_mm_kernel[grid](x, w, b if b is not None else w, dst, M, N, K, k_per, x.stride(0), w.stride(0), N,
+                            HAS_BIAS=b is not None, EVEN_K=even, SPLIT_K=split, **c, **launch)
+    if split > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](dst, b if b is not None else w, y, M * N, N,
+                                                         HAS_BIAS=b is not None, SPLIT_K=split, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def linear(x, w, b=None):
+    """The decode layers' linears: the skinny kernel for few rows of a contiguous 16-bit x, else cuBLAS."""
+    if (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype == w.dtype and x.stride(1) == 1 and w.stride(1) == 1 and x.is_cuda):
+        return skinny_linear(x, w, b)
+    return F.linear(x, w, b)
