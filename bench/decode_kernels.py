@@ -7,10 +7,9 @@ time is GPU time without launch gaps (as in the engine's captured decode step). 
               (programs per row); GB/s = logits bytes / time
   attention   paged decode attention, B sequences of --ctx tokens (random pages), per
               (block_n, num_warps, num_stages, splits); GB/s = KV bytes read / time
-  gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS,
-              cuBLASLt and the engine's skinny Triton GEMM (--sweep: its tile / split settings), weights
-              read from HBM (cycled through copies larger than L2); GB/s = weight bytes / time,
-              TFLOP/s = 2 M N K / time
+  gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS
+              and cuBLASLt, weights read from HBM (cycled through copies larger than L2, as in a
+              decode step); GB/s = weight bytes / time, TFLOP/s = 2 M N K / time
   elementwise add_rmsnorm, rope_store, silu_mul at T = B
 
   python bench/decode_kernels.py --batch 256 --ctx 384 --out runs/bench/decode_kernels.json
@@ -34,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--ctx", type=int, default=384, help="tokens in each sequence's cache (attention rows)")
     p.add_argument("--iters", type=int, default=20, help="launches per captured graph")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is reported")
-    p.add_argument("--sweep", action="store_true", help="attention and skinny GEMM: every launch setting, not only the default")
+    p.add_argument("--sweep", action="store_true", help="attention: every launch setting, not only the default")
     p.add_argument("--baseline-ops", default=None, help="a file with another triton_ops (e.g. an older commit's) to time beside")
     p.add_argument("--only", nargs="+", default=None, choices=["sampler", "attention", "gemm", "elementwise"],
                    help="run these kernel groups only")
@@ -64,11 +63,6 @@ def gpu_time(fn, iters: int, repeats: int) -> float:
         b.synchronize()
         best = min(best, a.elapsed_time(b) / 1e3 / iters)
     return best
-
-
-def _cfg_name(c: dict) -> str:
-    return (f"m{c['BLOCK_M']} n{c['BLOCK_N']} k{c['BLOCK_K']} split{c['SPLIT_K']} w{c['num_warps']} "
-            f"s{c['num_stages']}")
 
 
 def load_ops(path: str):
@@ -159,23 +153,6 @@ def main(argv=None) -> dict:
                     torch.backends.cuda.preferred_blas_library(lib)
                     add("gemm", f"{name} {n}x{k} {lib}", B, run(F.linear), n * k * 2, 2 * B * n * k)
                 torch.backends.cuda.preferred_blas_library("cublas")
-                if name == "lm_head":
-                    continue
-                cfg = tops.skinny_config(B, n, k, tops._sm_count(torch.device(dev)))
-                add("gemm", f"{name} {n}x{k} skinny {_cfg_name(cfg)} (default)", B, run(tops.skinny_linear), n * k * 2,
-                    2 * B * n * k)
-                if a.sweep:
-                    for bm, bn, bk, sp, nw, ns in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8),
-                                                                     (3, 4)):
-                        if (nw == 8 and bm == 64) or (bk == 128 and (bn == 128 or ns == 4)) or k // sp < 2 * bk:
-                            continue
-                        c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=nw, num_stages=ns)
-                        try:
-                            t = run(lambda xx, ww, bb: tops.skinny_linear(xx, ww, bb, c))
-                        except Exception as e:  # noqa: BLE001 (out of shared memory / registers)
-                            print(f"skinny {name} {_cfg_name(c)}: {type(e).__name__}", flush=True)
-                            continue
-                        add("gemm", f"{name} {n}x{k} skinny {_cfg_name(c)}", B, t, n * k * 2, 2 * B * n * k)
                 del ws
         if a.only is None or "elementwise" in a.only:
             # ---- elementwise ----

@@ -46,8 +46,6 @@ def parse_args(argv=None):
     p.add_argument("--greedy-prompts", type=int, default=32)
     p.add_argument("--greedy-new-tokens", type=int, default=64)
     p.add_argument("--no-graph-check", action="store_true", help="skip the eager (no CUDA graph) comparison run")
-    p.add_argument("--decode-gemm", choices=["skinny", "cublas"], default="skinny",
-                   help="the decode layers' linears: the engine's Triton GEMM (default) or cuBLAS (A/B)")
     p.add_argument("--out", default="runs/bench/rollout_throughput.json")
     p.add_argument("--model-dir", default=None, help="reuse a model directory (default: a fresh temporary one)")
     return p.parse_args(argv)
@@ -108,9 +106,6 @@ def main(argv=None) -> dict:
     from polyrl.types import SamplingParams
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    if a.decode_gemm == "cublas":
-        from polyrl.rollout.gpu import triton_ops
-        triton_ops.SKINNY_MAX_M = 0
     dev = torch.cuda.get_device_name()
     res: dict = {"device": dev, "torch": torch.__version__, "args": vars(a), "date": time.strftime("%Y-%m-%d")}
     mdir = a.model_dir or tempfile.mkdtemp(prefix="rollout_bench_")

@@ -253,11 +253,11 @@ class DenseLM:
         res = None
         for i, L in enumerate(self.layers):
             x, res = o.add_rmsnorm(h, res, L["ln1"], s.eps)
-            qkv = o.linear(x, L["qkv_w"], L.get("qkv_b"))
+            qkv = F.linear(x, L["qkv_w"], L.get("qkv_b"))
             q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
                                    L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
             a = attn(q, k, v, kv.k[i], kv.v[i])
-            h = o.linear(a.reshape(a.shape[0], -1), L["o_w"], L.get("o_b"))
+            h = F.linear(a.reshape(a.shape[0], -1), L["o_w"], L.get("o_b"))
             x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
             if "router" in L:
                 gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
@@ -265,7 +265,7 @@ class DenseLM:
                     routes[:, i] = experts
                 h = o.moe_experts(x, L["egu"], L["edown"], gates, experts)
             else:
-                h = o.linear(o.silu_mul(o.linear(x, L["gu_w"])), L["down_w"])
+                h = F.linear(o.silu_mul(F.linear(x, L["gu_w"])), L["down_w"])
         if logits_rows is not None:
             h, res = h[logits_rows], res[logits_rows]
         x, _ = o.add_rmsnorm(h, res, W["norm"], s.eps)

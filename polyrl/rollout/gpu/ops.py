@@ -28,12 +28,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return weight * h.to(s.dtype), s
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The layers' projections: x [T, K], w [N, K] -> [T, N] (F.linear; the Triton ops take few-row decode batches
-    off cuBLAS)."""
-    return F.linear(x, w, b)
-
-
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
