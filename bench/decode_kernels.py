@@ -3,8 +3,8 @@ step's time goes and which launch settings are fastest on this GPU.
 
 Each kernel is captured in a CUDA graph of --iters back-to-back launches and replayed, so the
 time is GPU time without launch gaps (as in the engine's captured decode step). Rows:
-  sampler     polyrl.rollout.gpu.triton_ops.sample over [B, V] BF16 logits, per segment count
-              (programs per row); GB/s = logits bytes / time
+  sampler     polyrl.rollout.gpu.triton_ops.sample over [B, V] BF16 logits (--baseline-ops: another
+              version beside it); GB/s = logits bytes / time
   attention   paged decode attention, B sequences of --ctx tokens (random pages), per
               (block_n, num_warps, num_stages, splits); GB/s = KV bytes read / time
   gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS
@@ -104,9 +104,11 @@ def main(argv=None) -> dict:
             noise = torch.ones(B, device=dev, dtype=torch.int32)
             thr = torch.full((B,), float("-inf"), device=dev)
             seeds, ctr = torch.arange(B, device=dev), torch.zeros(B, device=dev, dtype=torch.long)
-            for nseg in (None, 1, 2, 4, 8, 16):
-                t = gpu_time(lambda: tops.sample(logits, it, noise, thr, seeds, ctr, num_segments=nseg), a.iters, a.repeats)
-                add("sampler", f"segments={nseg or 'default'}", B, t, logits.numel() * 2)
+            t = gpu_time(lambda: tops.sample(logits, it, noise, thr, seeds, ctr), a.iters, a.repeats)
+            add("sampler", "chunk stats + two-level inverse CDF", B, t, logits.numel() * 2)
+            thr_k = torch.zeros(B, device=dev)  # a top-k / top-p threshold that keeps half the vocabulary
+            t = gpu_time(lambda: tops.sample(logits, it, noise, thr_k, seeds, ctr), a.iters, a.repeats)
+            add("sampler", "the same, filtered rows", B, t, logits.numel() * 2)
             if base is not None:
                 t = gpu_time(lambda: base.sample(logits, it, noise, thr, seeds, ctr), a.iters, a.repeats)
                 add("sampler", "baseline default", B, t, logits.numel() * 2)

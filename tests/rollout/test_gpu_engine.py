@@ -118,8 +118,12 @@ def test_triton_kernels_match_the_torch_reference():
     assert (x.gather(-1, tok[:, None]).squeeze(-1) >= thr).all()
     tok2, _ = tops.sample(logits, it, noise, thr, seeds, ctr)
     assert torch.equal(tok, tok2)  # the same seeds and counters draw the same tokens
-    for k in (1, 4, 16):  # however a row is split across programs
-        assert torch.equal(tops.sample(logits, it, noise, thr, seeds, ctr, num_segments=k)[0], tok)
+    ties = torch.zeros(2, V, device=dev, dtype=BF16)
+    ties[:, [7000, 90000]] = 5.0
+    ties[1, 3] = 5.0
+    t, _ = tops.sample(ties, torch.ones(2, device=dev), torch.zeros(2, device=dev, dtype=torch.int32),
+                       torch.full((2,), float("-inf"), device=dev), seeds[:2], ctr[:2])
+    assert t.tolist() == [7000, 3]  # greedy ties across chunks: the first column, like torch.argmax
     # the sampled distribution (one row repeated, one stream per row)
     small = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], device=dev).expand(20000, 6).contiguous()
     n = small.shape[0]
@@ -127,6 +131,25 @@ def test_triton_kernels_match_the_torch_reference():
                        torch.full((n,), float("-inf"), device=dev), torch.arange(n, device=dev), torch.zeros(n, device=dev, dtype=torch.long))
     freq = torch.bincount(t, minlength=6).double().cpu() / n
     assert (freq - torch.softmax(small[0].double().cpu(), -1)).abs().max() < 0.015
+    # a vocabulary of several chunks, unfiltered and filtered: the mass of each chunk and of the heavy tokens, the
+    # draws from one row's distribution in 40,000 independent streams (4 sd of a frequency p is <= 0.01 at p = 1/2)
+    Vb, n = 3 * tops.SAMPLE_CHUNK + 77, 40000
+    g = torch.Generator(device=dev).manual_seed(3)
+    row = torch.randn(Vb, device=dev, generator=g) * 1.5
+    heavy = [5, tops.SAMPLE_CHUNK + 400, 2 * tops.SAMPLE_CHUNK + 9, 3 * tops.SAMPLE_CHUNK + 70]
+    row[heavy] = torch.tensor([6.0, 5.0, 5.5, 4.5], device=dev)
+    rows = row.to(BF16).expand(n, Vb).contiguous()
+    xs = rows[0].double().cpu()
+    ar, five = torch.arange(n, device=dev), torch.full((n,), 5, device=dev, dtype=torch.long)
+    for thr_v, sd, cn in ((float("-inf"), ar + 11, five), (2.5, five, ar)):  # streams by seed; by step (counter)
+        t, _ = tops.sample(rows, torch.ones(n, device=dev), torch.ones(n, device=dev, dtype=torch.int32),
+                           torch.full((n,), thr_v, device=dev), sd, cn)
+        p = torch.softmax(xs.masked_fill(xs < thr_v, float("-inf")), -1)
+        f = torch.bincount(t.cpu(), minlength=Vb).double() / n
+        assert (f[p == 0] == 0).all()
+        chunks = [slice(c * tops.SAMPLE_CHUNK, (c + 1) * tops.SAMPLE_CHUNK) for c in range(4)]
+        assert max(abs(f[c].sum() - p[c].sum()) for c in chunks) < 0.01
+        assert (f[heavy] - p[heavy]).abs().max() < 0.01
 
 
 # Not qwen3_moe: in BF16 a router near-tie flips an expert and moves the next logits by far more than dense rounding

@@ -9,7 +9,8 @@ One generate() call:
      forward) and the n samples share the prompt's full blocks; the partial last block is
      copied per sample;
   3. decode: one token for every running sequence per step (a CUDA graph replay at the
-     smallest captured batch size >= the running count, then the sampler); finished
+     smallest captured batch size >= the running count, the sampler inside it unless top-k /
+     top-p thresholds must be computed first); finished
      sequences give their blocks and slots back at once, and waiting groups are admitted
      into them before the next step. Step t+1 is launched before step t's tokens are read,
      so the host's bookkeeping (stop checks, retiring rows) overlaps the GPU's work; a row
@@ -20,7 +21,7 @@ table, sampling settings); running sequences always occupy slots [0, b), so a st
 a prefix of every buffer and a graph of batch size B reads rows [0, B) (rows past b are
 dummies that write into the reserved scratch block).
 
-Sampling is Gumbel-max with a counter-based random stream per sample (seeded from
+Sampling draws from a counter-based random stream per sample (seeded from
 the prompt's seed and the sample's index: polyrl.rollout.sampling.sample_seed), so results do not depend on batch
 composition, admission order or --rollout-batch-generate.
 """
@@ -144,7 +145,10 @@ class GPUEngine(InProcessEngine):
         self.noise = torch.zeros(R, dtype=torch.int32, device=dev)
         self.thresh = torch.full((R,), float("-inf"), dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(R, dtype=torch.long, device=dev)
-        self._state = (self.tokens, self.ctx, self.bt, self.inv_temp, self.noise, self.thresh, self.seeds)
+        self.live = torch.zeros(R, dtype=torch.int32, device=dev)  # 1 for running rows, 0 for a graph's dummy rows
+        self._state = (self.tokens, self.ctx, self.bt, self.inv_temp, self.noise, self.thresh, self.seeds, self.live)
+        self.step_tok = torch.zeros(R, dtype=torch.long, device=dev)  # a decode step's sampled tokens and log-probs
+        self.step_lp = torch.zeros(R, dtype=torch.float32, device=dev)
         pin = self.is_cuda
         self.h_tok = torch.zeros(3, R, dtype=torch.long, pin_memory=pin)  # prefill, and two alternating decode steps
         self.h_lp = torch.zeros(3, R, dtype=torch.float32, pin_memory=pin)
@@ -239,6 +243,7 @@ class GPUEngine(InProcessEngine):
         self.ctx.fill_(1)
         self.bt.zero_()
         self.tokens.zero_()
+        self.live.zero_()
         st = self.last_stats = {"prefill_s": 0.0, "steps": 0, "graph_capture_s": 0.0, "ttft_s": [], "prefill_tokens": 0,
                                 "events": []}
         self._t0 = time.perf_counter()
@@ -359,6 +364,7 @@ class GPUEngine(InProcessEngine):
         tok, lp = self.ops.sample(logits, self.inv_temp[sl], self.noise[sl], self.thresh[sl], self.seeds[sl], counters)
         self.tokens[sl] = tok
         self.ctx[sl] = counters + 1
+        self.live[sl] = 1
         self.running.extend(new)
         self._max_ctx = max(self._max_ctx, max(ctxs) + 1)
         self._record(ev, "prefill")
@@ -375,12 +381,15 @@ class GPUEngine(InProcessEngine):
     def _launch_step(self) -> _Step:
         b = len(self.running)
         ev = self._event()
-        logits = self._run_decode(b)
-        if self._filter:
+        # without top-k / top-p the sampler and the state update are part of the step (of its CUDA graph): one
+        # launch per step. The filters' thresholds (a sort per row, settings that change per call) run after it.
+        fused = not self._filter
+        logits = self._run_decode(b, fused)
+        if fused:
+            tok, lp = self.step_tok[:b], self.step_lp[:b]
+        else:
             self.thresh[:b] = ref_ops.filter_thresholds(logits, self.inv_temp[:b], self._sp.top_k, self._sp.top_p)
-        tok, lp = self.ops.sample(logits, self.inv_temp[:b], self.noise[:b], self.thresh[:b], self.seeds[:b], self.ctx[:b])
-        self.tokens[:b] = tok
-        self.ctx[:b] += 1
+            tok, lp = self._sample_and_advance(logits, b)
         self._max_ctx += 1
         self._record(ev, "decode")
         k = 1 + self._nsteps % 2  # host buffers 1 and 2 alternate (0 is the prefill's)
@@ -459,6 +468,7 @@ class GPUEngine(InProcessEngine):
         self.ctx[m:b] = 1  # dummy rows: one cached token, in the scratch block
         self.bt[m:b] = 0
         self.tokens[m:b] = 0
+        self.live[m:b] = 0
         if not self.running:
             self._max_ctx = 0
 
@@ -482,7 +492,24 @@ class GPUEngine(InProcessEngine):
         routes = self.route_buf[:b] if self.route_buf is not None else None
         return self.model.forward(self.tokens[:b], pos, slots, self.kv, attn, out=out, routes=routes)
 
-    def _run_decode(self, b: int) -> torch.Tensor:
+    def _sample_and_advance(self, logits: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample rows [0, b) and make the tokens the next step's input; a dummy row's context stays one token."""
+        tok, lp = self.ops.sample(logits, self.inv_temp[:b], self.noise[:b], self.thresh[:b], self.seeds[:b], self.ctx[:b])
+        self.tokens[:b] = tok
+        self.ctx[:b] += self.live[:b]
+        return tok, lp
+
+    def _decode_step(self, b: int, sample: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self._decode_forward(b, out)
+        if sample:
+            tok, lp = self._sample_and_advance(logits, b)
+            self.step_tok[:b] = tok
+            self.step_lp[:b] = lp
+        return logits
+
+    def _run_decode(self, b: int, sample: bool) -> torch.Tensor:
+        """One decode step of the b running rows: its logits; with `sample`, also the sampled tokens (step_tok,
+        step_lp) made the next step's input."""
         B = next(x for x in self.buckets if x >= b) if self.cuda_graph else b
         ns = self._num_splits(B)
         if ns > 1:  # keep split_len * ns >= the longest context, in 64-token steps
@@ -491,14 +518,14 @@ class GPUEngine(InProcessEngine):
                 self._split_val = want
                 self.split_len.fill_(want)
         if not self.cuda_graph:
-            return self._decode_forward(b)
-        g = self.graphs.get(B)
+            return self._decode_step(b, sample)
+        g = self.graphs.get((B, sample))
         if g is None:
-            g = self._capture(B)
+            g = self._capture(B, sample)
         g.replay()
         return self.logits_buf[:b]
 
-    def _capture(self, B: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, B: int, sample: bool) -> torch.cuda.CUDAGraph:
         t = time.perf_counter()
         if self.logits_buf is None:
             self.logits_buf = torch.empty(self.max_running, self.spec.vocab, dtype=self.dtype, device=self.device)
@@ -506,13 +533,16 @@ class GPUEngine(InProcessEngine):
         out = self.logits_buf[:B]
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):  # warm-up: compiles the kernels, settles the allocator
-            self._decode_forward(B, out)
+        with torch.cuda.stream(s):  # warm-up: compiles the kernels, settles the allocator; the step it takes is undone
+            saved = (self.tokens[:B].clone(), self.ctx[:B].clone())
+            self._decode_step(B, sample, out)
+            self.tokens[:B].copy_(saved[0])
+            self.ctx[:B].copy_(saved[1])
         torch.cuda.current_stream(self.device).wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.graph_pool):
-            self._decode_forward(B, out)
-        self.graphs[B] = g
+            self._decode_step(B, sample, out)
+        self.graphs[(B, sample)] = g
         self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
         return g
 

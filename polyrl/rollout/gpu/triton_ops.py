@@ -4,8 +4,9 @@
 Why these five: a decode step of a 0.5B model is ~200 small launches (replayed from a CUDA
 graph), so fusing the elementwise chains (residual + RMSNorm, q/k-norm + RoPE + cache
 write, SiLU * up) cuts the launch count by ~3x; paged attention needs its own kernel
-anyway; and the sampler reads the [B, V] logits once (online logsumexp + Gumbel-max with a
-counter-based Philox stream per row) instead of the ~8 passes of the torch version.
+anyway; and the sampler reads the [B, V] logits once from HBM (per-chunk max and sums of
+exp, then an inverse-CDF draw over chunks and within one chunk, two Philox uniforms per row)
+instead of the ~8 passes of the torch version.
 """
 
 from __future__ import annotations
@@ -247,126 +248,87 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_si
 
 
 @triton.jit
-def _segment_max(logits_ptr, row, stride_l, lo, hi, it, BLOCK: tl.constexpr):
-    # pass 1: the segment's largest scaled logit (loads only; the segment is re-read from L2 in pass 2)
-    offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], -float("inf"), tl.float32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + offs
-        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < hi, other=-float("inf")).to(tl.float32) * it
-        m = tl.maximum(m, x)
-    return tl.max(m, axis=0)
-
-
-@triton.jit
-def _race_chunk(logits_ptr, row, stride_l, hi, cols, u, it, thr, use_noise, mx, ssum, best, best_i, best_x):
-    # exponential race (= Gumbel-max): token = argmax exp(x - mx) / E with E = -log(u) ~ Exp(1), the same
-    # order as argmax x - log(-log u) but one transcendental fewer; greedy rows race on exp(x - mx) alone.
-    # Lane-wise state; a lane sees its columns in increasing order and keeps its first maximum.
-    mk = cols < hi
-    x = tl.load(logits_ptr + row * stride_l + cols, mask=mk, other=-float("inf")).to(tl.float32) * it
+def _chunk_stats_kernel(logits_ptr, stride_l, V, inv_temp_ptr, thresh_ptr, stats_ptr, NC: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # one program per (row, chunk of CHUNK columns): the chunk is read once (into registers) for its largest scaled
+    # logit, the first column holding it, and the sums of exp(x - max) over all columns and over those the
+    # top-k / top-p threshold keeps. The chunks are fixed, so the result does not depend on any launch setting.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+    x = x * tl.load(inv_temp_ptr + row)
+    mx = tl.max(x, axis=0)
+    first = tl.min(tl.where(x == mx, cols, 2147483647), axis=0)  # ties: the first column, like torch.argmax
     e = tl.exp2((x - mx) * 1.4426950408889634)
-    ssum += e
-    r = tl.where(use_noise, tl.fdiv(e, -tl.log2(u) * 0.6931471805599453, ieee_rounding=False), e)
-    r = tl.where(mk & (x >= thr), r, -1.0)
-    upd = r > best
-    return ssum, tl.where(upd, r, best), tl.where(upd, cols, best_i), tl.where(upd, x, best_x)
+    keep = x >= tl.load(thresh_ptr + row)
+    p = stats_ptr + (row * NC + c) * 4
+    tl.store(p, mx)
+    tl.store(p + 1, tl.sum(e, axis=0))
+    tl.store(p + 2, tl.sum(tl.where(keep, e, 0.0), axis=0))
+    tl.store(p + 3, first.to(tl.float32))  # < 2**24: exact
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_l, V, seg_len, inv_temp_ptr, noise_ptr, thresh_ptr, seed_ptr, ctr_ptr, part_ptr,
-                   tok_ptr, lp_ptr, BLOCK: tl.constexpr, NSEG: tl.constexpr):
-    # two passes over a row segment: its max, then sum of exp + the race; one Philox call feeds 4 chunks. The
-    # random number of column c depends only on (seed, counter, c), not on the segmentation.
+def _pick_kernel(logits_ptr, stride_l, V, inv_temp_ptr, noise_ptr, thresh_ptr, seed_ptr, ctr_ptr, stats_ptr, tok_ptr,
+                 lp_ptr, NC: tl.constexpr, NC_P: tl.constexpr, CHUNK: tl.constexpr):
+    # sampling by inverse CDF in two levels, each with its own uniform: a chunk with probability (its kept mass) /
+    # (the row's kept mass), then a column of that chunk with probability exp(x) / (the chunk's kept mass). The
+    # product is exactly the filtered softmax, and each level's fp32 prefix sums only span 64 chunks or CHUNK
+    # columns. Greedy rows take the first column of the largest logit. Both report the log-probability of the
+    # token under the unfiltered softmax of the scaled logits.
     row = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
+    k = tl.arange(0, NC_P)
+    mk = k < NC
+    sp = stats_ptr + (row * NC + k) * 4
+    m = tl.load(sp, mask=mk, other=-float("inf"))
+    s_all = tl.load(sp + 1, mask=mk, other=0.0)
+    s_keep = tl.load(sp + 2, mask=mk, other=0.0)
+    M = tl.max(m, axis=0)
+    w = tl.where(m > -float("inf"), tl.exp2((m - M) * 1.4426950408889634), 0.0)
+    log_total = tl.log(tl.sum(s_all * w, axis=0))
+    kept = s_keep * w
+    cum = tl.cumsum(kept, axis=0)
     it = tl.load(inv_temp_ptr + row)
-    use_noise = tl.load(noise_ptr + row) != 0
-    thr = tl.load(thresh_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    ctr = tl.load(ctr_ptr + row).to(tl.int64)
-    per_step = tl.cdiv(V, 4 * BLOCK) * BLOCK  # random counters one step of one row uses
-    offs = tl.arange(0, BLOCK)
-    lo = seg * seg_len
-    hi = tl.minimum(V, lo + seg_len)
-    mx = tl.maximum(_segment_max(logits_ptr, row, stride_l, lo, hi, it, BLOCK), -1e30)  # finite: empty segments
-    ssum = tl.zeros([BLOCK], tl.float32)
-    best = tl.full([BLOCK], -1.0, tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    best_x = tl.zeros([BLOCK], tl.float32)
-    for start in range(lo, hi, 4 * BLOCK):
-        u0, u1, u2, u3 = tl.rand4x(seed, ctr * per_step + start // 4 + offs)
-        ssum, best, best_i, best_x = _race_chunk(logits_ptr, row, stride_l, hi, start + offs, u0, it, thr, use_noise,
-                                                 mx, ssum, best, best_i, best_x)
-        ssum, best, best_i, best_x = _race_chunk(logits_ptr, row, stride_l, hi, start + BLOCK + offs, u1, it, thr,
-                                                 use_noise, mx, ssum, best, best_i, best_x)
-        ssum, best, best_i, best_x = _race_chunk(logits_ptr, row, stride_l, hi, start + 2 * BLOCK + offs, u2, it, thr,
-                                                 use_noise, mx, ssum, best, best_i, best_x)
-        ssum, best, best_i, best_x = _race_chunk(logits_ptr, row, stride_l, hi, start + 3 * BLOCK + offs, u3, it, thr,
-                                                 use_noise, mx, ssum, best, best_i, best_x)
-    total = tl.sum(ssum, axis=0)
-    b = tl.max(best, axis=0)
-    bi = tl.min(tl.where(best == b, best_i, 2147483647), axis=0)  # ties: the first column, like torch.argmax
-    bx = tl.max(tl.where((best == b) & (best_i == bi), best_x, -float("inf")), axis=0)
-    if NSEG == 1:
-        tl.store(tok_ptr + row, bi.to(tl.int64))
-        tl.store(lp_ptr + row, bx - mx - tl.log(total))
-    else:  # the race score in the log domain, comparable across segments (greedy: the logit itself, exact)
-        p = part_ptr + (row * NSEG + seg) * 5
-        tl.store(p, mx)
-        tl.store(p + 1, total)
-        tl.store(p + 2, tl.where(b < 0, -float("inf"), tl.where(use_noise, mx + tl.log(b), bx)))  # b < 0: all filtered
-        tl.store(p + 3, bi.to(tl.float32))  # < 2**24: exact
-        tl.store(p + 4, bx)
+    if tl.load(noise_ptr + row) != 0:
+        u0, u1, _, _ = tl.rand4x(tl.load(seed_ptr + row), tl.load(ctr_ptr + row).to(tl.int32))
+        target = u0 * tl.sum(kept, axis=0)
+        c = tl.min(tl.where((cum > target) & (kept > 0), k, NC_P), axis=0)
+        c = tl.where(c == NC_P, tl.max(tl.where(kept > 0, k, -1), axis=0), c)  # rounding past the end: last kept chunk
+        c = tl.maximum(c, 0)
+        mc = tl.max(tl.where(k == c, m, -float("inf")), axis=0)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * it
+        e = tl.where(x >= tl.load(thresh_ptr + row), tl.exp2((x - mc) * 1.4426950408889634), 0.0)
+        ce = tl.cumsum(e, axis=0)
+        t = u1 * tl.sum(e, axis=0)
+        tok = tl.min(tl.where((ce > t) & (e > 0), cols, 2147483647), axis=0)
+        tok = tl.where(tok == 2147483647, tl.max(tl.where(e > 0, cols, -1), axis=0), tok)  # rounding: last kept
+        xt = tl.max(tl.where(cols == tok, x, -float("inf")), axis=0)
+    else:
+        first = tl.load(sp + 3, mask=mk, other=3.0e38)
+        tok = tl.min(tl.where(m == M, first, 3.0e38), axis=0).to(tl.int32)  # chunks hold increasing columns
+        xt = M
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, xt - M - log_total)
 
 
-@triton.jit
-def _sample_merge_kernel(part_ptr, tok_ptr, lp_ptr, NSEG: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, NSEG)
-    p = part_ptr + (row * NSEG + k) * 5
-    m = tl.load(p)
-    mx = tl.max(m, axis=0)
-    total = tl.sum(tl.load(p + 1) * tl.exp(m - mx), axis=0)
-    best = tl.load(p + 2)
-    col = tl.load(p + 3)
-    b = tl.max(best, axis=0)
-    bi = tl.min(tl.where(best == b, col, 3.0e38), axis=0)  # segments hold increasing columns: the first wins ties
-    bx = tl.max(tl.where((best == b) & (col == bi), tl.load(p + 4), -float("inf")), axis=0)
-    tl.store(tok_ptr + row, bi.to(tl.int64))
-    tl.store(lp_ptr + row, bx - mx - tl.log(total))
+SAMPLE_CHUNK = 4096  # columns per chunk: 16 fp32 registers per thread of a 8-warp program, ~38 chunks at a 152k vocabulary
 
 
-_SM_COUNT: dict = {}
-
-# programs per SM the sampler aims for (B rows x segments): one program per row left most SMs with two 4-warp programs
-# at B = 256, too few warps to hide the loads' latency
-SAMPLE_PROGRAMS_PER_SM = 8
-
-
-def _sm_count(dev) -> int:
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-    return _SM_COUNT[dev]
-
-
-def sample(logits, inv_temp, noise, thresh, seeds, counters, num_segments: int | None = None):
-    """num_segments: programs per row (None: enough for SAMPLE_PROGRAMS_PER_SM programs per SM)."""
+def sample(logits, inv_temp, noise, thresh, seeds, counters):
+    """ops.sample's contract (the random stream differs): two launches, the logits read once from HBM."""
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
     if not B:
         return tok, lp
-    BLOCK = 1024
-    if num_segments is None:
-        num_segments = triton.cdiv(SAMPLE_PROGRAMS_PER_SM * _sm_count(logits.device), B)
-    nseg = min(16, triton.next_power_of_2(max(1, min(num_segments, triton.cdiv(V, 4 * BLOCK)))))
-    seg_len = triton.cdiv(triton.cdiv(V, nseg), 4 * BLOCK) * 4 * BLOCK
-    part = torch.empty(max(1, B * nseg * 5 if nseg > 1 else 1), dtype=torch.float32, device=logits.device)
-    _sample_kernel[(B, nseg)](logits, logits.stride(0), V, seg_len, inv_temp, noise, thresh, seeds, counters, part, tok, lp,
-                              BLOCK=BLOCK, NSEG=nseg, num_warps=4)
-    if nseg > 1:
-        _sample_merge_kernel[(B,)](part, tok, lp, NSEG=nseg, num_warps=1)
+    chunk = min(SAMPLE_CHUNK, max(16, triton.next_power_of_2(V)))
+    nc = triton.cdiv(V, chunk)
+    stats = torch.empty(B * nc * 4, dtype=torch.float32, device=logits.device)
+    _chunk_stats_kernel[(B, nc)](logits, logits.stride(0), V, inv_temp, thresh, stats, NC=nc, CHUNK=chunk, num_warps=8)
+    _pick_kernel[(B,)](logits, logits.stride(0), V, inv_temp, noise, thresh, seeds, counters, stats, tok, lp, NC=nc,
+                       NC_P=max(2, triton.next_power_of_2(nc)), CHUNK=chunk, num_warps=8)
     return tok, lp
 
 
