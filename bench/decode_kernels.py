@@ -6,8 +6,8 @@ time is GPU time without launch gaps (as in the engine's captured decode step). 
   sampler     polyrl.rollout.gpu.triton_ops.sample over [B, V] BF16 logits (--baseline-ops: another
               version beside it); GB/s = logits bytes / time
   attention   paged decode attention, B sequences of --ctx tokens (random pages; three caches
-              used in turn, so the KV comes from HBM), one program per kv head or for all heads,
-              per (block_n, num_warps, num_stages, splits); GB/s = KV bytes read / time
+              used in turn, so the KV comes from HBM), per (block_n, num_warps, num_stages,
+              splits); GB/s = KV bytes read / time
   gemm        the decode layer's GEMMs at M = B rows (qkv, o, gate_up, down, lm_head), cuBLAS
               and cuBLASLt, weights read from HBM (cycled through copies larger than L2, as in a
               decode step); GB/s = weight bytes / time, TFLOP/s = 2 M N K / time
@@ -125,24 +125,22 @@ def main(argv=None) -> dict:
             bt = (1 + torch.randperm(NB - 1, device=dev)[:B * nb]).view(B, nb).to(torch.int32)
             ctx = torch.full((B,), a.ctx, device=dev, dtype=torch.int32)
             kv_bytes = 2 * B * a.ctx * hkv * d * 2
-            grid = [(False, None, None, None, 1), (True, 64, 4, 2, 2)]
+            grid = [(None, None, None, 1)]
             if a.sweep:
-                grid += [(ah, bn, nw, ns, sp) for ah in (False, True)
-                         for bn, nw, ns, sp in itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2, 4))]
-            for ah, bn, nw, ns, sp in grid:
+                grid += list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2, 4)))
+            for bn, nw, ns, sp in grid:
                 split = torch.tensor([-(-a.ctx // (sp * 64)) * 64], device=dev, dtype=torch.int32)
                 cyc = itertools.cycle(caches)
 
                 def attn():
                     kc, vc = next(cyc)
-                    return tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns, all_heads=ah)
+                    return tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns)
                 try:
                     t = gpu_time(attn, max(a.iters, 3), a.repeats)
                 except Exception as e:  # noqa: BLE001 (a setting that does not compile, e.g. out of shared memory)
-                    print(f"attention {ah}/{bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
+                    print(f"attention {bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
                     continue
-                add("attention", f"{'all heads' if ah else 'per kv head'} block_n={bn} warps={nw} stages={ns} splits={sp}",
-                    B, t, kv_bytes)
+                add("attention", f"block_n={bn} warps={nw} stages={ns} splits={sp}", B, t, kv_bytes)
             del caches
         if a.only is None or "gemm" in a.only:
             # ---- GEMMs of one layer + the LM head ----

@@ -201,58 +201,6 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, 
 
 
 @triton.jit
-def _paged_decode_all_heads_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, split_ptr, scale,
-                                   stride_kc_s, stride_vc_s, stride_bt,
-                                   HQ: tl.constexpr, HQ_P: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                                   HD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
-    # one program per (sequence, context split) for every kv head at once: a cache slot's heads are one contiguous
-    # row of HD = Hkv * D values, read whole. Query row r (head r) holds its values in the columns of its kv head
-    # r // G and zeros elsewhere, so q @ K_row^T gives each row the scores of its own kv head; of p @ V_row, row r
-    # keeps the columns of its kv head. Twice the dot products of one program per kv head, all on tensor cores.
-    b = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    L = tl.load(ctx_ptr + b)
-    if NSPLIT == 1:
-        lo = 0
-        hi = L
-    else:
-        split_len = tl.load(split_ptr)
-        lo = sp * split_len
-        hi = tl.minimum(L, lo + split_len)
-    r = tl.arange(0, HQ_P)
-    c = tl.arange(0, HD)
-    own = (r[:, None] < HQ) & ((c[None, :] // D) == (r[:, None] // G))  # [HQ_P, HD]: row r's columns
-    q = tl.load(q_ptr + b * (HQ * D) + r[:, None] * D + (c % D)[None, :], mask=own, other=0.0)
-    m_i = tl.full([HQ_P], -float("inf"), tl.float32)
-    l_i = tl.zeros([HQ_P], tl.float32)
-    acc = tl.zeros([HQ_P, HD], tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        mn = n < hi
-        page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=mn, other=0).to(tl.int64)
-        slot = page * BS + n % BS
-        k = tl.load(kc_ptr + slot[:, None] * stride_kc_s + c[None, :], mask=mn[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(mn[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + slot[:, None] * stride_vc_s + c[None, :], mask=mn[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    if NSPLIT == 1:
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + b * (HQ * D) + r[:, None] * D + (c % D)[None, :], out.to(o_ptr.dtype.element_ty), mask=own)
-    else:
-        row = (b * HQ + r) * NSPLIT + sp
-        tl.store(o_ptr + row[:, None] * D + (c % D)[None, :], acc, mask=own)
-        tl.store(ml_ptr + row * 2, m_i, mask=r < HQ)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=r < HQ)
-
-
-@triton.jit
 def _merge_kernel(part_ptr, ml_ptr, o_ptr, NSPLIT: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (sequence, q head)
     sp = tl.arange(0, NS_P)
@@ -274,32 +222,27 @@ DECODE_ATTN = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, num_splits: int = 1,
                            split_len: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, all_heads: bool = False):
+                           num_stages: int | None = None):
     """num_splits > 1 (flash-decoding, for batches too small to fill the GPU) cuts each
     context into pieces of `split_len` tokens (a device int32 [1] that the caller keeps at
-    >= longest context / num_splits), then merges the partial softmaxes. all_heads: one
-    program per sequence reads every kv head of a slot as one row (_paged_decode_all_heads_kernel)."""
+    >= longest context / num_splits), then merges the partial softmaxes."""
     B, hq, d = q.shape
     hkv = k_cache.shape[1]
     G = hq // hkv
     out = torch.empty_like(q)
     BLOCK_N = block_n or DECODE_ATTN["block_n"]
     launch = dict(num_warps=num_warps or DECODE_ATTN["num_warps"], num_stages=num_stages or DECODE_ATTN["num_stages"])
-    if all_heads:
-        kernel, grid = _paged_decode_all_heads_kernel, (B, num_splits)
-        consts = dict(HQ=hq, HQ_P=max(16, triton.next_power_of_2(hq)), G=G, D=d, HD=hkv * d, BS=block_size,
-                      BLOCK_N=BLOCK_N)
-    else:
-        kernel, grid = _paged_decode_kernel, (B, hkv, num_splits)
-        consts = dict(HQ=hq, HKV=hkv, G=G, G_P=max(16, triton.next_power_of_2(G)), D=d, BS=block_size, BLOCK_N=BLOCK_N)
+    consts = dict(HQ=hq, HKV=hkv, G=G, G_P=max(16, triton.next_power_of_2(G)), D=d, BS=block_size, BLOCK_N=BLOCK_N)
     if num_splits == 1:
-        kernel[grid](q, k_cache, v_cache, block_tables, ctx_lens, out, out, ctx_lens, d ** -0.5,
-                     k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), NSPLIT=1, **consts, **launch)
+        _paged_decode_kernel[(B, hkv, 1)](q, k_cache, v_cache, block_tables, ctx_lens, out, out, ctx_lens, d ** -0.5,
+                                          k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+                                          NSPLIT=1, **consts, **launch)
         return out
     part = torch.empty(B * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * hq * num_splits, 2, dtype=torch.float32, device=q.device)
-    kernel[grid](q, k_cache, v_cache, block_tables, ctx_lens, part, ml, split_len, d ** -0.5,
-                 k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), NSPLIT=num_splits, **consts, **launch)
+    _paged_decode_kernel[(B, hkv, num_splits)](q, k_cache, v_cache, block_tables, ctx_lens, part, ml, split_len, d ** -0.5,
+                                               k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+                                               NSPLIT=num_splits, **consts, **launch)
     _merge_kernel[(B * hq,)](part, ml, out, NSPLIT=num_splits, NS_P=triton.next_power_of_2(num_splits), D=d, num_warps=1)
     return out
 
