@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--ctx", type=int, default=384, help="tokens in each sequence's cache (attention rows)")
     p.add_argument("--iters", type=int, default=20, help="launches per captured graph")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is reported")
-    p.add_argument("--sweep", action="store_true", help="attention: every launch setting, not only the default")
+    p.add_argument("--sweep", action="store_true", help="attention and the top-k / top-p thresholds: every launch setting, not only the default")
     p.add_argument("--baseline-ops", default=None, help="a file with another triton_ops (e.g. an older commit's) to time beside")
     p.add_argument("--only", nargs="+", default=None, choices=["sampler", "attention", "gemm", "elementwise"],
                    help="run these kernel groups only")
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from polyrl.rollout.gpu import triton_ops as tops
+    from polyrl.rollout.gpu import ops as rops, triton_ops as tops
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -113,6 +113,19 @@ def main(argv=None) -> dict:
             if base is not None:
                 t = gpu_time(lambda: base.sample(logits, it, noise, thr, seeds, ctr), a.iters, a.repeats)
                 add("sampler", "baseline default", B, t, logits.numel() * 2)
+            for k, p in ((50, 0.9), (0, 0.9)):  # the top-k / top-p thresholds: Triton searches vs the torch sort
+                kt = torch.tensor([k], dtype=torch.int32, device=dev)  # as the engine passes them (device memory)
+                pt = torch.tensor([p], dtype=torch.float32, device=dev)
+                default = (tops.FILTER_BLOCK, tops.FILTER_WARPS, tops.FILTER_SEGMENT)
+                more = [(256, 4, 4096), (256, 4, 8192), (512, 8, 16384), (1024, 8, 8192), (512, 4, 4096)]
+                for blk, nw, seg in [default] + (more if a.sweep else []):
+                    tops.FILTER_BLOCK, tops.FILTER_WARPS, tops.FILTER_SEGMENT = blk, nw, seg
+                    t = gpu_time(lambda: tops.filter_thresholds(logits, it, kt, pt), a.iters, a.repeats)
+                    add("sampler", f"thresholds top_k={k} top_p={p} triton block={blk} warps={nw} segment={seg}", B, t,
+                        logits.numel() * 2)
+                tops.FILTER_BLOCK, tops.FILTER_WARPS, tops.FILTER_SEGMENT = default
+                t = gpu_time(lambda: rops.filter_thresholds(logits, it, k, p), a.iters, a.repeats)
+                add("sampler", f"thresholds top_k={k} top_p={p} torch sort", B, t, logits.numel() * 2)
             del logits
         if a.only is None or "attention" in a.only:
             # ---- paged decode attention ----

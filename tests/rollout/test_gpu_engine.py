@@ -124,6 +124,22 @@ def test_triton_kernels_match_the_torch_reference():
     t, _ = tops.sample(ties, torch.ones(2, device=dev), torch.zeros(2, device=dev, dtype=torch.int32),
                        torch.full((2,), float("-inf"), device=dev), seeds[:2], ctr[:2])
     assert t.tolist() == [7000, 3]  # greedy ties across chunks: the first column, like torch.argmax
+    # top-k / top-p thresholds without a sort: top-k exactly; top-p by its definition (the kept tokens strictly above
+    # the threshold hold at most p of the top-k mass, those at or above it at least p), within 1e-4: both sides sum
+    # ~152k fp32 exponentials in different orders (relative error ~1e-5: lane sums of ~150 terms plus the tree)
+    for k, p in ((50, 1.0), (0, 0.9), (50, 0.9), (1, 1.0), (0, 0.5), (V, 0.99)):
+        got, want_t = tops.filter_thresholds(logits, it, k, p), ops.filter_thresholds(logits, it, k, p)
+        if p == 1.0:
+            assert torch.equal(got, want_t)
+            continue
+        xd = x.double()
+        if 0 < k < V:
+            xd = xd.masked_fill(xd < torch.topk(xd, k, -1).values[:, -1:], float("-inf"))
+        pr = torch.softmax(xd, -1)
+        above = (pr * (xd > got[:, None].double())).sum(-1)
+        at_or_above = (pr * (xd >= got[:, None].double())).sum(-1)
+        assert (above <= p + 1e-4).all() and (at_or_above >= p - 1e-4).all(), (k, p)
+        assert ((got == want_t) | ((above - p).abs() < 1e-4) | ((at_or_above - p).abs() < 1e-4)).all()
     # the sampled distribution (one row repeated, one stream per row)
     small = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], device=dev).expand(20000, 6).contiguous()
     n = small.shape[0]
@@ -150,6 +166,25 @@ def test_triton_kernels_match_the_torch_reference():
         chunks = [slice(c * tops.SAMPLE_CHUNK, (c + 1) * tops.SAMPLE_CHUNK) for c in range(4)]
         assert max(abs(f[c].sum() - p[c].sum()) for c in chunks) < 0.01
         assert (f[heavy] - p[heavy]).abs().max() < 0.01
+
+
+def test_filtered_sampling_in_the_step_graph_equals_eager_and_reads_the_settings_at_replay(qwen2_dir):
+    """With top-k / top-p the thresholds run inside the decode step's CUDA graph, reading top-k and top-p from device
+    memory: the graph engine draws exactly the eager engine's tokens, also after a call with other settings replays
+    the same graphs."""
+    from polyrl.types import SamplingParams
+    _free()
+    # 8 rows that all run to the length limit: the graph's bucket is the eager batch, so cuBLAS sees the same shapes
+    g, eager = _engine(qwen2_dir, ignore_eos=True), _engine(qwen2_dir, cuda_graph=False, ignore_eos=True)
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14], [15, 16]]
+    for k, p in ((5, 0.9), (2, 1.0), (0, 0.6)):
+        sp = SamplingParams(n=2, temperature=0.8, top_k=k, top_p=p, max_new_tokens=16, seed=4)
+        a, b = g.generate(prompts, sp), eager.generate(prompts, sp)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b], (k, p)
+        assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
+    assert {key[2] for key in g.graphs} == {True}  # every step ran the filtered graph
+    del g, eager
+    _free()
 
 
 # Not qwen3_moe: in BF16 a router near-tie flips an expert and moves the next logits by far more than dense rounding

@@ -9,8 +9,8 @@ One generate() call:
      forward) and the n samples share the prompt's full blocks; the partial last block is
      copied per sample;
   3. decode: one token for every running sequence per step (a CUDA graph replay at the
-     smallest captured batch size >= the running count, the sampler inside it unless top-k /
-     top-p thresholds must be computed first); finished
+     smallest captured batch size >= the running count, with the top-k / top-p thresholds and
+     the sampler inside it); finished
      sequences give their blocks and slots back at once, and waiting groups are admitted
      into them before the next step. Step t+1 is launched before step t's tokens are read,
      so the host's bookkeeping (stop checks, retiring rows) overlaps the GPU's work; a row
@@ -149,6 +149,8 @@ class GPUEngine(InProcessEngine):
         self._state = (self.tokens, self.ctx, self.bt, self.inv_temp, self.noise, self.thresh, self.seeds, self.live)
         self.step_tok = torch.zeros(R, dtype=torch.long, device=dev)  # a decode step's sampled tokens and log-probs
         self.step_lp = torch.zeros(R, dtype=torch.float32, device=dev)
+        self.top_k_dev = torch.zeros(1, dtype=torch.int32, device=dev)  # the call's top-k / top-p, read by the
+        self.top_p_dev = torch.ones(1, dtype=torch.float32, device=dev)  # graphs' threshold kernel at each replay
         pin = self.is_cuda
         self.h_tok = torch.zeros(3, R, dtype=torch.long, pin_memory=pin)  # prefill, and two alternating decode steps
         self.h_lp = torch.zeros(3, R, dtype=torch.float32, pin_memory=pin)
@@ -234,6 +236,11 @@ class GPUEngine(InProcessEngine):
         self._stop_ids = set(sp.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self._base_seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._filter = not sp.greedy and (0 < sp.top_k < self.spec.vocab or sp.top_p < 1.0)
+        # the Triton threshold kernel reads top-k / top-p from device memory, so a filtered step is one graph too
+        self._filter_in_graph = self._filter and self.ops is not ref_ops and self.dtype in (torch.bfloat16, torch.float16)
+        if self._filter_in_graph:
+            self.top_k_dev.fill_(sp.top_k)
+            self.top_p_dev.fill_(sp.top_p)
         self._results: list[Sample | None] = [None] * (len(prompts) * sp.n)
         R = self.max_running
         waiting = deque(_Group(i, list(p), j, min(sp.n - j, R)) for i, p in enumerate(prompts) for j in range(0, sp.n, R))
@@ -358,7 +365,7 @@ class GPUEngine(InProcessEngine):
         self.seeds[sl] = torch.tensor(seeds, dtype=torch.long).to(dev)
         counters = torch.tensor(ctxs, dtype=torch.int32).to(dev)
         if self._filter:
-            self.thresh[sl] = ref_ops.filter_thresholds(logits, self.inv_temp[sl], sp.top_k, sp.top_p)
+            self.thresh[sl] = self.ops.filter_thresholds(logits, self.inv_temp[sl], sp.top_k, sp.top_p)
         else:
             self.thresh[sl] = float("-inf")
         tok, lp = self.ops.sample(logits, self.inv_temp[sl], self.noise[sl], self.thresh[sl], self.seeds[sl], counters)
@@ -381,14 +388,13 @@ class GPUEngine(InProcessEngine):
     def _launch_step(self) -> _Step:
         b = len(self.running)
         ev = self._event()
-        # without top-k / top-p the sampler and the state update are part of the step (of its CUDA graph): one
-        # launch per step. The filters' thresholds (a sort per row, settings that change per call) run after it.
-        fused = not self._filter
+        # the top-k / top-p thresholds, the sampler and the state update are part of the step (of its CUDA graph):
+        # one launch per step. Without the Triton threshold kernel (FP32 logits, CPU) the filters run after it.
+        fused = not self._filter or self._filter_in_graph
         logits = self._run_decode(b, fused)
         if fused:
             tok, lp = self.step_tok[:b], self.step_lp[:b]
         else:
-            self.thresh[:b] = ref_ops.filter_thresholds(logits, self.inv_temp[:b], self._sp.top_k, self._sp.top_p)
             tok, lp = self._sample_and_advance(logits, b)
         self._max_ctx += 1
         self._record(ev, "decode")
@@ -494,6 +500,9 @@ class GPUEngine(InProcessEngine):
 
     def _sample_and_advance(self, logits: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample rows [0, b) and make the tokens the next step's input; a dummy row's context stays one token."""
+        if self._filter:
+            k, p = (self.top_k_dev, self.top_p_dev) if self._filter_in_graph else (self._sp.top_k, self._sp.top_p)
+            self.thresh[:b] = self.ops.filter_thresholds(logits, self.inv_temp[:b], k, p)
         tok, lp = self.ops.sample(logits, self.inv_temp[:b], self.noise[:b], self.thresh[:b], self.seeds[:b], self.ctx[:b])
         self.tokens[:b] = tok
         self.ctx[:b] += self.live[:b]
@@ -519,7 +528,7 @@ class GPUEngine(InProcessEngine):
                 self.split_len.fill_(want)
         if not self.cuda_graph:
             return self._decode_step(b, sample)
-        g = self.graphs.get((B, sample))
+        g = self.graphs.get((B, sample, sample and self._filter))
         if g is None:
             g = self._capture(B, sample)
         g.replay()
@@ -542,7 +551,7 @@ class GPUEngine(InProcessEngine):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.graph_pool):
             self._decode_step(B, sample, out)
-        self.graphs[(B, sample)] = g
+        self.graphs[(B, sample, sample and self._filter)] = g
         self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
         return g
 

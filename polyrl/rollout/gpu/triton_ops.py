@@ -6,7 +6,8 @@ graph), so fusing the elementwise chains (residual + RMSNorm, q/k-norm + RoPE + 
 write, SiLU * up) cuts the launch count by ~3x; paged attention needs its own kernel
 anyway; and the sampler reads the [B, V] logits once from HBM (per-chunk max and sums of
 exp, then an inverse-CDF draw over chunks and within one chunk, two Philox uniforms per row)
-instead of the ~8 passes of the torch version.
+instead of the ~8 passes of the torch version. Top-k / top-p thresholds are searched over the
+16-bit keys of the logits (eleven passes, no sort), so a filtered decode step is one graph too.
 """
 
 from __future__ import annotations
@@ -330,6 +331,171 @@ def sample(logits, inv_temp, noise, thresh, seeds, counters):
     _pick_kernel[(B,)](logits, logits.stride(0), V, inv_temp, noise, thresh, seeds, counters, stats, tok, lp, NC=nc,
                        NC_P=max(2, triton.next_power_of_2(nc)), CHUNK=chunk, num_warps=8)
     return tok, lp
+
+
+@triton.jit
+def _keys(logits_ptr, row, stride_l, cols, V):
+    # a 16-bit float's bits as an order-preserving key in [0, 65536) (negatives flipped, positives offset); columns
+    # past V get -1, below every key
+    raw = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=0.0)
+    bits = raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    key = tl.where((bits & 0x8000) != 0, (~bits) & 0xFFFF, bits | 0x8000)
+    return tl.where(cols < V, key, -1), raw.to(tl.float32)
+
+
+@triton.jit
+def _key_value(key, DT: tl.constexpr):
+    bits = tl.where((key & 0x8000) != 0, key & 0x7FFF, (~key) & 0xFFFF)
+    return bits.to(tl.int16).to(DT, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _search_step(part_ptr, row, S, lo, width, target, BY_COUNT: tl.constexpr):
+    # one 16-way step of a search over keys, from the previous pass's per-segment sums at 16 pivots: top-k
+    # (BY_COUNT) keeps the largest pivot with >= target keys at or above it; top-p the first sub-range whose last key
+    # has at most `target` mass strictly above it
+    j = tl.arange(0, 16)
+    if BY_COUNT:
+        tot = tl.zeros([16], tl.int32)
+    else:
+        tot = tl.zeros([16], tl.float32)
+    for sg in range(0, S):
+        tot += tl.load(part_ptr + (row * S + sg) * 16 + j)
+    step = width // 16
+    if BY_COUNT:
+        jj = tl.max(tl.where(tot >= target, j, 0), axis=0)
+    else:
+        jj = tl.min(tl.where(tot <= target, j, 15), axis=0)
+    return lo + jj * step, step
+
+
+@triton.jit
+def _filter_pass_kernel(logits_ptr, stride_l, V, S, seg_len, inv_temp_ptr, k_ptr, p_ptr, cnt_ptr, mass_ptr, red_ptr,
+                        state_ptr, thr_ptr, PASS: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr):
+    # pass PASS of the top-k / top-p threshold search, one program per (row, segment of seg_len columns); every program
+    # of a row first rebuilds the search state from the previous pass's per-segment sums (tiny), so no pass waits for
+    # another launch. Passes: 0-3 top-k (counts of keys >= 16 pivots), 4 max and 5 sum of exp over the top-k survivors,
+    # 6-9 top-p (their exp mass strictly above 16 pivots), 10 the threshold (one program per row).
+    # State per row (int32, two copies): [kk (lowest top-k key), lo, width]; a search narrows [lo, lo + width) 16-fold
+    # a pass.
+    row = tl.program_id(0).to(tl.int64)
+    sg = tl.program_id(1)  # of S (the last pass runs one program per row)
+    K = tl.load(k_ptr)
+    P = tl.load(p_ptr)
+    it = tl.load(inv_temp_ptr + row)
+    topk = (K > 0) & (K < V)
+    j = tl.arange(0, 16)
+    # state and per-segment sums have two copies: a pass reads the one its predecessor wrote and writes the other, so
+    # no program reads what another program of its own pass has already overwritten
+    st = state_ptr + (row * 2 + PASS % 2) * 3
+    st_next = state_ptr + (row * 2 + (PASS + 1) % 2) * 3
+    half = (tl.num_programs(0) * S * 16).to(tl.int64)  # elements per copy of cnt / mass
+    cnt_in, mass_in = cnt_ptr + ((PASS + 1) % 2) * half, mass_ptr + ((PASS + 1) % 2) * half
+    cnt_out, mass_out = cnt_ptr + (PASS % 2) * half, mass_ptr + (PASS % 2) * half
+    # -- rebuild the state left by the previous pass
+    if PASS == 0:
+        kk = 0
+        lo = 0
+        width = 65536
+    elif PASS <= 4:
+        kk = 0
+        lo = tl.load(st + 1)
+        width = tl.load(st + 2)
+        lo, width = _search_step(cnt_in, row, S, lo, width, K, True)
+        if PASS == 4:
+            kk = tl.where(topk, lo, 0)
+    else:
+        kk = tl.load(st)
+        lo = tl.load(st + 1)
+        width = tl.load(st + 2)
+    if PASS >= 5:  # the max over the survivors (pass 4's per-segment maxima)
+        ms = tl.load(red_ptr + (row * S + tl.arange(0, 1024)) * 2, mask=tl.arange(0, 1024) < S, other=-float("inf"))
+        M = tl.max(ms, axis=0)
+    if PASS >= 6:
+        zs = tl.load(red_ptr + (row * S + tl.arange(0, 1024)) * 2 + 1, mask=tl.arange(0, 1024) < S, other=0.0)
+        limit = P * tl.sum(zs, axis=0)
+        if PASS == 6:
+            lo = 0
+            width = 65536
+        else:
+            lo, width = _search_step(mass_in, row, S, lo, width, limit, False)
+    if PASS == 10:
+        thr = tl.where(topk, _key_value(kk, DT) * it, -float("inf"))
+        if P < 1.0:
+            thr = tl.maximum(thr, tl.where(lo > 0, _key_value(lo, DT) * it, -float("inf")))
+        tl.store(thr_ptr + row, thr)
+        return
+    if sg == 0:
+        tl.store(st_next, kk)
+        tl.store(st_next + 1, lo)
+        tl.store(st_next + 2, width)
+    skip = ((PASS < 4) & ~topk) | ((PASS >= 5) & (P >= 1.0))  # a search that is not asked for reads nothing
+    if skip:
+        return
+    step = width // 16
+    offs = tl.arange(0, BLOCK)
+    lo_c = sg * seg_len
+    hi_c = tl.minimum(V, lo_c + seg_len)
+    if PASS < 4:
+        acc = tl.zeros([BLOCK, 16], tl.int32)
+        piv = lo + j * step
+        for start in range(lo_c, hi_c, BLOCK):
+            key, _x = _keys(logits_ptr, row, stride_l, start + offs, hi_c)
+            acc += (key[:, None] >= piv[None, :]).to(tl.int32)
+        tl.store(cnt_out + (row * S + sg) * 16 + j, tl.sum(acc, axis=0))
+    elif PASS == 4:
+        mx = tl.full([BLOCK], -float("inf"), tl.float32)
+        for start in range(lo_c, hi_c, BLOCK):
+            key, x = _keys(logits_ptr, row, stride_l, start + offs, hi_c)
+            mx = tl.maximum(mx, tl.where(key >= kk, x * it, -float("inf")))
+        tl.store(red_ptr + (row * S + sg) * 2, tl.max(mx, axis=0))
+    elif PASS == 5:
+        z = tl.zeros([BLOCK], tl.float32)
+        for start in range(lo_c, hi_c, BLOCK):
+            key, x = _keys(logits_ptr, row, stride_l, start + offs, hi_c)
+            z += tl.where(key >= kk, tl.exp(x * it - M), 0.0)
+        tl.store(red_ptr + (row * S + sg) * 2 + 1, tl.sum(z, axis=0))
+    else:
+        acc = tl.zeros([BLOCK, 16], tl.float32)
+        last = lo + (j + 1) * step - 1  # the last key of each of the 16 sub-ranges
+        for start in range(lo_c, hi_c, BLOCK):
+            key, x = _keys(logits_ptr, row, stride_l, start + offs, hi_c)
+            e = tl.where(key >= kk, tl.exp(x * it - M), 0.0)
+            acc += tl.where(key[:, None] > last[None, :], e[:, None], 0.0)
+        tl.store(mass_out + (row * S + sg) * 16 + j, tl.sum(acc, axis=0))
+
+
+FILTER_BLOCK, FILTER_WARPS, FILTER_SEGMENT = 256, 4, 8192  # the best of bench/decode_kernels.py --only sampler --sweep (H100)
+
+
+def filter_thresholds(logits, inv_temp, top_k, top_p):
+    """ops.filter_thresholds's contract for BF16 / FP16 logits without a sort (others: the torch reference): eleven
+    launches of (row, segment) programs, each pass reading the logits once. top_k and top_p may be 1-element device
+    tensors (int32, fp32), which a captured CUDA graph reads at each replay. Ties share a key, as they share a value
+    in ops.py; top-p sums fp32 exponentials in another order than the torch reference, so a token whose cumulative
+    mass is within fp32 rounding of top_p may fall on the other side."""
+    if logits.dtype not in (torch.bfloat16, torch.float16):
+        return _ref.filter_thresholds(logits, inv_temp, int(top_k), float(top_p))
+    B, V = logits.shape
+    dev = logits.device
+    k = top_k if torch.is_tensor(top_k) else torch.tensor([top_k], dtype=torch.int32, device=dev)
+    p = top_p if torch.is_tensor(top_p) else torch.tensor([top_p], dtype=torch.float32, device=dev)
+    thr = torch.empty(B, dtype=torch.float32, device=dev)
+    if not B:
+        return thr
+    S = min(1024, triton.cdiv(V, FILTER_SEGMENT))
+    seg_len = triton.cdiv(triton.cdiv(V, S), FILTER_BLOCK) * FILTER_BLOCK
+    S = triton.cdiv(V, seg_len)
+    cnt = torch.empty(2 * B * S * 16, dtype=torch.int32, device=dev)
+    mass = torch.empty(2 * B * S * 16, dtype=torch.float32, device=dev)
+    red = torch.empty(B * S * 2, dtype=torch.float32, device=dev)
+    state = torch.empty(B * 2 * 3, dtype=torch.int32, device=dev)
+    dt = tl.bfloat16 if logits.dtype == torch.bfloat16 else tl.float16
+    for ps in range(11):
+        _filter_pass_kernel[(B, S if ps < 10 else 1)](logits, logits.stride(0), V, S, seg_len, inv_temp, k, p, cnt, mass,
+                                                       red, state, thr, PASS=ps, DT=dt, BLOCK=FILTER_BLOCK,
+                                                       num_warps=FILTER_WARPS)
+    return thr
 
 
 # ---- MoE experts -----------------------------------------------------------------------------
