@@ -29,11 +29,18 @@ def _varlen_forward(module, query, key, value, attention_mask, scaling=None, dro
     # HF hands [1, heads, L, head_dim]; the kernel wants [L, heads, head_dim]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if k.shape[1] != q.shape[1]:  # GQA: expand kv heads (the kernel's enable_gqa needs equal head counts on some builds)
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling,
                       window_size=(-1, 0))  # (-1, 0): unlimited left context, none to the right = causal
     return out[None], None
+
+
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x [T, hkv, d] -> [T, heads, d], each kv head repeated heads // hkv times in place (= repeat_interleave on dim
+    1). An expand + reshape: repeat_interleave(int) on CUDA reads its output size back from the device, a host sync
+    in every layer of every forward."""
+    T, hkv, d = x.shape
+    return x[:, :, None].expand(T, hkv, heads // hkv, d).reshape(T, heads, d)
 
 
 def _no_mask(*args, **kwargs):

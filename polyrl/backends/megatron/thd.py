@@ -294,7 +294,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: flo
         impl = "varlen" if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn()) else "dense"
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and impl == "varlen" and "enable_gqa" not in _varlen_params():  # dense SDPA and newer kernels share K/V heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        from polyrl.backends.fsdp.attention import repeat_kv_heads
+        k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)
     return _varlen_causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan, scale)

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from polyrl.backends.fsdp.attention import repeat_kv_heads
+
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -128,10 +130,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
     mask, a real query only sees real keys, so padding never leaks in. index: prefill_index(lens), if built already."""
     T, hq, d = q.shape
     hkv = k.shape[1]
-    if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable); expand +
-        # reshape, not repeat_interleave, whose CUDA path reads its output size back from the device (a stall per call)
-        k = k[:, :, None].expand(T, hkv, hq // hkv, d).reshape(T, hq, d)
-        v = v[:, :, None].expand(T, hkv, hq // hkv, d).reshape(T, hq, d)
+    if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable), without a sync
+        k, v = repeat_kv_heads(k, hq), repeat_kv_heads(v, hq)
     B, L = len(lens), max(lens)
     if B == 1:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
