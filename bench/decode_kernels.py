@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
                 kt = torch.tensor([k], dtype=torch.int32, device=dev)  # as the engine passes them (device memory)
                 pt = torch.tensor([p], dtype=torch.float32, device=dev)
                 default = (tops.FILTER_BLOCK, tops.FILTER_WARPS, tops.FILTER_SEGMENT)
-                more = [(256, 4, 4096), (256, 4, 8192), (512, 8, 16384), (1024, 8, 8192), (512, 4, 4096)]
+                more = [(256, 4, 4096), (512, 4, 8192), (512, 8, 16384), (1024, 8, 8192), (512, 4, 4096)]
                 for blk, nw, seg in [default] + (more if a.sweep else []):
                     tops.FILTER_BLOCK, tops.FILTER_WARPS, tops.FILTER_SEGMENT = blk, nw, seg
                     t = gpu_time(lambda: tops.filter_thresholds(logits, it, kt, pt), a.iters, a.repeats)

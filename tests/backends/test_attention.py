@@ -1,12 +1,12 @@
-"""polyrl.backends.fsdp.attention: the GQA head repeat used by the trainer's varlen attention (FSDP and Megatron)
-and the engine's prefill."""
+"""polyrl.backends.gqa: the GQA head repeat used by the trainers' varlen attention (FSDP, Megatron) and the engine's
+prefill, and the FSDP varlen attention that uses it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from polyrl.backends.fsdp.attention import repeat_kv_heads
+from polyrl.backends.gqa import repeat_kv_heads
 
 
 def test_repeat_kv_heads_equals_repeat_interleave():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from polyrl.backends.gqa import repeat_kv_heads
+
 NAME = "varlen"
 
 
@@ -33,14 +35,6 @@ def _varlen_forward(module, query, key, value, attention_mask, scaling=None, dro
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling,
                       window_size=(-1, 0))  # (-1, 0): unlimited left context, none to the right = causal
     return out[None], None
-
-
-def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """x [T, hkv, d] -> [T, heads, d], each kv head repeated heads // hkv times in place (= repeat_interleave on dim
-    1). An expand + reshape: repeat_interleave(int) on CUDA reads its output size back from the device, a host sync
-    in every layer of every forward."""
-    T, hkv, d = x.shape
-    return x[:, :, None].expand(T, hkv, heads // hkv, d).reshape(T, heads, d)
 
 
 def _no_mask(*args, **kwargs):

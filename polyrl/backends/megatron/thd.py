@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from polyrl.backends.gqa import repeat_kv_heads
+
 # ---------------------------------------------------------------------------------------------
 # Packing
 
@@ -294,7 +296,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: flo
         impl = "varlen" if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn()) else "dense"
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and impl == "varlen" and "enable_gqa" not in _varlen_params():  # dense SDPA and newer kernels share K/V heads
-        from polyrl.backends.fsdp.attention import repeat_kv_heads
         k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)

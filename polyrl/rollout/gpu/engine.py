@@ -528,9 +528,10 @@ class GPUEngine(InProcessEngine):
                 self.split_len.fill_(want)
         if not self.cuda_graph:
             return self._decode_step(b, sample)
-        g = self.graphs.get((B, sample, sample and self._filter))
+        key = (B, sample, sample and self._filter)  # a filtered step's graph also holds the threshold kernel
+        g = self.graphs.get(key)
         if g is None:
-            g = self._capture(B, sample)
+            g = self.graphs[key] = self._capture(B, sample)
         g.replay()
         return self.logits_buf[:b]
 
@@ -551,7 +552,6 @@ class GPUEngine(InProcessEngine):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.graph_pool):
             self._decode_step(B, sample, out)
-        self.graphs[(B, sample, sample and self._filter)] = g
         self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
         return g
 

@@ -17,8 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from polyrl.backends.fsdp.attention import repeat_kv_heads
-
+from polyrl.backends.gqa import repeat_kv_heads
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
