@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from polyrl.rollout.base import InProcessEngine, wake_tags
+from polyrl.rollout.detokenize import decode_all
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
@@ -153,10 +154,10 @@ class EmbeddedEngine(InProcessEngine):
                     routes[r].append(x)
             next_pos = next_pos + 1
             counters = counters + 1
+        texts = decode_all(self.tokenizer, responses)
         return [
             Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
-                   group_index=g, response=self.tokenizer.decode(responses[r], skip_special_tokens=True),
-                   routed_experts=torch.cat(routes[r]) if routes is not None else None)
+                   group_index=g, response=texts[r], routed_experts=torch.cat(routes[r]) if routes is not None else None)
             for r, (g, p, _) in enumerate(flat)
         ]
 

@@ -190,6 +190,29 @@ def test_filtered_sampling_in_the_step_graph_equals_eager_and_reads_the_settings
 # Not qwen3_moe: in BF16 a router near-tie flips an expert and moves the next logits by far more than dense rounding
 # (measured on an H200: logprob noise p99 0.25 vs ~0.02 dense, 30 of 32 greedy runs parted at near-ties), so this
 # criterion does not apply; the MoE engine is checked in FP32 (routes and logprobs) below.
+def test_varlen_prefill_equals_padded_sdpa_without_a_host_sync():
+    """The prefill's one varlen flash call per layer computes what SDPA over right-padded sequences computes (GQA,
+    ragged lengths, a one-token prompt), and launches without reading anything back from the device."""
+    from polyrl.backends import varlen
+    from polyrl.rollout.gpu import ops
+    if not varlen.available():
+        pytest.skip("torch.nn.attention.varlen is not available")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [5, 37, 1, 20]
+    q = torch.randn(sum(lens), 14, 64, device="cuda", dtype=BF16, generator=g)
+    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=BF16, generator=g) for _ in range(2))
+    cu = ops.prefill_cu_seqlens(lens, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.prefill_attention(q, k, v, lens, cu_seqlens=cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = ops.prefill_attention(q, k, v, lens)  # padded SDPA
+    # both kernels accumulate in fp32 and round the output to BF16 once: they differ by BF16 rounding (2^-8 relative)
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_greedy_tokens_equal_transformers_in_bf16(arch, tmp_path_factory):
     """Identical, or diverging only where HF's own top two logits are within the measured

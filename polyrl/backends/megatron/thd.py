@@ -14,7 +14,6 @@ token see one.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from polyrl.backends.gqa import repeat_kv_heads
+from polyrl.backends import varlen
 
 # ---------------------------------------------------------------------------------------------
 # Packing
@@ -218,31 +217,6 @@ def all_gather_seq(x: Tensor, group) -> Tensor:
 # Attention
 
 
-def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-@functools.cache
-def _varlen_params() -> frozenset[str]:
-    import inspect
-
-    fn = _varlen_fn()
-    return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
-
-
-def _varlen_causal(q, k, v, plan: AttnPlan, scale: float):
-    """k, v may have fewer heads than q only where varlen_attn takes `enable_gqa` (torch >= 2.12)."""
-    params = _varlen_params()
-    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}  # the API moved between releases
-    if k.shape[1] != q.shape[1]:
-        kw["enable_gqa"] = True
-    return _varlen_fn()(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **kw)
-
-
 def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding of packed tokens t [T, h, d] with per-token tables cos / sin [T, 1, r]
     (r <= d: partial rotary leaves the last d - r channels alone), HF's non-interleaved
@@ -293,13 +267,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: flo
     are repeated here). Returns [Tq, hq, d].
     impl: auto (flash varlen on CUDA bf16/fp16, else dense) | varlen | dense."""
     if impl == "auto":
-        impl = "varlen" if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn()) else "dense"
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1 and impl == "varlen" and "enable_gqa" not in _varlen_params():  # dense SDPA and newer kernels share K/V heads
-        k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
+        impl = "varlen" if varlen.usable(q) else "dense"
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)
-    return _varlen_causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan, scale)
+    return varlen.causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan.cu_q, plan.cu_k,
+                         plan.max_q, plan.max_k, scale)
 
 
 # ---------------------------------------------------------------------------------------------

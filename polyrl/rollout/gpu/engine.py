@@ -28,6 +28,7 @@ composition, admission order or --rollout-batch-generate.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -40,6 +41,7 @@ from transformers import AutoTokenizer
 
 from polyrl.backends.routing_replay import routes_dtype
 from polyrl.rollout.base import InProcessEngine, wake_tags
+from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
@@ -256,6 +258,7 @@ class GPUEngine(InProcessEngine):
         self._t0 = time.perf_counter()
         self._pending: _Step | None = None
         self._nsteps = 0
+        self._detok = Detokenizer(self.tokenizer)
         while waiting or self.running or self._pending:
             if waiting and self._fits(waiting[0]):
                 self._drain()
@@ -276,6 +279,7 @@ class GPUEngine(InProcessEngine):
             prev, self._pending = self._pending, launched
             if prev is not None:
                 self._process(prev)
+        self._detok.finish()
         self._finish_stats()
         return self._results  # type: ignore[return-value]
 
@@ -344,7 +348,7 @@ class GPUEngine(InProcessEngine):
         if self._want_routes:
             routes = torch.full((sum(lens), *self.route_buf.shape[1:]), -1, dtype=self.route_buf.dtype, device=dev)
         logits = self.model.forward(torch.cat(ids).to(dev), pos.to(dev), torch.cat(slots).to(dev), self.kv,
-                                    PrefillAttn(self.ops, lens, dev), logits_rows=last, routes=routes)
+                                    PrefillAttn(self.ops, lens, dev, self.dtype), logits_rows=last, routes=routes)
         if routes is not None:  # every prompt token is forwarded: its route is the sample's first P rows
             per_prompt = routes.cpu().split(lens)
             for seq, r in zip(new, (r for r, g in zip(per_prompt, groups) for _ in range(g.n))):
@@ -355,11 +359,12 @@ class GPUEngine(InProcessEngine):
         # sampling settings of the new rows, written into their slots [b0, b0 + N)
         b0, N = len(self.running), len(new)
         sl = slice(b0, b0 + N)
-        W = self.bt.shape[1]
-        bt = torch.zeros(N, W, dtype=torch.int32)
-        for r, row in enumerate(bt_rows):
-            bt[r, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.bt[sl] = bt.to(dev)
+        widths = torch.tensor([len(row) for row in bt_rows])
+        bt = torch.zeros(N, int(widths.max()), dtype=torch.int32)  # one scatter, not a tensor per row
+        bt[torch.arange(bt.shape[1]) < widths[:, None]] = torch.tensor(list(itertools.chain.from_iterable(bt_rows)),
+                                                                      dtype=torch.int32)
+        self.bt[sl] = 0
+        self.bt[sl, :bt.shape[1]] = bt.to(dev)
         self.inv_temp[sl] = 1.0 if sp.greedy else 1.0 / sp.temperature
         self.noise[sl] = 0 if sp.greedy else 1
         self.seeds[sl] = torch.tensor(seeds, dtype=torch.long).to(dev)
@@ -454,15 +459,18 @@ class GPUEngine(InProcessEngine):
         """Store finished samples, free their blocks, and compact the running rows to [0, b)."""
         if not done:
             return
+        finished = []
         for seq, reason in done:
             g = seq.group
-            self._results[seq.sample] = Sample(
+            finished.append(Sample(
                 prompt_ids=list(g.prompt), response_ids=seq.out, rollout_logprobs=seq.lps, finish_reason=reason,
-                group_index=g.index, response=self.tokenizer.decode(seq.out, skip_special_tokens=True),
+                group_index=g.index,
                 routed_experts=(torch.cat([seq.routes[0], *([torch.stack(seq.routes[1:])] if len(seq.routes) > 1 else [])])
-                                if self._want_routes else None))
+                                if self._want_routes else None)))
+            self._results[seq.sample] = finished[-1]
             self.alloc.release(seq.shared)
             self.alloc.release(seq.own)
+        self._detok.add(finished)  # their texts, on worker threads while the next steps run
         b = len(self.running)
         keep = [r for r, seq in enumerate(self.running) if not seq.done]
         self.running = [self.running[r] for r in keep]

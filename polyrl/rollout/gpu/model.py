@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from polyrl.backends import varlen
 from polyrl.rollout.gpu import ops as ref_ops
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -278,12 +279,16 @@ class PrefillAttn:
     """Causal attention over whole prompts (packed, lengths `lens`)."""
     needs_k = True
 
-    def __init__(self, ops, lens: list[int], device):
+    def __init__(self, ops, lens: list[int], device, dtype: torch.dtype | None = None):
         self.ops, self.lens = ops, lens
-        self.index = ops.prefill_index(lens, device) if len(set(lens)) > 1 else None  # ragged: once, not per layer
+        self.index = self.cu = None  # built once per prefill, not per layer
+        if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen.available():
+            self.cu = ops.prefill_cu_seqlens(lens, device)  # one varlen flash call per layer
+        elif len(set(lens)) > 1:  # ragged: SDPA over right-padded sequences
+            self.index = ops.prefill_index(lens, device)
 
     def __call__(self, q, k, v, k_cache, v_cache):
-        return self.ops.prefill_attention(q, k, v, self.lens, self.index)
+        return self.ops.prefill_attention(q, k, v, self.lens, self.index, self.cu)
 
 
 class DecodeAttn:

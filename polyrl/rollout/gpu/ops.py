@@ -12,11 +12,13 @@ s lives in block s // block_size.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from polyrl.backends import varlen
 from polyrl.backends.gqa import repeat_kv_heads
 
 
@@ -121,12 +123,22 @@ def prefill_index(lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     return row.to(device), col.to(device)
 
 
+def prefill_cu_seqlens(lens: list[int], device) -> torch.Tensor:
+    """int32 [len(lens) + 1] boundaries of the packed sequences, for the varlen kernel (built on the host, moved once
+    per prefill)."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(device)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                      index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each of the packed sequences (no cached prefix).
     q: [T, Hq, D], k, v: [T, Hkv, D], lens: the sequences' lengths (sum T) -> [T, Hq, D].
-    Sequences are right-padded to the longest one and run through SDPA: under a causal
+    With cu_seqlens (prefill_cu_seqlens(lens)) on CUDA in BF16 / FP16: one varlen flash call over the packed tokens.
+    Otherwise the sequences are right-padded to the longest one and run through SDPA: under a causal
     mask, a real query only sees real keys, so padding never leaks in. index: prefill_index(lens), if built already."""
+    if cu_seqlens is not None and varlen.usable(q):
+        return varlen.causal(q, k, v, cu_seqlens, cu_seqlens, max(lens), max(lens))
     T, hq, d = q.shape
     hkv = k.shape[1]
     if hkv != hq:  # GQA: repeat the kv heads (prefill is compute-light; keeps every SDPA backend usable), without a sync

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from polyrl.rollout.gpu import ops as _ref
-from polyrl.rollout.gpu.ops import moe_route, prefill_attention, prefill_index  # noqa: F401  (torch; part of this module's interface)
+from polyrl.rollout.gpu.ops import moe_route, prefill_attention, prefill_cu_seqlens, prefill_index  # noqa: F401  (torch; part of this module's interface)
 
 
 @triton.jit
