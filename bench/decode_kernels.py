@@ -32,6 +32,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[256])
     p.add_argument("--ctx", type=int, default=384, help="tokens in each sequence's cache (attention rows)")
+    p.add_argument("--block-size", type=int, nargs="+", default=[16],
+                   help="attention: KV cache block sizes (tokens per page) to time; the engine's default is 16")
     p.add_argument("--iters", type=int, default=20, help="launches per captured graph")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is reported")
     p.add_argument("--sweep", action="store_true", help="attention and the top-k / top-p thresholds: every launch setting, not only the default")
@@ -129,31 +131,31 @@ def main(argv=None) -> dict:
             del logits
         if a.only is None or "attention" in a.only:
             # ---- paged decode attention ----
-            BS = 16
-            nb = -(-a.ctx // BS)
-            NB = B * nb + 1
-            # three layers' caches used in turn, so the KV is read from HBM as in a decode step, not from L2
-            caches = [tuple(torch.randn(NB * BS, hkv, d, device=dev, dtype=bf) for _ in range(2)) for _ in range(3)]
-            q = torch.randn(B, hq, d, device=dev, dtype=bf)
-            bt = (1 + torch.randperm(NB - 1, device=dev)[:B * nb]).view(B, nb).to(torch.int32)
-            ctx = torch.full((B,), a.ctx, device=dev, dtype=torch.int32)
-            kv_bytes = 2 * B * a.ctx * hkv * d * 2
-            grid = [(None, None, None, 1)]
-            if a.sweep:
-                grid += list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2, 4)))
-            for bn, nw, ns, sp in grid:
-                split = torch.tensor([-(-a.ctx // (sp * 64)) * 64], device=dev, dtype=torch.int32)
-                cyc = itertools.cycle(caches)
+            for BS in a.block_size:
+                nb = -(-a.ctx // BS)
+                NB = B * nb + 1
+                # three layers' caches used in turn, so the KV is read from HBM as in a decode step, not from L2
+                caches = [tuple(torch.randn(NB * BS, hkv, d, device=dev, dtype=bf) for _ in range(2)) for _ in range(3)]
+                q = torch.randn(B, hq, d, device=dev, dtype=bf)
+                bt = (1 + torch.randperm(NB - 1, device=dev)[:B * nb]).view(B, nb).to(torch.int32)
+                ctx = torch.full((B,), a.ctx, device=dev, dtype=torch.int32)
+                kv_bytes = 2 * B * a.ctx * hkv * d * 2
+                grid = [(None, None, None, 1)]
+                if a.sweep:
+                    grid += list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2, 4)))
+                for bn, nw, ns, sp in grid:
+                    split = torch.tensor([-(-a.ctx // (sp * 64)) * 64], device=dev, dtype=torch.int32)
+                    cyc = itertools.cycle(caches)
 
-                def attn():
-                    kc, vc = next(cyc)
-                    return tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns)
-                try:
-                    t = gpu_time(attn, max(a.iters, 3), a.repeats)
-                except Exception as e:  # noqa: BLE001 (a setting that does not compile, e.g. out of shared memory)
-                    print(f"attention {bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
-                    continue
-                add("attention", f"block_n={bn} warps={nw} stages={ns} splits={sp}", B, t, kv_bytes)
+                    def attn():
+                        kc, vc = next(cyc)
+                        return tops.paged_decode_attention(q, kc, vc, bt, ctx, BS, sp, split, bn, nw, ns)
+                    try:
+                        t = gpu_time(attn, max(a.iters, 3), a.repeats)
+                    except Exception as e:  # noqa: BLE001 (a setting that does not compile, e.g. out of shared memory)
+                        print(f"attention {bn}/{nw}/{ns}/{sp}: {type(e).__name__}", flush=True)
+                        continue
+                    add("attention", f"block_size={BS} block_n={bn} warps={nw} stages={ns} splits={sp}", B, t, kv_bytes)
             del caches
         if a.only is None or "gemm" in a.only:
             # ---- GEMMs of one layer + the LM head ----

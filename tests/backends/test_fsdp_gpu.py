@@ -72,6 +72,27 @@ def test_varlen_and_masked_sdpa_and_micro_batching_agree(gpu_model):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["varlen", "sdpa", "eager"])
+def test_packing_a_micro_batch_does_not_sync_the_host(attn):
+    """pack() builds everything on the host and moves it in pinned, asynchronous copies: no device-to-host read (one
+    would stall the host until the previous micro-batch's backward finished), the dense attention masks included."""
+    from polyrl.backends.fsdp.backend import pack
+    ids = [torch.arange(n) % 50 for n in (7, 12, 5)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids_d, pos, mask, gidx, tgt, seq, varlen = pack(ids, [3, 4, 2], attn, "cuda", torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (mask is None) == (attn == "varlen")
+    if mask is not None:  # block-diagonal causal: token 8 (2nd of sequence 1) sees tokens 7-8 only
+        allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+        assert allowed[8].nonzero().flatten().tolist() == [7, 8]
+    assert tgt.tolist() == torch.cat([x[p:] for x, p in zip(ids, [3, 4, 2])]).tolist()
+
+
+@gpu
+@pytest.mark.gpu
 def test_compiled_default_equals_eager(gpu_model):
     """CUDA compiles by default (decoder layers + log-prob chunk): same log-probs, loss and grad norm as eager within
     the BF16 tolerances above (compiled kernels fuse and reorder bf16 roundings; the arithmetic is the same), and the

@@ -108,14 +108,17 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
         return ids, pos, mask, gather_idx, targets, seq_ids, {}
     ids = torch.cat(input_ids)
     pos = torch.arange(off) - torch.repeat_interleave(packed_starts, lens_t)
+    kernel_masks = attn_impl in ("varlen", "flash_attention_2", "flash_attention_3")
     host = [ids, pos, gather_idx, seq_ids, ids[gather_idx + 1],
             torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)]
-    ids, pos, gather_idx, seq_ids, targets, cu = to_device(host, device)
+    if not kernel_masks:  # dense attention: each token's sequence, for the block-diagonal mask (built here:
+        host.append(torch.repeat_interleave(torch.arange(len(lens)), lens_t))  # with device repeats it syncs)
+    ids, pos, gather_idx, seq_ids, targets, cu, *seg = to_device(host, device)
     mask, varlen = None, {}
-    if attn_impl in ("varlen", "flash_attention_2", "flash_attention_3"):
+    if kernel_masks:
         varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     else:
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+        seg = seg[0]
         allowed = (seg[:, None] == seg[None, :]) & torch.ones(off, off, dtype=torch.bool, device=device).tril()
         if attn_impl == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(off, off, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
