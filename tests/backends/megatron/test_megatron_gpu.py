@@ -190,19 +190,22 @@ def test_grpo_through_the_cli_and_dist_checkpoint_resume(tmp_path):
 
 @pytest.mark.gpu
 def test_hf_wrap_qwen3_next(tmp_path):
-    """Qwen3-Next with its HF mixers wrapped (hf_wrap.py): log-prob parity with FSDP, exact export
-    round trip and grad-norm parity at TP=1 (and, with 2 GPUs, PP=2, TP=2 and TP=2+SP in FP32, and
-    context parallelism refused by name); then an exact same-layout checkpoint resume (the wrapped
-    parameters' sharded_state_dict)."""
+    """Qwen3-Next with its HF mixers wrapped (hf_wrap.py): log-prob parity with FSDP and the exact export round trip
+    in BF16 at TP=1 (and PP=2 with 2 GPUs), grad-norm parity in FP32 at TP=1 (and TP=2, TP=2+SP), context parallelism
+    refused by name; then an exact same-layout checkpoint resume (the wrapped parameters' sharded_state_dict)."""
     _need(1)
     n = 2 if _gpus() >= 2 else 1
-    # BF16 at TP=1 / PP=2 (same arithmetic as FSDP); TP=2 in FP32: in BF16 the gated DeltaNet's
-    # grad norm moves 3.1% at TP=2 (rounding: FP32 TP=2 matches to 2e-7, bench/RESULTS.md)
+    # BF16 at TP=1 / PP=2: log-prob parity and the exact export round trip. Grad norms in FP32, where the arithmetic
+    # equals FSDP's up to summation order (tolerance 1e-3). In BF16 they are rounding: megatron's fused SwiGLU rounds
+    # once where HF's silu(gate) * up rounds after each op, and this tiny model's gated DeltaNet amplifies it. At TP=1
+    # (one H100, 2026-11-25): FSDP 11.26, megatron 10.60 (5.9%), 11.28 with the fusion off; the same model in FP32
+    # 8.668 on both (3e-6). At TP=2 in BF16 the DeltaNet's grad norm moved 3.1% (FP32: 2e-7, bench/RESULTS.md).
     layouts = "tp=1;pp=2" if n == 2 else "tp=1"
-    _assert_ok(_run(["hf-wrap", str(tmp_path / "bf16"), "--layouts", layouts], nproc=n),
-               3 * len(layouts.split(";")) + (n > 1))
-    if n == 2:
-        _assert_ok(_run(["hf-wrap", str(tmp_path / "fp32"), "--layouts", "tp=2;tp=2,sp=1", "--fp32"], nproc=2), 6)
+    _assert_ok(_run(["hf-wrap", str(tmp_path / "bf16"), "--layouts", layouts, "--checks", "logprobs,export"], nproc=n),
+               2 * len(layouts.split(";")) + (n > 1))
+    fp32_layouts = "tp=1;tp=2;tp=2,sp=1" if n == 2 else "tp=1"
+    _assert_ok(_run(["hf-wrap", str(tmp_path / "fp32"), "--layouts", fp32_layouts, "--fp32"], nproc=n),
+               3 * len(fp32_layouts.split(";")))
     tmp_path = tmp_path / "bf16"
     _assert_ok(_run(["resume", "--model", str(tmp_path / "qwen3_next"), "--save-layout", "tp=1",
                      "--load-layout", "tp=1"], nproc=1), 1)
@@ -254,9 +257,11 @@ def _critic_parity(tmp_path, nproc: int, tp: int) -> None:
     """PPO with a critic (gae) in FP32: FSDP generates, trains and saves its samples; Megatron at `tp` trains on the
     same samples (--load-debug-rollout-data). Step 1's value loss is the zero head's (V = 0) on the same returns,
     later steps follow both critics' updates. FP32 on both sides only reorders sums (the harness's FP32 log-probs
-    agree to ~1e-6), and three Adam steps at --critic-lr 1e-4 keep the critics within ~1e-5 of each other, so the
-    value losses (of size ~0.1) must agree to rel 1e-3; a wiring error (a TP-summed gradient, a head on the wrong
-    hidden state, values off by one token) moves them by far more than that."""
+    agree to ~1e-6), so step 1 (same weights, same samples) must agree to rel 1e-4. Later steps get rel 1e-2: Adam
+    moves every weight by up to the learning rate whatever the size of its gradient, so a weight whose gradient is ~0
+    on both sides can move up to 2 x 1e-4 apart per step; measured on one H100 (2026-11-25), step 3's critic grad norms
+    differed by 0.14% (2.1430 vs 2.1400). A wiring error (a TP-summed gradient, a head on the wrong hidden state,
+    values off by one token) moves them by O(1), at step 1 already."""
     from polyrl.tasks.arithmetic import build_model, write_datasets
     build_model(str(tmp_path / "m"), hidden=64, layers=2, heads=4, kv_heads=2)
     write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
@@ -271,11 +276,12 @@ def _critic_parity(tmp_path, nproc: int, tp: int) -> None:
     mg = _polyrl_train(common + ["--load-debug-rollout-data", data, "--train-backend", "megatron",
                                  "--tensor-model-parallel-size", str(tp)], nproc, tmp_path / f"mg_tp{tp}")
     assert [r["step"] for r in mg] == [1, 2, 3]
-    for a, b in zip(fsdp, mg):
+    for k, (a, b) in enumerate(zip(fsdp, mg)):
+        rel = 1e-4 if k == 0 else 1e-2
         assert a["critic/value_loss"] > 0, a  # partial-credit rewards: returns are not all zero
-        assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=1e-3), (a, b)
-        assert b["critic/vf_explained_var"] == pytest.approx(a["critic/vf_explained_var"], abs=1e-3), (a, b)
-        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=1e-3), (a, b)
+        assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=rel), (a, b)
+        assert b["critic/vf_explained_var"] == pytest.approx(a["critic/vf_explained_var"], abs=rel), (a, b)
+        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=rel), (a, b)
     assert fsdp[0]["critic/values_mean"] == 0.0 and mg[0]["critic/values_mean"] == 0.0  # both heads start at zero
 
 
@@ -349,8 +355,10 @@ def test_opd_teacher_of_another_size_megatron_tp1_matches_fsdp(tmp_path):
     are the same, so opd/teacher_logprob (the mean teacher log-prob of the sampled tokens, size ~2.6) must agree at every
     step to the harness's FP32 log-prob parity (~1e-6 per token; rel 1e-5 leaves 10x room for summation order); a
     wrong teacher (the student's config or RoPE, the reference model) moves it by O(1). The student starts from the same
-    weights: step 1's opd/reverse_kl agrees to the same accuracy; step 2 follows one Adam step at lr 1e-5 on each side,
-    within rel 1e-3 as in the critic parity test. The reward is constant (GRPO's advantage 0) and each step is one
+    weights: step 1's opd/reverse_kl (checked to be away from 0 there) agrees to the same accuracy; step 2 follows one
+    Adam step at lr 1e-5 on each side, which moves every weight by up to 1e-5 whatever its gradient (see the critic
+    parity test), so step 2's reverse_kl, a mean difference of log-probs that can itself be ~1e-4 (two near-uniform
+    random models: 4e-4 on one H100, 2026-11-25), gets abs 1e-5. The reward is constant (GRPO's advantage 0) and each step is one
     on-policy minibatch (ratio 1), so pg_loss = -mean(teacher - student) = opd/reverse_kl on megatron too: the
     teacher's term reaches the megatron policy loss (abs 1e-5: ratio = exp(train - old log-prob) of one FP32 model on
     the same tokens is 1 to ~1e-6, times advantages of size ~1)."""
@@ -368,9 +376,11 @@ def test_opd_teacher_of_another_size_megatron_tp1_matches_fsdp(tmp_path):
     fsdp = _polyrl_train(common + ["--save-debug-rollout-data", data], 1, tmp_path / "fsdp")
     mg = _polyrl_train(common + ["--load-debug-rollout-data", data, "--train-backend", "megatron"], 1, tmp_path / "mg")
     assert [r["step"] for r in mg] == [1, 2]
+    assert abs(fsdp[0]["opd/reverse_kl"]) > 1e-3, fsdp[0]  # two random models disagree (before any update)
     for k, (a, b) in enumerate(zip(fsdp, mg)):
-        assert a["opd/teacher_logprob"] < -0.1 and abs(a["opd/reverse_kl"]) > 1e-3, a  # two random models disagree
+        assert a["opd/teacher_logprob"] < -0.1, a
         assert b["opd/teacher_logprob"] == pytest.approx(a["opd/teacher_logprob"], rel=1e-5), (a, b)
-        assert b["opd/reverse_kl"] == pytest.approx(a["opd/reverse_kl"], rel=1e-5 if k == 0 else 1e-3), (a, b)
+        tol = dict(rel=1e-5) if k == 0 else dict(rel=0, abs=1e-5)
+        assert b["opd/reverse_kl"] == pytest.approx(a["opd/reverse_kl"], **tol), (a, b)
         assert b["pg_loss"] == pytest.approx(b["opd/reverse_kl"], abs=1e-5), b
         assert b["grad_norm"] > 0, b
