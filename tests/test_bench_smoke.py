@@ -123,4 +123,5 @@ def test_decode_kernels_help_without_torch():
     assert out.returncode == 0, out.stderr
     assert "--sweep" in out.stdout and "--baseline-ops" in out.stdout
     a = load("decode_kernels.py").parse_args(["--batch", "64", "256", "--sweep"])
-    assert a.batch == [64, 256] and a.sweep
+    assert a.batch == [64, 256] and a.sweep and a.block_size == [16]  # the engine's page size unless asked
+    assert load("decode_kernels.py").parse_args(["--block-size", "16", "64"]).block_size == [16, 64]
