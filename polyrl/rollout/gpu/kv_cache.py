@@ -14,21 +14,30 @@ import torch
 
 
 class BlockAllocator:
+    """Hands out blocks 1 .. num_blocks - 1: released blocks first (last released, first out), then never-used ones in
+    increasing order. Made fresh for every generate() call, so it builds no list of all blocks up front (at ~150k
+    blocks that list took ~2 ms of each call)."""
+
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks")
         self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self.free: list[int] = []  # released blocks
+        self.fresh = 1  # blocks [fresh, num_blocks) have never been handed out
         self.refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self.fresh
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"KV cache out of blocks: asked {n}, {len(self.free)} free")
-        out = [self.free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache out of blocks: asked {n}, {self.num_free} free")
+        k = min(n, len(self.free))
+        out = self.free[len(self.free) - k:][::-1]
+        del self.free[len(self.free) - k:]
+        out += range(self.fresh, self.fresh + n - k)
+        self.fresh += n - k
         for b in out:
             self.refs[b] = 1
         return out
