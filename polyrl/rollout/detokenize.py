@@ -22,9 +22,17 @@ MAX_THREADS = 8
 CHUNK = 64  # samples per task: small enough to spread one finishing wave over the threads
 
 
-@functools.cache
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, os.cpu_count() or 1)), thread_name_prefix="detok")
+    """The process's decode threads, made on first use. A forked child makes its own: it inherits the parent's
+    executor without its threads, and work queued there would never run."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, os.cpu_count() or 1)),
+                                                 thread_name_prefix="detok"))
+    return _POOL[1]
 
 
 def batch_decoder(tokenizer):

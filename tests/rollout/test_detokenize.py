@@ -1,5 +1,6 @@
 """Batched response texts (polyrl.rollout.detokenize) equal `tokenizer.decode(ids, skip_special_tokens=True)`."""
 
+import multiprocessing
 import random
 
 import pytest
@@ -57,3 +58,26 @@ def test_detokenizer_fills_every_batch_in_order():
     d.finish()
     assert [s.response for s in samples] == [tok.decode(s, skip_special_tokens=True) for s in seqs]
     assert d.pending == []
+
+
+def _decode_in_child(q):
+    tok = byte_bpe()
+    seqs = random_seqs(tok, 2 * CHUNK, 20, seed=3)
+    q.put(decode_all(tok, seqs) == [tok.decode(s, skip_special_tokens=True) for s in seqs])
+
+
+def test_a_forked_child_decodes_with_its_own_threads():
+    """The parent's pool has run work (its threads exist); a child forked from it must not queue onto that pool,
+    whose threads it does not have."""
+    tok = byte_bpe()
+    decode_all(tok, random_seqs(tok, 2 * CHUNK, 20))
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_decode_in_child, args=(q,))
+    p.start()
+    p.join(timeout=60)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive, "the forked child hung decoding (it queued onto the parent's thread pool)"
+    assert q.get(timeout=5) is True
