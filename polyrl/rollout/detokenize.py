@@ -7,7 +7,7 @@ tokenizer's Rust backend releases the GIL in `decode_batch`, so `Detokenizer` ha
 a small thread pool as they finish (in parallel with the decode steps still running) and `finish()` waits for what is
 left. The text is the one `tokenizer.decode` gives: the batched path is taken only where transformers' `decode` is
 exactly the backend's decode (a fast tokenizer without its own `_decode` and without the clean-up of tokenization
-spaces); any other tokenizer decodes each sample through `tokenizer.decode` as before.
+spaces); any other tokenizer's samples go through `tokenizer.decode` one by one (on the same threads).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def batch_decoder(tokenizer):
 def decode_all(tokenizer, seqs: list[list[int]]) -> list[str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)` of every sequence, batched over the pool's threads."""
     d = Detokenizer(tokenizer)
-    return d.finish_texts(d.submit_texts(seqs))
+    return [t for f in d.submit(seqs) for t in f.result()]
 
 
 class Detokenizer:
@@ -63,27 +63,19 @@ class Detokenizer:
     engine. One per generate call (it holds the call's pending batches)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.batch = batch_decoder(tokenizer)
-        self.pending: list[tuple[list[Sample], list[Future] | list[str]]] = []
+        self.decode = batch_decoder(tokenizer) or (lambda seqs: [tokenizer.decode(s, skip_special_tokens=True)
+                                                                  for s in seqs])
+        self.pending: list[tuple[list[Sample], list[Future]]] = []
 
-    def submit_texts(self, seqs: list[list[int]]) -> list[Future] | list[str]:
-        if self.batch is None or len(seqs) < 2:
-            return [self.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
-        return [_pool().submit(self.batch, seqs[i:i + CHUNK]) for i in range(0, len(seqs), CHUNK)]
-
-    @staticmethod
-    def finish_texts(parts: list[Future] | list[str]) -> list[str]:
-        if parts and isinstance(parts[0], Future):
-            return [t for f in parts for t in f.result()]
-        return list(parts)  # type: ignore[arg-type]
+    def submit(self, seqs: list[list[int]]) -> list[Future]:
+        return [_pool().submit(self.decode, seqs[i:i + CHUNK]) for i in range(0, len(seqs), CHUNK)]
 
     def add(self, samples: list[Sample]) -> None:
         if samples:
-            self.pending.append((samples, self.submit_texts([s.response_ids for s in samples])))
+            self.pending.append((samples, self.submit([s.response_ids for s in samples])))
 
     def finish(self) -> None:
         pending, self.pending = self.pending, []
         for samples, parts in pending:
-            for s, text in zip(samples, self.finish_texts(parts)):
+            for s, text in zip(samples, (t for f in parts for t in f.result())):
                 s.response = text
