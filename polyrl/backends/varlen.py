@@ -39,9 +39,9 @@ def available() -> bool:
     return _fn() is not None and torch.cuda.is_available()
 
 
-def usable(t: torch.Tensor) -> bool:
-    """varlen_attn can take `t` (the flash kernels: CUDA, BF16 / FP16)."""
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _fn() is not None
+def usable(device, dtype: torch.dtype) -> bool:
+    """varlen_attn can take tensors of this device and dtype (the flash kernels: CUDA, BF16 / FP16)."""
+    return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _fn() is not None
 
 
 def shares_kv_heads() -> bool:

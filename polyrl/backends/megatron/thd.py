@@ -267,7 +267,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: flo
     are repeated here). Returns [Tq, hq, d].
     impl: auto (flash varlen on CUDA bf16/fp16, else dense) | varlen | dense."""
     if impl == "auto":
-        impl = "varlen" if varlen.usable(q) else "dense"
+        impl = "varlen" if varlen.usable(q.device, q.dtype) else "dense"
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)
     return varlen.causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan.cu_q, plan.cu_k,

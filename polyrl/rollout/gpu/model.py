@@ -282,7 +282,7 @@ class PrefillAttn:
     def __init__(self, ops, lens: list[int], device, dtype: torch.dtype | None = None):
         self.ops, self.lens = ops, lens
         self.index = self.cu = None  # built once per prefill, not per layer
-        if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen.available():
+        if dtype is not None and varlen.usable(device, dtype):
             self.cu = ops.prefill_cu_seqlens(lens, device)  # one varlen flash call per layer
         elif len(set(lens)) > 1:  # ragged: SDPA over right-padded sequences
             self.index = ops.prefill_index(lens, device)

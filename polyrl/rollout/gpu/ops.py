@@ -134,10 +134,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each of the packed sequences (no cached prefix).
     q: [T, Hq, D], k, v: [T, Hkv, D], lens: the sequences' lengths (sum T) -> [T, Hq, D].
-    With cu_seqlens (prefill_cu_seqlens(lens)) on CUDA in BF16 / FP16: one varlen flash call over the packed tokens.
+    With cu_seqlens (prefill_cu_seqlens(lens); only where varlen.usable): one varlen flash call over the packed tokens.
     Otherwise the sequences are right-padded to the longest one and run through SDPA: under a causal
     mask, a real query only sees real keys, so padding never leaks in. index: prefill_index(lens), if built already."""
-    if cu_seqlens is not None and varlen.usable(q):
+    if cu_seqlens is not None:
         return varlen.causal(q, k, v, cu_seqlens, cu_seqlens, max(lens), max(lens))
     T, hq, d = q.shape
     hkv = k.shape[1]
