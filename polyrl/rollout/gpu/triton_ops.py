@@ -429,7 +429,8 @@ def _filter_pass_kernel(logits_ptr, stride_l, V, S, seg_len, inv_temp_ptr, k_ptr
         tl.store(st_next, kk)
         tl.store(st_next + 1, lo)
         tl.store(st_next + 2, width)
-    skip = ((PASS < 4) & ~topk) | ((PASS >= 5) & (P >= 1.0))  # a search that is not asked for reads nothing
+    # a search that is not asked for reads nothing (the max of pass 4 only serves top-p's exponentials)
+    skip = ((PASS < 4) & ~topk) | ((PASS >= 4) & (P >= 1.0))
     if skip:
         return
     step = width // 16
