@@ -25,6 +25,17 @@ def write_module(tmp_path, name, source):
     return path
 
 
+def bounded(fn, what: str, limit_s: float = 60.0):
+    """fn() on a daemon thread, failing with `what` if it has not returned within limit_s: a bound on a wait that a
+    broken deadline would make last an hour, not a claim about how fast it returns."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert out, f"{what} did not return within {limit_s:g} s (the hour-long call was waited for, not abandoned)"
+    return out[0]
+
+
 # ---- built-ins ----
 
 def test_extract_boxed():
@@ -149,19 +160,28 @@ def test_manager_isolates_raising_and_invalid_returns(tmp_path, caplog):
 
 
 def test_manager_awaits_async_functions_concurrently(tmp_path):
+    # Each call waits (bounded) until all 11 have started: calls awaited in series would each see only themselves,
+    # so the most calls in flight at once is 11 when they run concurrently and 1 when they do not.
     path = write_module(tmp_path, "async_rm", (
         "import asyncio\n"
+        "state = {'started': 0, 'in_flight': 0, 'max_in_flight': 0}\n"
         "async def f(s):\n"
-        "    await asyncio.sleep(0.2)\n"
+        "    state['started'] += 1\n"
+        "    state['in_flight'] += 1\n"
+        "    state['max_in_flight'] = max(state['max_in_flight'], state['in_flight'])\n"
+        "    for _ in range(200):  # at most ~2 s: a serial caller fails the assertion below, it does not hang\n"
+        "        if state['started'] == 11:\n"
+        "            break\n"
+        "        await asyncio.sleep(0.01)\n"
+        "    state['in_flight'] -= 1\n"
         "    if s.response == 'raise':\n"
         "        raise RuntimeError('async boom')\n"
         "    return float(s.label)\n"
     ))
     rm = RewardManager(None, f"{path}:f")
     samples = [sample("x", i % 2) for i in range(10)] + [sample("raise", 1)]
-    start = time.perf_counter()
     metrics = rm.score(samples)
-    assert time.perf_counter() - start < 1.5  # 11 x 0.2 s run concurrently, not in series
+    assert rm.fn.__globals__["state"] == {"started": 11, "in_flight": 0, "max_in_flight": 11}
     assert [s.reward for s in samples] == [float(i % 2) for i in range(10)] + [0.0]
     assert metrics["reward/errors"] == 1.0
 
@@ -246,11 +266,9 @@ def test_a_stuck_call_times_out_scores_zero_and_the_rest_go_on(tmp_path, caplog,
     path = write_module(tmp_path, f"stuck_{fn}", STUCK)
     rm = RewardManager(None, f"{path}:{fn}", timeout=0.3)
     samples = [sample("a"), sample("hang", group_index=1), sample("b", group_index=2)]
-    start = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="polyrl.rewards"):
-        metrics = rm.score(samples)
-        again = rm.score([sample("hang"), sample("c")])  # a fresh call after an abandoned one
-    assert time.perf_counter() - start < 5  # 2 timeouts of 0.3 s (sync: in series), not an hour
+        metrics = bounded(lambda: rm.score(samples), "scoring with one hour-long call")
+        again = bounded(lambda: rm.score([sample("hang"), sample("c")]), "a fresh call after an abandoned one")
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
     assert metrics["reward/timeouts"] == 1.0 and metrics["reward/errors"] == 0.0
     assert again["reward/timeouts"] == 1.0 and again["reward/mean"] == 0.5 and rm.timeouts_total == 2
@@ -263,17 +281,15 @@ def test_async_call_that_ignores_cancellation_or_blocks_its_loop_still_returns(t
     """Neither can be stopped from outside: the caller's own deadline returns without them. A call
     that blocks the event loop stalls the calls sharing it, which time out with it."""
     rm = RewardManager(None, f"{write_module(tmp_path, f'stuck_{fn}', STUCK)}:{fn}", timeout=0.3)
-    start = time.perf_counter()
-    assert rm.score([sample("hang"), sample("hang")])["reward/timeouts"] == 2.0
-    assert rm.score([sample("hang")])["reward/timeouts"] == 1.0
-    assert time.perf_counter() - start < 5
+    assert bounded(lambda: rm.score([sample("hang"), sample("hang")]), f"{fn} x2")["reward/timeouts"] == 2.0
+    assert bounded(lambda: rm.score([sample("hang")]), f"{fn} again")["reward/timeouts"] == 1.0
 
 
 @pytest.mark.parametrize("fn", ["sync_group", "async_group"])
 def test_group_rm_timeout_zeroes_that_group(tmp_path, fn):
     rm = RewardManager(None, f"{write_module(tmp_path, f'stuck_{fn}', STUCK)}:{fn}", group_rm=True, timeout=0.3)
     samples = [sample("a", group_index=g) for g in [0, 1, 0, 1, 2]]
-    metrics = rm.score(samples)
+    metrics = bounded(lambda: rm.score(samples), f"{fn} with one hour-long group")
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 1.0]
     assert metrics["reward/timeouts"] == 2.0 and metrics["reward/errors"] == 0.0  # counted per sample
 
@@ -297,15 +313,14 @@ def test_no_timeout_runs_sync_functions_inline():
 
 def test_sync_calls_go_in_one_hand_off_each_with_its_own_deadline():
     """The helper thread gets all calls of a step at once; the deadline is per call (five 0.1 s calls under a 0.3 s
-    timeout all finish), a stuck call is abandoned and the ones after it run on a fresh thread, in order, once each."""
-    import threading
-
+    timeout all finish: a deadline for the batch would cut the fourth), a stuck call is abandoned and the ones after it
+    run on a fresh thread, in order, once each."""
     from polyrl.rewards import TIMED_OUT, _DaemonCaller
-    calls: list[tuple[int, str]] = []
+    calls: list[tuple[int, threading.Thread]] = []
     release = threading.Event()
 
     def fn(i):
-        calls.append((i, threading.current_thread().name))
+        calls.append((i, threading.current_thread()))
         if i == 2:
             release.wait(30)  # stuck until the test lets it go (bounded: the thread ends either way)
             return "late"
@@ -313,15 +328,16 @@ def test_sync_calls_go_in_one_hand_off_each_with_its_own_deadline():
         return i * 10
 
     caller = _DaemonCaller()
-    t = time.perf_counter()
     assert caller.map(fn, [-1, -2, -3, -4, -5], 0.3) == [-10, -20, -30, -40, -50]  # 0.5 s in all, none > 0.3 s
-    assert time.perf_counter() - t < 5
-    assert {name for _, name in calls} == {"polyrl-reward"} and threading.main_thread().name not in {n for _, n in calls}
+    threads = {t for _, t in calls}
+    assert {t.name for t in threads} == {"polyrl-reward"} and len(threads) == 1  # one hand-off: one thread ran them all
     calls.clear()
-    t = time.perf_counter()
-    out = caller.map(fn, [0, 1, 2, 3, 4], 0.3)
-    assert out == [0, 10, TIMED_OUT, 30, 40] and time.perf_counter() - t < 5
-    release.set()  # the abandoned call returns now: its thread must not run 3 or 4 again
-    time.sleep(0.2)
+    out = caller.map(fn, [0, 1, 2, 3, 4], 0.3)  # had it waited for the stuck call, 2 would be "late" after 30 s
+    assert out == [0, 10, TIMED_OUT, 30, 40]
+    stuck = dict(calls)[2]
+    assert dict(calls)[3] is dict(calls)[4] is not stuck  # the calls after it went to a fresh thread
+    release.set()  # the abandoned call returns now: its thread must end without running 3 or 4 again
+    stuck.join(10)
+    assert not stuck.is_alive(), "the abandoned reward thread did not end within 10 s of its call returning"
     assert sorted(i for i, _ in calls) == [0, 1, 2, 3, 4]
     assert caller.map(fn, [7], 0.3) == [70]  # a single call goes through the same path
