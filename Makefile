@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(BIN)/python -m polyrl.demo --run-dir runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q --durations=15
+	$(BIN)/python -m pytest tests --durations=15
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed.
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -q -m "gpu or multigpu" -p no:cacheprovider -rs
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -m "gpu or multigpu" -p no:cacheprovider -rs
 
 clean:
 	rm -rf $(VENV) runs

@@ -3,37 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 
-from polyrl.config import ConfigError, add_config_args, config_from_args, validate
+from polyrl.config import ConfigError, ServerConfig, add_config_args, config_from_args, validate
 
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
-COMMANDS = {
-    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, REINFORCE++)", ALL + ("ray", "debug")),
+# What `polyrl serve` reads (polyrl.rollout.server.serve and the embedded engine it builds): every server setting and
+# these; tests/test_cli.py traces serve() and fails when the two differ.
+SERVE_FIELDS = frozenset({f"server.{f.name}" for f in dataclasses.fields(ServerConfig)} | {
+    "cluster.device", "cluster.seed",
+    "model.hf_checkpoint", "model.attn_implementation", "model.fp16", "model.bf16", "model.fp32",
+    "rollout.rollout_batch_generate", "rollout.rollout_gpu_engine", "rollout.rollout_mem_fraction", "rollout.rollout_cuda_graph",
+})
+# name -> (help, config sections it takes, the only fields it takes of them: None = all)
+COMMANDS: dict[str, tuple[str, tuple[str, ...], frozenset[str] | None]] = {
+    "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, DAPO, CISPO, REINFORCE++, PPO)", ALL + ("ray", "debug"), None),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens) or conversations (chat messages: "
             "loss on every assistant turn)",
-            ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron")),
+            ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron"), None),
     "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
-             ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron")),
+             ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron"),
+             None),
     "serve": ("SGLang-compatible HTTP server around the embedded engine (rollout engine server)",
-              ("cluster", "model", "rollout", "server")),
+              ("cluster", "model", "rollout", "server"), SERVE_FIELDS),
     "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",
-                  ("cluster", "model", "checkpoint", "batch", "optimizer", "megatron")),
+                  ("cluster", "model", "checkpoint", "batch", "optimizer", "megatron"), None),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polyrl", description="RL post-training for LLMs")
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, (help_, sections) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.HelpFormatter)
-        add_config_args(sp, sections)
-    pp = sub.add_parser("plot", help="write PNG curves of a run directory")
-    pp.add_argument("run_dir")
-    pp.add_argument("--out", default=None, help="output PNG (default RUN_DIR/curves.png)")
+    # allow_abbrev=False everywhere: a prefix such as --sglang-mem must reach SGLang, never match one of our flags
+    p = argparse.ArgumentParser(prog="polyrl", description="RL post-training for LLMs", allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, sections, only) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_, usage=f"polyrl {name} [options]", allow_abbrev=False)
+        add_config_args(sp, sections, only)
+    pp = sub.add_parser("plot", help="write PNG curves of a run directory", usage="polyrl plot RUN_DIR [--out PNG]",
+                        allow_abbrev=False)
+    pp.add_argument("run_dir", metavar="RUN_DIR")
+    pp.add_argument("--out", default=None, metavar="PNG", help="output PNG (default RUN_DIR/curves.png)")
     return p
 
 

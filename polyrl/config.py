@@ -138,8 +138,11 @@ class EnginesConfig:
     weight_sync: str = opt("auto", "how weights reach the engines: auto (tensor for embedded, distributed for servers) | "
                                    "tensor (same process) | distributed (process group: NCCL on GPU, gloo on CPU) | disk",
                            ("auto", "tensor", "distributed", "disk"))
-    api_key: str | None = opt(None, "Bearer key of the engine servers: passed to the ones polyrl launches, sent to external "
-                                    "ones", flag="--api-key")
+    api_key: str | None = opt(None, "Bearer key of the engine servers, sent to external ones; launched ones get it (or a "
+                                    "random key when unset) through their environment, never their command line",
+                              flag="--api-key")
+    api_key_file: str | None = opt(None, "file holding --api-key (first line), so the key stays off command lines",
+                                   flag="--api-key-file")
     check_weight_update_equal: bool = opt(False, "after each sync read every weight back from every engine and fail on a mismatch")
     use_fault_tolerance: bool = opt(False, "re-send the requests of a dead or hung engine to the others and restart it "
                                            "(launched engines); without it a dead engine stops the run")
@@ -155,12 +158,24 @@ class EnginesConfig:
 class ServerConfig:
     """`polyrl serve` (and the servers `polyrl train` launches)."""
 
-    host: str = opt("127.0.0.1", "address to bind (loopback by default; a non-loopback address needs --api-key)")
+    host: str = opt("127.0.0.1", "address to bind (loopback by default; a non-loopback address needs --api-key, "
+                                 "--api-key-file or POLYRL_API_KEY, else start-up is refused)")
     port: int = opt(30000, "port to bind (0 = any free port, printed at start-up)")
-    api_key: str | None = opt(None, "Bearer key every endpoint but /health requires (polyrl train passes it to the "
-                                    "engines it launches and uses it for external ones)")
+    api_key: str | None = opt(None, "Bearer key every endpoint but /health requires (unset: --api-key-file, else the "
+                                    "POLYRL_API_KEY environment variable, which is how polyrl train hands it over)")
+    api_key_file: str | None = opt(None, "file holding the API key (first line): keeps it off the command line")
+    allow_unauthenticated_host: bool = opt(False, "DANGER: serve a non-loopback --host without an API key; anyone who "
+                                                  "reaches the port can generate (weight, memory and control endpoints "
+                                                  "stay refused)")
+    allowed_weight_dirs: list[str] = opt([], "directories /update_weights_from_disk may read (symlinks resolved); "
+                                             "none: that endpoint is refused")
     max_request_bytes: int = opt(64 * 1024**2, "largest request body accepted")
-    max_running_requests: int = opt(1024, "requests queued or running at once; more get 503")
+    max_running_requests: int = opt(1024, "samples (prompts x n) queued or running at once; past it /generate answers "
+                                          "429 with Retry-After")
+    max_prompts_per_request: int = opt(256, "most prompts in one /generate request (400 past it)")
+    max_n: int = opt(64, "largest sampling_params.n accepted (400 past it)")
+    request_timeout_s: float = opt(600.0, "deadline of one /generate request: past it the request is aborted "
+                                          "(finish_reason abort) and its generation stops")
     batch_wait_ms: float = opt(2.0, "how long the batcher waits for more requests before starting a batch")
 
 
@@ -275,6 +290,9 @@ class RewardConfig:
     rm_retries: int = opt(3, "--rm-url: times a failed request (connection error, timeout, HTTP 5xx/408/429) is sent again, "
                              "waiting 0.5 s, 1 s, 2 s, ... in between; after that its samples get reward 0 and count in "
                              "reward/errors, the request in reward/remote_failures")
+    max_consecutive_failed_steps: int = opt(0, "stop the run after this many steps in a row where every reward call failed "
+                                               "or every reward was 0 (each such step is warned about on the console and "
+                                               "counted in reward/all_failed, reward/all_zero; 0 = warn only)")
 
 
 @dataclass
@@ -390,6 +408,11 @@ class LogConfig:
     wandb_run_name: str | None = opt(None, "W&B run name (default: W&B picks one)")
     wandb_mode: str = opt("online", "online | offline (written under RUN_DIR/wandb, `wandb sync` later) | disabled",
                           ("online", "offline", "disabled"))
+    overwrite: bool = opt(False, "start afresh in a --run-dir that holds an earlier run's metrics.jsonl (it is emptied); "
+                                 "without it such a run dir is refused unless --load resumes that run")
+    ci_train_rollout_logprob_abs_diff_threshold: float | None = opt(
+        None, "fail closed: stop the run (exit 1) at the first step where a loss-masked response token's |training "
+              "log-prob - rollout log-prob| exceeds this (train_rollout_logprob_abs_diff_max; unset: no gate)")
 
 
 @dataclass
@@ -495,19 +518,49 @@ def _sections(cfg_cls=Config):
         yield sf.name, sf.default_factory
 
 
-def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None) -> None:
+def _metavar(name: str, tp: type) -> str:
+    """What --help shows after a flag: the kind of value it takes, not its place in the config tree."""
+    if tp is int:
+        return "BYTES" if name.endswith(("_bytes", "_buffer_size")) else "N"
+    if tp is float:
+        if name.endswith(("timeout", "_interval")):
+            return "SECONDS"
+        return "MS" if name.endswith("_ms") else "X"
+    if name.endswith("_path"):
+        return "MODULE:FN"
+    if "url" in name or name.endswith("_addrs"):
+        return "URL"
+    if name.endswith("_address"):
+        return "ADDRESS"
+    if name in ("host", "api_key"):
+        return name.split("_")[-1].upper()
+    if name in ("save", "load") or name.endswith(("_data", "_load", "_checkpoint", "_dir", "_hf")):
+        return "PATH"
+    if name.endswith("_config"):
+        return "KEY=VALUE"
+    if name.endswith("_args"):
+        return "ARG"
+    return "TEXT" if name.endswith("_stop") else "NAME"
+
+
+def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None,
+                    only: frozenset[str] | None = None) -> None:
     """Add one argument group per config section; defaults are shown but SUPPRESSed so we can
-    tell which flags the user actually gave (they override --config)."""
-    parser.add_argument("--config", default=None, help="YAML file with the same fields (flags override it)")
+    tell which flags the user actually gave (they override --config). only: "section.field" names,
+    when a command takes just those fields of its sections."""
+    parser.add_argument("--config", default=None, metavar="PATH", help="YAML file with the same fields (flags override it)")
     for name, cls in _sections():
         if sections is not None and name not in sections:
             continue
         group = parser.add_argument_group(SECTION_TITLES.get(name, name))
         for f in dataclasses.fields(cls):
+            if only is not None and f"{name}.{f.name}" not in only:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tp, is_list = _base_type(f.type)
             kw: dict[str, Any] = dict(dest=f"{name}.{f.name}", default=argparse.SUPPRESS)
-            help_ = f.metadata.get("help", "") + f" (default: {default})"
+            shown = default not in (None, []) and not (tp is bool and default is False)  # unset or off says nothing
+            help_ = f.metadata.get("help", "") + (f" (default: {default})" if shown else "")
             if tp is bool:
                 group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, help=help_, **kw)
                 continue
@@ -518,6 +571,8 @@ def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] |
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
                 kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+            else:
+                kw["metavar"] = _metavar(f.name, tp)
             group.add_argument(_flag(f), type=tp, help=help_, **kw)
 
 
@@ -596,6 +651,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
     "port": "in [0, 65535]", "max_request_bytes": ">= 1", "max_running_requests": ">= 1", "batch_wait_ms": ">= 0",
+    "max_prompts_per_request": ">= 1", "max_n": ">= 1", "request_timeout_s": "> 0",
     # batching
     "global_batch_size": ">= 1", "micro_batch_size": ">= 1", "max_tokens_per_gpu": ">= 1", "num_epoch": ">= 1",
     # algorithm
@@ -611,7 +667,8 @@ VALUE_RANGES: dict[str, str] = {
     # model, checkpoints, logging
     "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "moe_aux_loss_coeff": ">= 0", "moe_z_loss_coeff": ">= 0",
     "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
-    "eval_interval": ">= 0", "profile_step": ">= 0",
+    "eval_interval": ">= 0", "profile_step": ">= 0", "max_consecutive_failed_steps": ">= 0",
+    "ci_train_rollout_logprob_abs_diff_threshold": ">= 0",
     # megatron
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
     "num_layers_per_virtual_pipeline_stage": ">= 1", "context_parallel_size": ">= 1", "expert_model_parallel_size": ">= 1",
@@ -693,6 +750,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command == "train":
         _validate_debug(cfg)
         _validate_rl_extras(cfg)
+        _validate_can_learn(cfg)
         if cfg.log.profile_step > cfg.rollout.num_rollout:
             raise ConfigError(f"--profile-step {cfg.log.profile_step} is past --num-rollout {cfg.rollout.num_rollout}: "
                               "no such step to profile")
@@ -711,6 +769,7 @@ def validate(cfg: Config, command: str = "train") -> None:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
     _validate_resources(cfg, command)
+    _validate_outputs(cfg, command)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")

@@ -395,3 +395,75 @@ def test_fsdp_backend_sizes_its_budget_from_what_the_gpu_holds(monkeypatch):
     assert alone == gpu_token_budget(q05, total, state_bytes=gib + 12 * 1000, checkpointing=False, offload=False) == 65536
     assert budget(60 * gib) == GPU_TOKEN_BUDGET  # an engine server's 60 GiB on the same GPU
     assert GPU_TOKEN_BUDGET < budget(20 * gib) < alone
+
+
+# ---- what each command takes -------------------------------------------------------------------------
+def test_serve_refuses_flags_the_server_does_not_read(capsys):
+    from polyrl.cli import main
+    assert main_exit(main, ["serve", "--rollout-batch-size", "4"]) == 2
+    assert "unrecognized arguments: --rollout-batch-size" in capsys.readouterr().err
+    for flag in ("--prompt-data", "--train-backend", "--use-fault-tolerance", "--rollout-num-gpus-per-engine", "--lr"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", flag, "1"])
+        assert e.value.code == 2, flag
+
+
+def main_exit(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's parser.error
+        return e.code
+
+
+def test_serve_takes_exactly_the_fields_serve_reads(tiny_model, monkeypatch):
+    """Runs polyrl.rollout.server.serve on a config whose sections record every field read (the engine is built for
+    real on CPU; the HTTP server and its event loop are stubbed), and compares what it read with what `polyrl serve`
+    accepts: a field read but not accepted cannot be set, one accepted but not read is ignored."""
+    import dataclasses
+
+    from polyrl.cli import COMMANDS
+    from polyrl.config import Config
+    from polyrl.rollout import server as srv
+
+    read: set[str] = set()
+
+    def recording(section: str, obj):
+        cls = type(obj)
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def getattribute(self, k):
+            if k in names:
+                read.add(f"{section}.{k}")
+            return object.__getattribute__(self, k)
+        rec = type("Recording" + cls.__name__, (cls,), {"__getattribute__": getattribute})
+        return rec(**{n: object.__getattribute__(obj, n) for n in names})
+
+    cfg = config_from_args(build_parser().parse_args(["serve", "--hf-checkpoint", tiny_model, "--device", "cpu"]))
+    for f in dataclasses.fields(Config):
+        setattr(cfg, f.name, recording(f.name, getattr(cfg, f.name)))
+    handed = {}
+    monkeypatch.setattr(srv, "EngineServer", lambda engine, s, **kw: handed.update(engine=engine, server=s, **kw))
+    monkeypatch.setattr(srv.asyncio, "run", lambda coro: coro.close())  # no socket, no event loop
+    assert srv.serve(cfg) == 0
+    assert handed["server"] is cfg.server  # the server section goes whole to EngineServer, which reads it per request
+    accepted = COMMANDS["serve"][2]
+    server_fields = {f"server.{f.name}" for f in dataclasses.fields(type(cfg.server))}
+    assert read - server_fields == accepted - server_fields
+    actions = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions if "." in a.dest}
+    assert actions == accepted
+
+
+def test_no_flag_is_matched_by_its_prefix(tiny_model, arith_data):
+    """allow_abbrev is off: a prefix of a polyrl flag is unknown (train passes --sglang-X through to SGLang)."""
+    p = build_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["train", "--rollout-batch", "4"])
+    args, extras = p.parse_known_args(["train", "--sglang-router", "x"])
+    assert extras == ["--sglang-router", "x"] and not hasattr(args, "engines.sglang_router_policy")
+
+
+def test_help_shows_value_kinds_not_config_paths_and_a_short_usage():
+    out = subprocess.run([sys.executable, "-m", "polyrl", "train", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("usage: polyrl train [options]\n")
+    assert "--rollout-batch-size N" in out and "--hf-checkpoint PATH" in out and "--rm-url URL" in out
+    assert "ROLLOUT." not in out and "MODEL." not in out and "_" not in out.split("\n", 1)[0]
