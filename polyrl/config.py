@@ -523,7 +523,7 @@ def _metavar(name: str, tp: type) -> str:
     if tp is int:
         return "BYTES" if name.endswith(("_bytes", "_buffer_size")) else "N"
     if tp is float:
-        if name.endswith(("timeout", "_interval")):
+        if name.endswith(("timeout", "_interval", "_s")):
             return "SECONDS"
         return "MS" if name.endswith("_ms") else "X"
     if name.endswith("_path"):
@@ -534,7 +534,7 @@ def _metavar(name: str, tp: type) -> str:
         return "ADDRESS"
     if name in ("host", "api_key"):
         return name.split("_")[-1].upper()
-    if name in ("save", "load") or name.endswith(("_data", "_load", "_checkpoint", "_dir", "_hf")):
+    if name in ("save", "load") or name.endswith(("_data", "_load", "_checkpoint", "_dir", "_dirs", "_hf", "_file")):
         return "PATH"
     if name.endswith("_config"):
         return "KEY=VALUE"
