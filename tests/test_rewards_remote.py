@@ -7,11 +7,11 @@ Every request loop here is bounded in count (the server counts requests per path
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -19,6 +19,7 @@ import pytest
 from polyrl.cli import main
 from polyrl.rewards import RewardManager
 from polyrl.rewards.remote import RemoteRewardModel
+from polyrl.rollout.http_client import EngineHTTPError
 from polyrl.types import Sample
 
 
@@ -27,10 +28,15 @@ def digits_reward(response: str) -> float:
 
 
 class RewardServer:
-    def __init__(self, slow_s: float = 3.0, work_s: float = 0.0):
+    def __init__(self, slow_s: float = 60.0, work_s: float = 0.0, pair: bool = False):
         self.slow_s, self.work_s = slow_s, work_s
         self.counts: dict[str, int] = {}
         self.in_flight = self.max_in_flight = 0
+        # pair: the first request waits (bounded) until a second one is in flight, so a client that may send two at
+        # once is seen doing so whatever the machine's load, and one that sends one at a time is seen too
+        self.paired = threading.Event()
+        if not pair:
+            self.paired.set()
         self.bodies: list[dict] = []
         self.lock, self.stopping = threading.Lock(), threading.Event()
         srv = self
@@ -47,7 +53,10 @@ class RewardServer:
                     srv.in_flight += 1
                     srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
                     srv.bodies.append(body)
+                    if srv.in_flight >= 2:
+                        srv.paired.set()
                 try:
+                    srv.paired.wait(10)
                     srv.stopping.wait(srv.work_s)
                     rewards = [digits_reward(r) for r in body["responses"]]
                     status = 200
@@ -97,6 +106,17 @@ def server():
     srv.stop()
 
 
+def bounded(fn, what: str, limit_s: float = 30.0):
+    """fn() on a daemon thread, failing with `what` if it has not returned within limit_s (a bound on a wait that a
+    broken timeout would make last a minute, not a claim about speed)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert out, f"{what} did not return within {limit_s:g} s"
+    return out[0]
+
+
 def samples(n: int) -> list[Sample]:
     return [Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop", group_index=i // 2,
                    prompt=f"p{i}", response="1" * (i % 9), label=str(i), metadata={"i": i}) for i in range(n)]
@@ -124,43 +144,59 @@ def test_batches_carry_the_documented_payload_and_rewards_come_back_in_order(ser
 
 
 def test_concurrency_is_bounded_by_rm_max_concurrency():
-    srv = RewardServer(work_s=0.15)
+    # the first request is held until a second arrives (so 2 at once is reached), and each is held 0.15 s more, so a
+    # client that sent more than 2 at once would have them overlap on the server and count above 2
+    srv = RewardServer(work_s=0.15, pair=True)
     rm = manager(srv.url + "/score", batch_size=1, max_concurrency=2)
     try:
-        t = time.perf_counter()
         rm.score(samples(8))
-        elapsed = time.perf_counter() - t
     finally:
         rm.close()
         srv.stop()
     assert srv.counts == {"/score": 8} and srv.max_in_flight == 2
-    assert 4 * 0.15 <= elapsed < 10  # 8 requests, 2 at a time
 
 
-def test_slow_answers_time_out_are_retried_then_score_zero(server, caplog):
-    rm, ss = manager(server.url + "/slow", timeout=0.3, retries=1), samples(6)
-    t = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="polyrl.rewards.remote"):
-        m = rm.score(ss)
-    elapsed = time.perf_counter() - t
-    rm.close()
+def test_slow_answers_time_out_are_retried_then_score_zero(caplog):
+    # /slow answers after 60 s (at once when the server stops): a client that waited for the answer instead of its
+    # 0.3 s --rm-timeout would not return within the 30 s bound
+    srv = RewardServer()
+    rm, ss = manager(srv.url + "/slow", timeout=0.3, retries=1), samples(6)
+    try:
+        with caplog.at_level(logging.WARNING, logger="polyrl.rewards.remote"):
+            m = bounded(lambda: rm.score(ss), "scoring against a server that answers after 60 s")
+    finally:
+        rm.close()
+        srv.stop()
     assert all(s.reward == 0.0 for s in ss)
     assert (m["reward/errors"], m["reward/remote_failures"], m["reward/remote_retries"]) == (6, 2, 2)
-    assert server.counts == {"/slow": 4}  # 2 batches x (1 try + 1 retry)
-    assert elapsed < 2 * 0.3 + 2.0  # both batches at once, each 2 x --rm-timeout, far below the server's 3 s
+    assert srv.counts == {"/slow": 4}  # 2 batches x (1 try + 1 retry)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1 and "failed after 1 retries" in logged[0] and "no answer within 0.3 s" in logged[0]
 
 
-def test_http_500_is_retried_with_backoff_then_counted(server):
+class _SleepRecorder:
+    """The asyncio module as polyrl.rewards.remote sees it, with every sleep's length recorded (the backoffs)."""
+
+    def __init__(self):
+        self.sleeps: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay, *args):
+        self.sleeps.append(delay)
+        return await asyncio.sleep(delay, *args)
+
+
+def test_http_500_is_retried_with_backoff_then_counted(server, monkeypatch):
+    import polyrl.rewards.remote as remote
+    recorder = _SleepRecorder()
+    monkeypatch.setattr(remote, "asyncio", recorder)
     rm, ss = manager(server.url + "/error", retries=2, backoff_s=0.05), samples(4)
-    t = time.perf_counter()
-    m = rm.score(ss)
-    elapsed = time.perf_counter() - t
+    m = bounded(lambda: rm.score(ss), "scoring against a server that answers HTTP 500")
     rm.close()
     assert server.counts == {"/error": 6}  # 2 batches x 3 attempts
-    assert elapsed >= 0.05 + 0.1  # the backoff doubles: 0.05 s, then 0.1 s
-    assert elapsed < 5
+    assert sorted(recorder.sleeps) == [0.05, 0.05, 0.1, 0.1]  # per batch, the backoff doubles: 0.05 s, then 0.1 s
     assert (m["reward/errors"], m["reward/remote_failures"], m["reward/remote_retries"]) == (4, 2, 4)
     assert m["reward/mean"] == 0.0 and rm.errors_total == 4
 
@@ -195,10 +231,12 @@ def test_a_server_that_is_not_there_fails_fast():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rm, ss = manager(f"127.0.0.1:{port}/score", retries=1), samples(3)
-    t = time.perf_counter()
+    values, failures, retried = bounded(lambda: rm.remote.score(ss), "scoring against a closed port")
     m = rm.score(ss)
     rm.close()
-    assert time.perf_counter() - t < 5 and m["reward/remote_failures"] == 1 and m["reward/errors"] == 3
+    assert (failures, retried) == (1, 1) and m["reward/remote_failures"] == 1 and m["reward/errors"] == 3
+    # refused at connect, not waited for until the 5 s --rm-timeout: the error names the connection, not a timeout
+    assert all(isinstance(v, EngineHTTPError) and v.status is None and "no answer within" not in str(v) for v in values)
 
 
 def test_train_with_rm_url_two_steps(server, tiny_model, arith_data, tmp_path):
