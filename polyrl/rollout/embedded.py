@@ -5,7 +5,8 @@ reasons, and finished rows leave the batch so long tails don't pay for short one
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Sequence
+import warnings
+from typing import Callable, Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -17,6 +18,11 @@ from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# transformers 5 warns on every forward given `past_key_values` (it prefers `cache`), in every process, at each decode
+# step; the decode loop passes the name every supported transformers version takes. A filter on that one message:
+# catch_warnings around the call would race between a server's threads.
+warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", category=FutureWarning)
 
 
 class EmbeddedEngine(InProcessEngine):
@@ -66,7 +72,10 @@ class EmbeddedEngine(InProcessEngine):
         return self.routing is not None
 
     # ---- generation ---------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[int], bool] | None = None) -> list[Sample]:
+        """should_stop(prompt index): asked between decode steps; True drops that prompt's rows (finish reason
+        "abort", the tokens so far kept), so an aborted or expired server request stops costing compute."""
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         # (prompt index, prompt, sample seed): each sample draws from its own counter-based stream (the GPU path's
         # scheme), so a sample does not depend on the batch it ran in, nor on which server ran it
@@ -75,14 +84,15 @@ class EmbeddedEngine(InProcessEngine):
         out: list[Sample] = []
         try:
             for s in range(0, len(flat), step):
-                out.extend(self._generate_batch(flat[s:s + step], params))
+                out.extend(self._generate_batch(flat[s:s + step], params, should_stop))
         finally:
             if self.routing is not None:  # a failed request must not leave its route recording armed
                 self.routing.end()
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, flat: list[tuple[int, list[int], int]], sp: SamplingParams) -> list[Sample]:
+    def _generate_batch(self, flat: list[tuple[int, list[int], int]], sp: SamplingParams,
+                        should_stop: Callable[[int], bool] | None = None) -> list[Sample]:
         B = len(flat)
         lens = [len(p) for _, p, _ in flat]
         P = max(lens)
@@ -135,6 +145,11 @@ class EmbeddedEngine(InProcessEngine):
                 elif sp.stop and self._hit_stop_string(responses[r], sp.stop):
                     finish[r] = "stop"
                     done_l[j] = True
+            if should_stop is not None:
+                for j, r in enumerate(rows.tolist()):
+                    if not done_l[j] and should_stop(flat[r][0]):
+                        finish[r] = "abort"
+                        done_l[j] = True
             keep = [j for j, d in enumerate(done_l) if not d]
             if not keep or t == sp.max_new_tokens - 1:
                 break

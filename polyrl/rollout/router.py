@@ -7,7 +7,9 @@ What the router asks of each worker (sglang-router 0.3.2, seen in front of `poly
 registration GET /health (no key), GET /server_info and GET /model_info (with the key); then
 GET /health every --health-check-interval-secs; with --policy power_of_two, GET /get_load every
 second (it reads {"load": int}). With --api-key it sends `Authorization: Bearer KEY` to the
-workers and requires the same header from its own clients.
+workers and requires the same header from its own clients. Its key never appears on its command line
+(readable by every local user): sglang-router takes it only as a flag, so the router runs through this
+module's entry point, which reads it from POLYRL_API_KEY and hands it to sglang-router in-process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+API_KEY_ENV = "POLYRL_API_KEY"
 ROUTER_HINT = "--use-sglang-router needs the sglang-router package: pip install sglang-router (or pip install 'polyrl[sglang]')"
 
 
@@ -110,15 +113,18 @@ def launch_router(worker_urls: list[str], *, log_path: str, policy: str = "cache
     if importlib.util.find_spec("sglang_router") is None:
         raise ImportError(ROUTER_HINT)
     port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+    cmd = [sys.executable, "-m", "polyrl.rollout.router", "--worker-urls", *worker_urls, "--policy", policy,
            "--host", "127.0.0.1", "--port", str(port),
            # its metrics endpoint defaults to 0.0.0.0:29000: loopback, and a port of its own per router
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
            "--worker-startup-timeout-secs", str(max(1, int(timeout))), "--worker-startup-check-interval", "1",
-           *(["--api-key", api_key] if api_key else []), *extra_args]
+           *extra_args]
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if api_key:
+        env[API_KEY_ENV] = api_key
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                      start_new_session=True)  # Ctrl-C reaches the trainer, which stops it in order
     router = Router(f"http://127.0.0.1:{port}", proc, log_path)
     try:
@@ -163,3 +169,15 @@ def _wait_ready(router: Router, worker_urls: list[str], api_key: str | None, tim
             raise RuntimeError(f"{router.name} was not ready within {timeout:.0f} s ({last}); last log lines:\n"
                                f"{router.tail()}")
         time.sleep(0.2)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m polyrl.rollout.router ARGS`: sglang-router's launch_router with ARGS, plus --api-key from
+    POLYRL_API_KEY when set (so the key is in this process's memory, not its command line)."""
+    from sglang_router.launch_router import launch_router as run_router, parse_router_args
+    key = os.environ.pop(API_KEY_ENV, None)
+    run_router(parse_router_args(list(argv) + (["--api-key", key] if key else [])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -12,11 +12,15 @@ batch waits for the whole next call. Every prompt carries its own seed (`samplin
 one), and sample j of a prompt with seed s is sampled from stream (s, j) (polyrl.rollout.sampling),
 so results never depend on the batch or the server that ran them.
 
-Security: binds 127.0.0.1 unless --host says otherwise; with --api-key every endpoint but /health
-needs `Authorization: Bearer KEY`; endpoints that change weights or memory refuse (403) on a
-non-loopback address without a key; request bodies are JSON objects only (415), at most
---max-request-bytes (413); past --max-running-requests /generate answers 503; a bad request
-gets a 4xx with a message. Nothing is ever unpickled.
+Security (docs/security.md): binds 127.0.0.1 unless --host says otherwise; a non-loopback --host
+without a key refuses to start unless --allow-unauthenticated-host; with a key (--api-key,
+--api-key-file or POLYRL_API_KEY) every endpoint but /health needs `Authorization: Bearer KEY`;
+without one, off loopback only generation and read-only status answer. /update_weights_from_disk
+reads only under --allowed-weight-dirs. Request bodies are JSON objects only (415), at most
+--max-request-bytes (413); work per request is bounded (--max-prompts-per-request, --max-n,
+max_new_tokens cut to the model's context, --request-timeout-s) and so is work in flight
+(--max-running-requests samples; past it 429 with Retry-After); a bad request gets a 4xx with a
+message. Nothing is ever unpickled.
 
 Deviations from SGLang (beyond features the engine lacks, which answer 400 when asked for):
 - /get_weights_by_name also takes `"return_format": "sha256"` (the digest of the whole tensor's
@@ -47,7 +51,8 @@ from typing import Any, Callable
 import torch
 from aiohttp import web
 
-from polyrl.config import Config, ServerConfig
+from polyrl.config import Config, ConfigError, ServerConfig
+from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import (WeightReceiver, digest, dtype_from_name, dtype_name, encode_tensor,
                                             is_loopback)
@@ -56,10 +61,12 @@ log = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT = 20.0  # SGLang's: /health_generate fails when nothing was generated for this long
 WEIGHT_SYNC_TIMEOUT = 600.0  # a receive waits at most this long for the trainer's broadcast
-# change weights or memory: refused on a non-loopback address without --api-key
-ADMIN_PATHS = frozenset({"/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-                         "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
-                         "/resume_memory_occupation"})
+API_KEY_ENV = "POLYRL_API_KEY"  # how a parent process hands a server its key (never on the command line)
+# what a non-loopback server without a key (--allow-unauthenticated-host) still answers: generation and status
+OPEN_WITHOUT_KEY = frozenset({"/health", "/health_generate", "/generate", "/get_load", "/get_weight_version",
+                              "/get_model_info", "/model_info"})
+# safetensors dtypes a weight file may hold (the engine casts them to its own dtype)
+WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # SGLang sampling parameters the engine implements, with SGLang's defaults (None = the default)
 SAMPLING_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
                      "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False}
@@ -92,9 +99,9 @@ _DROP_MALFORMED_HTTP = _DropMalformedHTTP()
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers
 
 
 def bad(message: str) -> HTTPError:
@@ -167,7 +174,7 @@ class Item:
     out: OutSettings
     seed: int
     rid: str
-    future: asyncio.Future
+    future: asyncio.Future  # done (answered, aborted, past its deadline, client gone): the engine stops its rows
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -213,9 +220,10 @@ class EngineServer:
         self.tokenizer = engine.tokenizer
         self.hf_config = hf = AutoConfig.from_pretrained(model_path)
         self.vocab_size = hf.vocab_size
-        # the engine's own limit (the GPU path's positions); the transformers path has none, and a server
-        # must not refuse what the embedded engine it stands in for would generate
-        self.max_len = getattr(engine, "max_len", None)
+        # the context: the GPU path's positions, else the model's; max_new_tokens is cut to what a prompt leaves of it
+        self.max_len = getattr(engine, "max_len", None) or getattr(hf.get_text_config(), "max_position_embeddings", None)
+        self.cancellable = isinstance(engine, EmbeddedEngine)  # the transformers path stops a row between decode steps
+        self.allowed_dirs = [os.path.realpath(d) for d in cfg.allowed_weight_dirs]
         self.weight_shapes = engine.weight_shapes()
         self.eos_id = self.tokenizer.eos_token_id
         self.weight_version = "0"
@@ -226,14 +234,16 @@ class EngineServer:
         self.receiver = WeightReceiver(getattr(engine, "device", torch.device("cpu")))
         self._pending: list[Item] = []
         self._running: list[Item] = []
-        self._inflight = 0  # /generate requests queued or running
+        self._inflight = 0  # samples (prompts x n) of /generate requests queued or running
+        self._health_item: Item | None = None  # the one /health_generate probe queued at a time
         self._paused = False
         self._asleep = False
         self._work: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._last_progress = 0.0
         self._last_call_s = 0.0  # how long the last engine call took
-        self.stats = {"engine_calls": 0, "prompts": 0, "requests": 0}
+        self.stats = {"engine_calls": 0, "prompts": 0, "requests": 0, "rejected_busy": 0, "aborted": 0,
+                      "deadline_aborts": 0, "disconnects": 0, "clamped": 0}
         self.app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[self._guard])
         r = self.app.router
         r.add_route("POST", "/generate", self.generate)
@@ -279,12 +289,12 @@ class EngineServer:
                 got = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(got, f"Bearer {self.cfg.api_key}".encode()):
                     raise HTTPError(401, "Unauthorized: this server needs 'Authorization: Bearer <api key>'")
-            if request.path in ADMIN_PATHS and not self.cfg.api_key and not self.loopback:
-                raise HTTPError(403, f"{request.path} changes the server's weights or memory; on a non-loopback address "
-                                     "(--host) it needs --api-key")
+            if not self.cfg.api_key and not self.loopback and request.path not in OPEN_WITHOUT_KEY:
+                raise HTTPError(403, f"{request.path} is refused on a non-loopback address (--host) without an API key; "
+                                     "start the server with --api-key-file (or --api-key)")
             return await handler(request)
         except HTTPError as e:
-            return web.json_response({"error": {"message": str(e)}}, status=e.status)
+            return web.json_response({"error": {"message": str(e)}}, status=e.status, headers=e.headers)
         except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 (body over --max-request-bytes)
             if e.status < 400:
                 raise
@@ -346,20 +356,36 @@ class EngineServer:
         if body.get("routed_experts_start_len") not in (None, 0):
             raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")
         rids = self._rids(body.get("rid"), B, single)
-        if self._inflight >= self.cfg.max_running_requests:
-            raise HTTPError(503, f"server busy: {self._inflight} requests queued or running (--max-running-requests "
-                                 f"{self.cfg.max_running_requests}); retry later")
+        samples, cap = B * n, self.cfg.max_running_requests
+        if samples > cap:
+            raise bad(f"{B} prompts x n={n} = {samples} samples can never fit --max-running-requests {cap}")
+        if self._inflight + samples > cap:  # full: the client waits and asks again; nothing queues past the cap
+            self.stats["rejected_busy"] += 1
+            retry = max(1, min(60, round(self._last_call_s + 0.5)))
+            raise HTTPError(429, f"server busy: {self._inflight} samples queued or running, {samples} more would pass "
+                                 f"--max-running-requests {cap}; retry after {retry} s", {"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
         items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future())
                  for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
-        self._inflight += 1
+        self._inflight += samples
         self.stats["requests"] += 1
+        futs = [it.future for it in items]
         try:
             self._pending.extend(items)
             self._work.set()
-            results = await asyncio.gather(*(it.future for it in items))
+            _, late = await asyncio.wait(futs, timeout=self.cfg.request_timeout_s)
+            if late:
+                ids = {id(it) for it in items}
+                self.stats["deadline_aborts"] += self._abort(
+                    lambda it: id(it) in ids, f"request deadline passed (--request-timeout-s {self.cfg.request_timeout_s:g})")
+            results = [f.result() for f in futs]
+        except asyncio.CancelledError:  # the client hung up: its rows stop at the engine's next decode step
+            self.stats["disconnects"] += 1
+            for f in futs:
+                f.cancel()
+            raise
         finally:
-            self._inflight -= 1
+            self._inflight -= samples
         outs = []
         for it, res in zip(items, results):
             for j, o in enumerate(res):
@@ -371,6 +397,10 @@ class EngineServer:
         """(prompts as token ids, whether the request was a single prompt)."""
         if (body.get("text") is None) == (body.get("input_ids") is None):
             raise bad("give exactly one of 'text' and 'input_ids'")
+        given = body.get("text") if body.get("text") is not None else body["input_ids"]
+        if isinstance(given, list) and given and not isinstance(given[0], int) and len(given) > self.cfg.max_prompts_per_request:
+            raise bad(f"{len(given)} prompts in one request; at most --max-prompts-per-request "
+                      f"{self.cfg.max_prompts_per_request}")
         if body.get("text") is not None:
             text = body["text"]
             if isinstance(text, str):
@@ -393,6 +423,9 @@ class EngineServer:
                 raise bad(f"prompt {i} is empty")
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise bad(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+            if self.max_len and len(p) >= self.max_len:
+                raise bad(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_len} tokens, which leaves "
+                          "no room for a new one")
         return prompts, single
 
     def _sampling(self, sp: dict, prompt: list[int]) -> tuple[GenSettings, tuple[bool, bool], int]:
@@ -404,18 +437,15 @@ class EngineServer:
             elif k not in SAMPLING_DEFAULTS:
                 raise bad(f"unknown sampling parameter {k!r}")
         d = SAMPLING_DEFAULTS
-        mnt = _field(sp, "max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", None)
-        if self.max_len and len(prompt) >= self.max_len:
-            raise bad(f"the prompt ({len(prompt)} tokens) leaves no room in the model's {self.max_len} positions")
-        if mnt is None:  # SGLang's default, cut to what the context has left (as SGLang's scheduler does)
-            mnt = min(d["max_new_tokens"], self.max_len - len(prompt)) if self.max_len else d["max_new_tokens"]
-        elif self.max_len and len(prompt) + mnt > self.max_len:
-            raise bad(f"{len(prompt)} prompt tokens + {mnt} new tokens exceed the model's {self.max_len} positions")
+        mnt = _field(sp, "max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", d["max_new_tokens"])
+        if self.max_len and len(prompt) + mnt > self.max_len:  # cut to what the context leaves, as SGLang's scheduler does
+            mnt = self.max_len - len(prompt)
+            self.stats["clamped"] += 1
         temp = _field(sp, "temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0", d["temperature"])
         top_p = _field(sp, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", d["top_p"])
         top_k = _field(sp, "top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 or an int >= 1", d["top_k"])
-        n = _field(sp, "n", lambda v: _is_int(v) and 1 <= v <= self.cfg.max_running_requests,
-                   f"an int in [1, {self.cfg.max_running_requests}]", d["n"])
+        n = _field(sp, "n", lambda v: _is_int(v) and 1 <= v <= self.cfg.max_n, f"an int in [1, {self.cfg.max_n}] (--max-n)",
+                   d["n"])
         stop = _field(sp, "stop", lambda v: isinstance(v, str) or _str_list(v), "a string or a list of strings", [])
         stop = [stop] if isinstance(stop, str) else stop
         stop_ids = _field(sp, "stop_token_ids", _int_list, "a list of token ids", [])
@@ -497,7 +527,9 @@ class EngineServer:
                             prompt_seeds=[it.seed for it in batch],
                             return_routed_experts=any(it.out.return_routed_experts for it in batch))
         version = self.weight_version
-        samples = self.engine.generate([it.prompt for it in batch], sp)
+        # an item answered already (aborted, past its deadline, its client gone) needs no more tokens
+        stop = {"should_stop": lambda i: batch[i].future.done()} if self.cancellable else {}
+        samples = self.engine.generate([it.prompt for it in batch], sp, **stop)
         self.stats["engine_calls"] += 1
         self.stats["prompts"] += len(batch)
         now = time.perf_counter()
@@ -534,13 +566,14 @@ class EngineServer:
         n = 0
         for it in self._pending + self._running:
             if which(it) and not it.future.done():
-                # SGLang answers an aborted request with what it has and finish_reason abort; a running
-                # engine call cannot be cut short, so its result for this item is dropped when it comes
+                # SGLang answers an aborted request with finish_reason abort; a running call on the transformers path
+                # drops the item's rows at its next decode step (should_stop), the GPU path's finishes and is dropped
                 it.future.set_result([{"text": "", "output_ids": [], "meta_info": {
                     "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": len(it.prompt),
                     "completion_tokens": 0, "cached_tokens": 0, "weight_version": self.weight_version,
                     "e2e_latency": time.perf_counter() - it.t0}} for _ in range(it.gen.n)])
                 n += 1
+        self.stats["aborted"] += n
         return n
 
     # ---- small endpoints ----------------------------------------------------------------------------------
@@ -550,12 +583,14 @@ class EngineServer:
     async def health_generate(self, request):
         """SGLang's: healthy when a 1-token generation completes (or any engine call finishes) within 20 s."""
         tic = time.monotonic()
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append(Item([0], GenSettings(0.0, 1.0, -1, 1, (), (), 1), OutSettings(True, False, False, False),
-                                  0, f"HEALTH_CHECK_{uuid.uuid4().hex}", fut))
-        self._work.set()
+        if self._health_item is None or self._health_item.future.done():  # one probe queued, however many ask
+            self._health_item = Item([0], GenSettings(0.0, 1.0, -1, 1, (), (), 1), OutSettings(True, False, False, False),
+                                     0, f"HEALTH_CHECK_{uuid.uuid4().hex}", asyncio.get_running_loop().create_future())
+            self._pending.append(self._health_item)
+            self._work.set()
+        fut = self._health_item.future
         while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT:
-            if fut.done() or self._last_progress > tic:
+            if (fut.done() and not fut.cancelled()) or self._last_progress > tic:
                 if not fut.done():
                     fut.cancel()  # it would only repeat what the finished call proved
                 return web.Response(status=200)
@@ -743,35 +778,80 @@ class EngineServer:
         body = await self._body(request)
         path = _field(body, "model_path", lambda v: isinstance(v, str) and v != "", "a directory path", required=True)
         version = _field(body, "weight_version", lambda v: isinstance(v, str), "a string", None)
-        if not os.path.isdir(path):
-            raise bad(f"model_path {path!r} is not a directory on this server")
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise bad(f"{path} has no *.safetensors files (pickled checkpoints such as .bin are refused)")
+        files = self._weight_files(path)
+        header_check = await asyncio.to_thread(self._check_safetensors_headers, files)
+        if header_check:
+            raise bad(f"model_path {path!r}: {header_check}")
         if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
             self._abort(lambda it: True, "aborted by a weight update")
-        weights = await self._engine.run(self._read_safetensors, [os.path.join(path, f) for f in files])
+        weights = await self._engine.run(self._read_safetensors, files)
         await self._load(weights, version)
         self.model_path = path
         return self._json({"success": True, "message": f"Succeeded to update model weights from {path}.",
                            "num_paused_requests": 0})
+
+    def _weight_files(self, path: str) -> list[str]:
+        """The *.safetensors files of `path`, resolved (symlinks followed), each under --allowed-weight-dirs. A path
+        that does not exist and one outside the allowed directories get the same answer: it tells nothing of the disk."""
+        if not self.allowed_dirs:
+            raise HTTPError(403, "/update_weights_from_disk is refused: this server was started without "
+                                 "--allowed-weight-dirs")
+        refused = HTTPError(403, f"model_path {path!r} is not a directory of *.safetensors files under "
+                                 "--allowed-weight-dirs")
+
+        def allowed(p: str) -> bool:
+            return any(os.path.commonpath([p, d]) == d for d in self.allowed_dirs)
+
+        real = os.path.realpath(path)
+        if not allowed(real) or not os.path.isdir(real):
+            raise refused
+        try:
+            names = sorted(f for f in os.listdir(real) if f.endswith(".safetensors"))
+        except OSError:
+            raise refused from None
+        files = [os.path.realpath(os.path.join(real, f)) for f in names]
+        if not files or not all(allowed(f) and os.path.isfile(f) for f in files):
+            raise refused
+        return files
+
+    def _check_safetensors_headers(self, files: list[str]) -> str | None:
+        """Names, dtypes and shapes from the files' headers, before any tensor is read: what is wrong, or None."""
+        from safetensors import safe_open
+        seen: set[str] = set()
+        for f in files:
+            try:
+                with safe_open(f, framework="pt", device="cpu") as st:
+                    for n in st.keys():
+                        sl = st.get_slice(n)
+                        shape, dt = list(sl.get_shape()), sl.get_dtype()
+                        want = self.weight_shapes.get(n)
+                        if want is None:
+                            return f"{os.path.basename(f)} holds {n!r}, which this model does not have"
+                        if n in seen:
+                            return f"{n!r} appears in more than one file"
+                        if tuple(shape) != want:
+                            return f"{n}: shape {shape} in {os.path.basename(f)}, the model's is {list(want)}"
+                        if dt not in WEIGHT_FILE_DTYPES:
+                            return f"{n}: dtype {dt} in {os.path.basename(f)}; expected one of {sorted(WEIGHT_FILE_DTYPES)}"
+                        seen.add(n)
+            except Exception as e:  # a truncated or foreign file: safetensors cannot parse its header
+                return f"{os.path.basename(f)} is not a readable safetensors file ({type(e).__name__}: {e})"
+        return None
 
     def _read_safetensors(self, files: list[str]) -> list[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
         out = []
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
-                for n in st.keys():
-                    t = st.get_tensor(n)
-                    self._check_weights([n], [list(t.shape)])
-                    out.append((n, t))
+                out.extend((n, st.get_tensor(n)) for n in st.keys())
         return out
 
     # ---- running ----------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Bind and serve; returns the base URL (with the real port when --port 0)."""
         logging.getLogger("aiohttp.server").addFilter(_DROP_MALFORMED_HTTP)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts its items
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
@@ -803,16 +883,45 @@ class ServerThread:
         self.loop.close()
 
 
+def read_key_file(path: str, flag: str) -> str:
+    """The first line of a key file; a missing, unreadable or empty file is a ConfigError naming `flag`."""
+    try:
+        with open(path) as f:
+            key = f.readline().strip()
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    if not key:
+        raise ConfigError(f"{flag} {path}: the file is empty (its first line is the key)")
+    if mode & 0o077:
+        log.warning("%s %s can be read by other users (mode %o); chmod 600 it", flag, path, mode & 0o777)
+    return key
+
+
+def resolve_api_key(s: ServerConfig) -> str | None:
+    """--api-key, else --api-key-file, else the POLYRL_API_KEY environment variable (how polyrl train hands it over)."""
+    if s.api_key and s.api_key_file:
+        raise ConfigError("--api-key and --api-key-file are alternatives; give one")
+    if s.api_key_file:
+        return read_key_file(s.api_key_file, "--api-key-file")
+    return s.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def serve(cfg: Config) -> int:
     """`polyrl serve`: load the engine, listen, print one line with the address, serve until SIGTERM / SIGINT."""
     from polyrl.rollout.embedded import EmbeddedEngine
     from polyrl.runtime import resolve_device
 
-    device = resolve_device(cfg)
     s = cfg.server
+    s.api_key = resolve_api_key(s)  # before the model loads: a refused start costs nothing
     if not is_loopback(s.host) and not s.api_key:
-        log.warning("polyrl serve: listening on %s without --api-key: anyone who can reach it can generate; weight and "
-                    "memory endpoints are refused", s.host)
+        if not s.allow_unauthenticated_host:
+            raise ConfigError(f"--host {s.host} is not a loopback address: give the server a key (--api-key-file PATH, "
+                              f"--api-key, or the {API_KEY_ENV} environment variable), or pass "
+                              "--allow-unauthenticated-host to let anyone who reaches the port generate")
+        log.warning("polyrl serve: --allow-unauthenticated-host: listening on %s WITHOUT an API key; anyone who can "
+                    "reach it can generate (weight, memory and control endpoints are refused)", s.host)
+    device = resolve_device(cfg)
     engine = EmbeddedEngine.from_config(cfg, device)
     server = EngineServer(engine, s, model_path=cfg.model.hf_checkpoint, seed=cfg.cluster.seed, device=device)
 

@@ -35,19 +35,29 @@ LOGPROB_TOL = 1e-4
 class CountingEngine(EmbeddedEngine):
     """The embedded engine, counting generate calls and the prompts in each."""
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, should_stop=None):
         self.calls.append(len(prompts))
-        return super().generate(prompts, params)
+        return super().generate(prompts, params, should_stop)
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll a server-side state (queue lengths, counters) until it holds; the timeout only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_model):
+def srv(tiny_model, tmp_path_factory):
     eng = CountingEngine(tiny_model, dtype=torch.float32)
     eng.calls = []
-    st = ServerThread(eng, ServerConfig(port=0, api_key=KEY, max_request_bytes=1 << 20, batch_wait_ms=5),
+    weights = tmp_path_factory.mktemp("allowed_weights")
+    st = ServerThread(eng, ServerConfig(port=0, api_key=KEY, max_request_bytes=1 << 20, batch_wait_ms=5,
+                                        allowed_weight_dirs=[str(weights)]),
                       model_path=tiny_model, seed=0)
     http = HTTPClient(api_key=KEY)
-    st.http, st.engine = http, eng
+    st.http, st.engine, st.weights_dir = http, eng, weights
     try:
         yield st
     finally:
@@ -143,12 +153,14 @@ def test_generate_equals_the_embedded_engine_with_the_same_prompt_seeds(srv, ref
 
 def test_concurrent_requests_are_batched(srv, ref):
     ps = prompts(ref.tokenizer, 32)
+    call(srv, "/pause_generation", {"mode": "in_place"})  # the 32 requests queue while paused, whatever their timing
     srv.engine.calls.clear()
     futs = [srv.http.call_async(srv.url, "/generate", {"input_ids": p, "sampling_params": {
         "max_new_tokens": 6, "sampling_seed": i}}, timeout=60) for i, p in enumerate(ps)]
+    wait_for(lambda: len(srv.server._pending) == 32, "32 queued prompts")
+    call(srv, "/continue_generation", {})
     outs = [f.result(65) for f in futs]
-    assert len(outs) == 32 and sum(srv.engine.calls) == 32
-    assert len(srv.engine.calls) <= 4, srv.engine.calls  # 32 requests, a handful of engine calls
+    assert len(outs) == 32 and srv.engine.calls == [32]  # one sampling setting: one engine call for all of them
     # and a request with the same seed gives the same tokens whatever batch it lands in
     alone = call(srv, "/generate", {"input_ids": ps[3], "sampling_params": {"max_new_tokens": 6, "sampling_seed": 3}})
     assert alone["output_ids"] == outs[3]["output_ids"]
@@ -197,7 +209,6 @@ def test_other_bad_requests(srv):
                                                             "world_size": 2, "rank_offset": 5, "backend": "gloo"}, "rank_offset"),
                             ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2,
                                                             "rank_offset": 1, "backend": "nccl"}, "nccl needs CUDA"),
-                            ("/update_weights_from_disk", {"model_path": "/no/such/dir"}, "not a directory"),
                             ("/update_weight_version", {}, "new_version"),
                             ("/abort_request", {"rid": 5}, "'rid'")):
         with pytest.raises(EngineHTTPError, match=msg) as e:
@@ -206,43 +217,66 @@ def test_other_bad_requests(srv):
     assert call(srv, "/health_generate") == ""
 
 
-def test_health_needs_no_key_and_admin_endpoints_refuse_off_loopback_without_a_key(tiny_model, srv):
+def test_with_a_key_every_endpoint_but_health_needs_it(srv):
+    routes = {(r.method, r.resource.canonical) for r in srv.server.app.router.routes() if r.method != "HEAD"}
+    assert len(routes) >= 25 and ("POST", "/update_weights_from_disk") in routes
+    for method, path in sorted(routes - {("GET", "/health")}):
+        status, text = raw(srv, path, b"{}", {"Content-Type": "application/json", "Authorization": ""}, method=method)
+        assert status == 401 and "Unauthorized" in text, (method, path, status)
     assert raw(srv, "/health", headers={"Authorization": ""}, method="GET")[0] == 200
-    assert raw(srv, "/get_model_info", headers={"Authorization": ""}, method="GET")[0] == 401
-    st = ServerThread(srv.engine, ServerConfig(port=0), model_path=tiny_model)
+
+
+def test_off_loopback_without_a_key_only_generation_and_status_answer(tiny_model, srv):
+    st = ServerThread(srv.engine, ServerConfig(port=0, allow_unauthenticated_host=True), model_path=tiny_model)
     http = HTTPClient()
     try:
         st.server.loopback = False  # as if bound to a public address (the test stays on loopback)
-        with pytest.raises(EngineHTTPError, match="needs --api-key") as e:
-            http.call(st.url, "/update_weight_version", {"new_version": "9"}, timeout=10)
-        assert e.value.status == 403
-        with pytest.raises(EngineHTTPError) as e:
-            http.call(st.url, "/release_memory_occupation", {}, timeout=10)
-        assert e.value.status == 403
-        assert http.call(st.url, "/get_model_info", timeout=10)["is_generation"]  # the rest is open without a key
+        for path, body in (("/update_weight_version", {"new_version": "9"}), ("/release_memory_occupation", {}),
+                           ("/get_weights_by_name", {"name": "model.norm.weight", "return_format": "base64"}),
+                           ("/abort_request", {"abort_all": True}), ("/pause_generation", {}),
+                           ("/update_weights_from_disk", {"model_path": "/"}), ("/get_server_info", None)):
+            with pytest.raises(EngineHTTPError, match="without an API key") as e:
+                http.call(st.url, path, body, timeout=10)
+            assert e.value.status == 403, path
+        assert http.call(st.url, "/get_model_info", timeout=10)["is_generation"]
+        out = http.call(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        assert len(out["output_ids"]) >= 1
     finally:
         http.close()
         st.stop()
 
 
-def test_max_running_requests_gives_503(tiny_model, srv):
-    st = ServerThread(srv.engine, ServerConfig(port=0, max_running_requests=2), model_path=tiny_model)
+def test_max_running_requests_counts_samples_and_answers_429_with_retry_after(tiny_model, srv):
+    st = ServerThread(srv.engine, ServerConfig(port=0, max_running_requests=4), model_path=tiny_model)
     http = HTTPClient()
     try:
         http.call(st.url, "/pause_generation", {"mode": "in_place"}, timeout=10)  # requests queue while paused
-        futs = [http.call_async(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+        futs = [http.call_async(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "n": 2}},
                                 timeout=30) for _ in range(2)]
-        deadline = time.monotonic() + 10
-        while st.server._inflight < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with pytest.raises(EngineHTTPError, match="busy") as e:
-            http.call(st.url, "/generate", {"input_ids": [1, 2]}, timeout=10)
-        assert e.value.status == 503
+        wait_for(lambda: st.server._inflight == 4, "2 requests x n=2 in flight")
+        status, text, headers = raw_with_headers(st, "/generate", b'{"input_ids": [1, 2]}')
+        assert status == 429 and "--max-running-requests 4" in text and int(headers["Retry-After"]) >= 1
+        assert st.server.stats["rejected_busy"] == 1 and len(st.server._pending) == 2  # nothing queued past the cap
+        with pytest.raises(EngineHTTPError, match="can never fit") as e:  # more samples than the cap: never retryable
+            http.call(st.url, "/generate", {"input_ids": [[1, 2]] * 5}, timeout=10)
+        assert e.value.status == 400
         http.call(st.url, "/continue_generation", {}, timeout=10)
-        assert all(len(f.result(35)["output_ids"]) >= 1 for f in futs)
+        assert all(len(f.result(35)) == 2 for f in futs)
+        assert st.server._inflight == 0
     finally:
         http.close()
         st.stop()
+
+
+def raw_with_headers(st, path: str, body: bytes) -> tuple[int, str, dict]:
+    host, port = st.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace"), dict(r.getheaders())
+    finally:
+        conn.close()
 
 
 # ---- the other endpoints -------------------------------------------------------------------------------
@@ -264,12 +298,13 @@ def test_info_cache_load_and_version_endpoints(srv):
 
 def test_pause_abort_continue(srv):
     assert call(srv, "/pause_generation", {"mode": "in_place"})["status"] == "ok"
+    calls = srv.server.stats["engine_calls"]
     queued = srv.http.call_async(srv.url, "/generate", {"input_ids": [[1, 2], [3, 4]], "rid": "q",
                                                         "sampling_params": {"max_new_tokens": 2}}, timeout=30)
     other = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6], "rid": "keep",
                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=30)
-    time.sleep(0.3)
-    assert not queued.done() and not other.done()  # paused: nothing runs
+    wait_for(lambda: len(srv.server._pending) == 3, "3 queued prompts")
+    assert not queued.done() and not other.done() and srv.server.stats["engine_calls"] == calls  # paused: nothing runs
     assert call(srv, "/abort_request", {"rid": "q"}) == ""  # both of q's prompts (q_0, q_1)
     outs = queued.result(10)
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
@@ -279,7 +314,7 @@ def test_pause_abort_continue(srv):
     # pause in its default mode aborts what is queued; abort_all too
     call(srv, "/pause_generation", {})
     late = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6]}, timeout=30)
-    time.sleep(0.2)
+    wait_for(lambda: len(srv.server._pending) == 1, "the late request queued")
     call(srv, "/abort_request", {"abort_all": True})
     assert late.result(10)["meta_info"]["finish_reason"]["type"] == "abort"
     call(srv, "/continue_generation", {})
@@ -287,18 +322,21 @@ def test_pause_abort_continue(srv):
 
 def test_memory_release_and_resume(srv):
     assert call(srv, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}) is None
+    calls = srv.server.stats["engine_calls"]
     fut = srv.http.call_async(srv.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
                               timeout=30)
-    time.sleep(0.3)
-    assert not fut.done()  # generation waits for the memory to come back
+    wait_for(lambda: len(srv.server._pending) == 1, "the request queued")
+    assert not fut.done() and srv.server.stats["engine_calls"] == calls  # generation waits for the memory to come back
     assert call(srv, "/resume_memory_occupation", {}) is None
     assert len(fut.result(30)["output_ids"]) >= 1
     with pytest.raises(EngineHTTPError, match="tags"):
         call(srv, "/release_memory_occupation", {"tags": ["gpu"]})
 
 
-def test_weights_read_back_and_update_from_disk(srv, tiny_model, tmp_path):
+def test_weights_read_back_and_update_from_disk(srv, tiny_model):
     from safetensors.torch import save_file
+    tmp_path = srv.weights_dir / "update"
+    tmp_path.mkdir()
     name = "model.norm.weight"
     want = srv.engine.get_weight(name)
     assert torch.equal(decode_tensor(call(srv, "/get_weights_by_name", {"name": name, "return_format": "base64"})), want)
@@ -325,8 +363,8 @@ def test_weights_read_back_and_update_from_disk(srv, tiny_model, tmp_path):
 def test_weight_update_group_endpoints(srv):
     from polyrl.weight_sync.distributed import DistributedTransport
 
-    class Eng:  # the three members a transport uses
-        http, membership = srv.http, 0
+    class Eng:  # the members a transport uses when every push succeeds
+        http, membership, fault_tolerant = srv.http, 0, False
         pushed: list = []
 
         def weight_sync_urls(self):
@@ -441,8 +479,9 @@ def test_gpu_path_batched_requests_equal_direct_generate_and_memory_release(tmp_
                 for i, p in enumerate(ps)]
         got = [f.result(130) for f in futs]
         assert st.server.stats["engine_calls"] <= 4
-        with pytest.raises(EngineHTTPError, match="positions"):  # the GPU path's own limit, checked before batching
-            http.call(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**7}}, timeout=30)
+        # max_new_tokens is cut to what the context leaves (the GPU path's positions)
+        long = http.call(st.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**7}}, timeout=60)
+        assert long["meta_info"]["finish_reason"]["type"] in ("stop", "length") and len(long["output_ids"]) <= eng.max_len - 2
         free0 = torch.cuda.mem_get_info()[0]
         http.call(st.url, "/release_memory_occupation", {}, timeout=60)
         assert torch.cuda.mem_get_info()[0] > free0  # weights and KV cache left the GPU
