@@ -6,8 +6,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from polyrl.cli import main
+from conftest import hf_greedy
 
 REWARD = '''
 def digits(sample):
@@ -93,6 +95,8 @@ def test_eval_interval_save_hf_and_plot(base_args, tmp_path, arith_data):
 
 
 def test_sft_then_eval_from_checkpoint(tiny_model, arith_data, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     from polyrl.tasks.arithmetic import write_datasets
     paths = write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=8, carry_bug_rate=0.0)
     assert main(["sft", "--hf-checkpoint", tiny_model, "--prompt-data", paths["sft"], "--global-batch-size", "16",
@@ -103,9 +107,60 @@ def test_sft_then_eval_from_checkpoint(tiny_model, arith_data, tmp_path):
     assert main(["eval", "--hf-checkpoint", tiny_model, "--load", str(tmp_path / "ck"), "--eval-prompt-data", paths["eval"],
                  "--rm-type", "arithmetic", "--run-dir", str(tmp_path / "ev"), "--quiet"]) == 0
     ev = json.load(open(tmp_path / "ev" / "eval.json"))
-    assert ev["eval/n"] == 8 and 0.0 <= ev["eval/accuracy"] <= 1.0
     assert main(["export-hf", "--hf-checkpoint", tiny_model, "--load", str(tmp_path / "ck"), "--save-hf", str(tmp_path / "hf")]) == 0
-    assert os.path.isfile(tmp_path / "hf" / "config.json")
+    # the export holds the checkpoint's weights bit for bit (fp32 in both containers), every one of them
+    ckpt = _checkpoint_model_weights(str(tmp_path / "ck"))
+    exported = _safetensors(tmp_path / "hf")
+    assert exported and all(torch.equal(exported[k], ckpt[k]) for k in exported), [k for k in exported if k not in ckpt]
+    tied = {"lm_head.weight"} if AutoConfig.from_pretrained(str(tmp_path / "hf")).tie_word_embeddings else set()
+    assert set(ckpt) - set(exported) <= tied and any(not torch.equal(ckpt[k], base) for k, base in
+                                                     _safetensors(tiny_model).items())  # SFT moved the weights
+    # eval's figures recomputed without polyrl's engine: transformers' greedy continuation of each prompt from the
+    # exported (= checkpoint) weights, scored by the task's reward; eval/response_len pins every response's length too
+    from polyrl.data import encode_prompt, load_records
+    from polyrl.tasks.arithmetic import reward
+    from polyrl.types import Sample
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    correct, lengths, texts = 0, [], []
+    for rec in load_records(paths["eval"]):
+        ids = encode_prompt(tok, rec.prompt, apply_chat_template=False)
+        out = hf_greedy(model, ids, max_new_tokens=64, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)  # --rollout-max-response-len
+        texts.append(tok.decode(out, skip_special_tokens=True))
+        s = Sample(prompt_ids=ids, response_ids=out, rollout_logprobs=[0.0] * len(out), finish_reason="stop",
+                   response=texts[-1], label=rec.label)
+        correct += reward(s) > 0.5
+        lengths.append(len(out))
+    assert ev["eval/n"] == len(lengths) == 8
+    assert ev["eval/accuracy"] == correct / 8 and ev["eval/response_len"] == pytest.approx(sum(lengths) / 8, abs=1e-12), \
+        (ev, correct, lengths)
+    # a tiny SFT model may get none right (accuracy 0 either way): a set labelled with the reference's own answer on the
+    # even prompts and an impossible one on the odd gives 0.5 only if eval generates those answers and counts them
+    relabelled = tmp_path / "relabelled.jsonl"
+    relabelled.write_text("".join(json.dumps({"prompt": rec.prompt, "label": texts[i] if i % 2 == 0 else "no such answer"})
+                                  + "\n" for i, rec in enumerate(load_records(paths["eval"]))))
+    assert main(["eval", "--hf-checkpoint", tiny_model, "--load", str(tmp_path / "ck"), "--eval-prompt-data", str(relabelled),
+                 "--rm-type", "exact", "--run-dir", str(tmp_path / "ev2"), "--quiet"]) == 0
+    assert json.load(open(tmp_path / "ev2" / "eval.json"))["eval/accuracy"] == 0.5, texts
+
+
+def _checkpoint_model_weights(save_dir: str) -> dict:
+    """The model tensors of the newest checkpoint under save_dir by HF name, read from its DCP files by torch alone."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from polyrl.checkpoint import resolve_checkpoint
+    out = os.path.join(save_dir, "plain.pt")
+    dcp_to_torch_save(os.path.join(resolve_checkpoint(save_dir), "dcp"), out)
+    model = torch.load(out, weights_only=True)["model"]
+    return {k.removeprefix("lm."): v for k, v in model.items()}  # the backend holds the HF model as its `lm` child
+
+
+def _safetensors(hf_dir) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(hf_dir, name)))
+    return out
 
 
 def test_profile_step_prints_where_the_step_goes_and_writes_a_trace(tiny_model, arith_data, tmp_path, capsys):
