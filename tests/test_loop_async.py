@@ -5,6 +5,7 @@ resume, and the flag checks. Servers are started on loopback by the run and stop
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -61,6 +62,11 @@ def test_two_servers_stay_within_max_staleness_and_report_versions(tiny_model, a
         assert versions and all(v is not None and max(0, s - k) <= v <= s for v in versions), (s, versions)
     assert all(x["staleness/max"] <= k and x["staleness/unknown"] == 0 for x in m)
     assert m[0]["staleness/max"] == 0 and m[-1]["rollout/engines_up"] == 2
+    # generation ran ahead of training: step 2 is queued before step 1 trains and its requests go out as soon as step 1
+    # is scored, while step 1 still trains, so they meet version 0 (a loop that waits for each step's weights before
+    # generating the next never shows a lag)
+    assert any(x["staleness/max"] >= 1 for x in m), [x["staleness/max"] for x in m]
+    assert any(r[2] < s for s, step in enumerate(got) for r in step)
 
 
 @pytest.mark.slow
@@ -95,29 +101,38 @@ def test_max_staleness_without_async_is_a_flag_error(tiny_model, arith_data, cap
 
 
 SLOW_RM = '''
-import time
+import os, threading, time
 def slow(sample):  # a reward that waits on something else (a sandbox, a remote verifier): 10 ms a sample
+    with open(os.environ["POLYRL_TEST_REWARD_THREADS"], "a") as f:
+        f.write(threading.current_thread().name + "\\n")
     time.sleep(0.01)
     return float(sample.response.strip().isdigit())
 '''
 
 
 @pytest.mark.slow
-def test_a_slow_reward_runs_on_the_rollout_thread_beside_training(tiny_model, arith_data, tmp_path):
+def test_a_slow_reward_runs_on_the_rollout_thread_beside_training(tiny_model, arith_data, tmp_path, monkeypatch):
     # How much wall time this saves is a timing claim, measured in bench/ (bench/disaggregated.py --reward-sleep-ms,
     # bench/RESULTS.md): on a loaded 2-core machine the saving drowns in noise. Here: where the reward runs.
     rm = tmp_path / "slow.py"
     rm.write_text(SLOW_RM)
+    threads = tmp_path / "threads.txt"
+    monkeypatch.setenv("POLYRL_TEST_REWARD_THREADS", str(threads))
+    # --rm-timeout 0 runs a sync reward inline on the thread that scores (with a deadline it runs on a helper thread
+    # started by that one), so the thread each call records is the one that scored it
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path",
-                 f"{rm}:slow", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
-                 "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu", "--rollout-engine", "server",
-                 "--async", "--run-dir", str(tmp_path / "run")]) == 0
+                 f"{rm}:slow", "--rm-timeout", "0", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                 "--rollout-max-response-len", "6", "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu",
+                 "--rollout-engine", "server", "--async", "--run-dir", str(tmp_path / "run")]) == 0
     m = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     # step 1 from the initial weights; later steps lag by at most one version (0 when a server took the new weights
     # before the next step's requests reached it: versions are what the server reports, not a schedule)
     assert m[0]["staleness/max"] == 0 and all(x["staleness/max"] <= 1 for x in m)
+    # every call of every step ran off the trainer's thread (the one that called main): on the rollout thread
+    names = open(threads).read().split()
+    assert len(names) == 3 * 16 and threading.main_thread().name not in names, sorted(set(names))
     for x in m:
-        # every sample was scored on the rollout thread (16 calls of >= 10 ms); what the trainer's thread spends under
-        # time/reward is only the ranks' reduction of the metrics, far below one call
-        assert x["time/reward_overlapped"] >= 16 * 0.01 and x["time/reward"] < 0.01, x
+        # time/reward_overlapped is the rollout thread's scoring: 16 calls, each sleeping >= 10 ms (a sleep never
+        # returns early, so this lower bound holds on any machine)
+        assert x["time/reward_overlapped"] >= 16 * 0.01, x
         assert x["time/step"] > 0 and "time/wait_rollout" in x and "time/rollout_overlapped" in x
