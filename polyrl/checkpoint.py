@@ -7,18 +7,24 @@ when complete, and `latest` is replaced atomically afterwards: a kill at any poi
 the previous checkpoint loadable. The next save clears what a killed one left behind, and
 with `keep` (--max-ckpt-to-keep) old complete steps are deleted only after a newer one is
 complete.
+
+Loading runs no code from the directory: extras are read with torch.load(weights_only=True), and a file that is
+missing, truncated or holds anything but tensors and plain values is an error naming it. loop_state.json never holds
+a secret (api keys are redacted before it is written).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 
+import torch
 import torch.distributed as dist
 
-from polyrl.metrics import notice
+from polyrl.metrics import PROGRESS, notice, redact_secrets
 
 MARKER = "COMPLETE"
 CRITIC_DIR = "critic"
@@ -52,6 +58,8 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
     critic: a second backend (PPO's critic), saved the same way under step_N/critic/."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
+    PROGRESS["phase"] = f"the checkpoint save of step {step}"
+    loop_state = redact_secrets(loop_state)
     if _rank0():
         _clear_leftovers(root)
         os.makedirs(tmp)
@@ -73,6 +81,7 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
             for old in complete_steps(root)[:-keep]:
                 _delete_step(os.path.join(root, f"step_{old:06d}"))
     _barrier()
+    PROGRESS["phase"] = None
     return final
 
 
@@ -84,6 +93,12 @@ def complete_steps(root: str) -> list[int]:
         if m and os.path.isfile(os.path.join(root, name, MARKER)):
             out.append(int(m.group(1)))
     return sorted(out)
+
+
+def latest_complete(root: str | None) -> str | None:
+    """The newest complete step directory under --save `root` (None when there is none)."""
+    steps = complete_steps(root) if root else []
+    return os.path.abspath(os.path.join(root, f"step_{steps[-1]:06d}")) if steps else None
 
 
 def _delete_step(path: str) -> None:
@@ -132,10 +147,62 @@ def has_critic(path: str) -> bool:
     return os.path.isdir(os.path.join(resolve_checkpoint(path), CRITIC_DIR))
 
 
+def load_extras(path: str, rank: int | None = None) -> dict:
+    """A backend's extra_rank{rank}.pt under `path` (rank 0's when a resume runs on more ranks than saved): tensors and
+    plain values only (weights_only=True: a pickle that would run code is refused), errors naming the file."""
+    rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+    f = os.path.join(path, f"extra_rank{rank}.pt")
+    if not os.path.exists(f):
+        f = os.path.join(path, "extra_rank0.pt")
+    if not os.path.isfile(f):
+        raise CheckpointError(f"--load {path}: {f} is missing (the backend's scheduler and RNG state); the checkpoint is "
+                              "incomplete")
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses any global it does not know: code, or a foreign object
+        raise CheckpointError(f"--load {path}: {f} holds objects other than tensors and plain values; polyrl does not "
+                              f"load it, since unpickling it could run code ({str(e).splitlines()[0][:200]})") from None
+    except (EOFError, RuntimeError, ValueError, OSError) as e:
+        raise CheckpointError(f"--load {path}: {f} is truncated or unreadable ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else 'end of file'})") from None
+
+
+def _check_dcp_files(step_dir: str) -> None:
+    """Every DCP directory of the step (dcp, dcp_ref, critic/dcp): its .metadata readable and each shard file it names
+    present and as long as the byte ranges it lists, so a torn copy is an error naming the file, not a deep DCP trace."""
+    from torch.distributed.checkpoint import FileSystemReader
+    for sub in ("dcp", "dcp_ref", os.path.join(CRITIC_DIR, "dcp")):
+        d = os.path.join(step_dir, sub)
+        meta = os.path.join(d, ".metadata")
+        if not os.path.isdir(d) or not os.path.isfile(meta):
+            continue
+        try:
+            md = FileSystemReader(d).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same: the file is damaged
+            raise CheckpointError(f"--load {step_dir}: {meta} is truncated or unreadable ({type(e).__name__})") from None
+        need: dict[str, int] = {}
+        for info in (getattr(md, "storage_data", None) or {}).values():
+            rel, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+            if rel:
+                need[rel] = max(need.get(rel, 0), end)
+        for rel, end in sorted(need.items()):
+            f = os.path.join(d, rel)
+            if not os.path.isfile(f):
+                raise CheckpointError(f"--load {step_dir}: {f} is missing (listed in {meta}); the checkpoint is incomplete")
+            if os.path.getsize(f) < end:
+                raise CheckpointError(f"--load {step_dir}: {f} is truncated ({os.path.getsize(f)} bytes, {meta} lists data "
+                                      f"up to byte {end})")
+
+
 def load_checkpoint(path: str, backend, critic=None) -> dict:
     path = resolve_checkpoint(path)
-    with open(os.path.join(path, "loop_state.json")) as f:
-        state = json.load(f)
+    state_file = os.path.join(path, "loop_state.json")
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--load {path}: {state_file} is truncated or not JSON ({e})") from None
+    _check_dcp_files(path)
     if critic is not None and not os.path.isfile(os.path.join(path, CRITIC_DIR, "dcp", ".metadata")):
         raise CheckpointError(f"--load {path}: no critic in this checkpoint ({CRITIC_DIR}/dcp); it was saved by a run "
                               "without --advantage-estimator gae, whose critic this run would have to start afresh")
@@ -143,6 +210,8 @@ def load_checkpoint(path: str, backend, critic=None) -> dict:
         backend.load(path)
         if critic is not None:
             critic.load(os.path.join(path, CRITIC_DIR))
+    except CheckpointError:
+        raise
     except Exception as e:  # a torn shard file surfaces here; say which checkpoint
         raise CheckpointError(f"--load {path}: could not read the checkpoint ({type(e).__name__}: {e})") from e
     notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")

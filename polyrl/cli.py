@@ -105,7 +105,100 @@ def run_export(cfg) -> None:
         critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), rt.load_tokenizer(cfg))
 
 
+# signal -> (exit status, how the one line names it)
+_SIGNALS = {"SIGINT": (130, "Ctrl-C (SIGINT)"), "SIGTERM": (143, "SIGTERM")}
+_received: list[str] = []  # the signals this main() received
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGINT and SIGTERM end the command with one line (main's handler): the first raises KeyboardInterrupt where the
+    main thread is; a second one while that unwinds exits at once (cleanup that hangs must not hold the terminal)."""
+    import signal
+    name = signal.Signals(signum).name
+    if _received:
+        os._exit(_SIGNALS[_received[0]][0])
+    _received.append(name)
+    raise KeyboardInterrupt(name)
+
+
+def _install_signal_handlers() -> dict:
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old[sig] = signal.getsignal(sig)
+        signal.signal(sig, _on_signal)
+    return old
+
+
+def _interrupt_line(command: str, cfg, how: str) -> str:
+    """One line: what was interrupted (command, step, phase) and the state left behind (the latest complete checkpoint)."""
+    from polyrl.checkpoint import latest_complete
+    from polyrl.metrics import PROGRESS
+    step, phase = PROGRESS["step"], PROGRESS["phase"]
+    if command not in ("train", "sft"):
+        where = ""
+    elif phase and phase.startswith("the checkpoint save"):
+        where = f" during {phase} (left incomplete; the next save clears it)"
+    elif phase:
+        where = f" in step {(step or 0) + 1} ({phase} phase)"
+    elif step:
+        where = f" after step {step}"
+    else:
+        where = " while starting up, before the first step"
+    save = cfg.checkpoint.save if cfg is not None else None
+    if save:
+        latest = latest_complete(save)
+        state = (f"; latest complete checkpoint: {latest} (resume with --load {os.path.abspath(save)})" if latest
+                 else f"; no complete checkpoint in --save {save} yet")
+    elif command in ("train", "sft"):
+        state = "; nothing was saved (no --save)"
+    else:
+        state = ""
+    return f"polyrl {command}: interrupted by {how}{where}{state}"
+
+
+def _address_in_use(e: BaseException) -> bool:
+    import errno
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+        return True
+    text = str(e)
+    return type(e).__name__ == "DistNetworkError" and ("EADDRINUSE" in text or "address already in use" in text.lower())
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether binding (host, port) fails with EADDRINUSE now: `polyrl serve` says so before it loads the model (the
+    server binds with SO_REUSEADDR too, so a port in TIME_WAIT is not reported)."""
+    import errno
+    import socket
+    if not port:
+        return False
+    try:
+        fam, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return False  # an unresolvable host is the server's to report
+    with socket.socket(fam, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _port_line(command: str, cfg, e: BaseException | None) -> str:
+    if command == "serve" and cfg is not None:
+        return (f"polyrl serve: error: port {cfg.server.port} on {cfg.server.host} is already in use (30000, the default, "
+                "is SGLang's too): pick a free one with --port N, or --port 0 to let the system choose")
+    first = str(e).strip().splitlines()[0] if e is not None and str(e).strip() else "EADDRINUSE"
+    return (f"polyrl {command}: error: an address is already in use ({first[:300]}); under torchrun pick another "
+            "--master-port, and check that no earlier run is still alive")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import errno
     logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
@@ -120,15 +213,29 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     from polyrl.checkpoint import CheckpointError
+    from polyrl.config import check_run_dir
     from polyrl.data import DataError
+    from polyrl.metrics import PROGRESS, RunStopped, stop_consoles
     from polyrl.rollout.http_engine import EngineDeadError
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
+    PROGRESS.update(step=None, phase=None)
+    _received.clear()
+    old_handlers = _install_signal_handlers()
+    cfg, interrupted = None, False
+
+    def err(msg: str, code: int) -> int:
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one line per run, not one per rank
+            print(msg, file=sys.stderr, flush=True)
+        return code
+
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
         validate(cfg, args.command)
         if args.command == "export-hf" and not (cfg.checkpoint.load and cfg.checkpoint.save_hf):
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
+        check_run_dir(cfg, args.command)
         _check_backend_available(cfg)
         if args.command == "train" and cfg.ray.use_ray:
             from polyrl.orchestration.ray_job import train_on_ray
@@ -143,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             from polyrl.sft import sft
             out = sft(cfg)
         elif args.command == "serve":
+            if _port_taken(cfg.server.host, cfg.server.port):
+                return err(_port_line("serve", cfg, None), 2)
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a server log holds no weight-loading bars
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
             from polyrl.rollout.server import serve
             return serve(cfg)
         elif args.command == "eval":
@@ -151,22 +263,35 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_export(cfg)
             out = {}
-    except (EngineDeadError, CustomGenerateTimeout, TurnLimitError) as e:
-        print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        if "pip install" in str(e):  # optional dependency with an install hint
-            print(f"polyrl {args.command}: error: {e}", file=sys.stderr)
-            return 2
+    except BaseException as e:  # noqa: BLE001 - every way out below is one line, or the original exception
+        if _received or isinstance(e, KeyboardInterrupt):
+            # a signal may surface as another exception (DCP wraps it in a CheckpointException during a save)
+            interrupted = True
+            stop_consoles()
+            code, how = _SIGNALS.get(_received[0] if _received else "SIGINT")
+            return err(_interrupt_line(args.command, cfg, how), code)
+        if isinstance(e, (EngineDeadError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
+            return err(f"polyrl {args.command}: error: {e}", 1)
+        if isinstance(e, (ConfigError, DataError, CheckpointError)):
+            return err(f"polyrl {args.command}: error: {e}", 2)
+        if isinstance(e, ImportError) and "pip install" in str(e):  # optional dependency with an install hint
+            return err(f"polyrl {args.command}: error: {e}", 2)
+        if _address_in_use(e):
+            return err(_port_line(args.command, cfg, e), 2)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) and e.filename:
+            stop_consoles()
+            return err(f"polyrl {args.command}: error: {e.strerror}: {e.filename}", 1)
         raise
     finally:
+        import signal
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
         import torch.distributed as dist
         if dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()  # no rank tears the group down while another still has traffic in flight
+            # no rank tears the group down while another still has traffic in flight; after a signal the other ranks
+            # may be gone already, so nobody waits for them
+            if dist.get_world_size() > 1 and not interrupted:
+                dist.barrier()
             dist.destroy_process_group()
     return 0
 

@@ -1072,3 +1072,87 @@ def _validate_megatron(m: MegatronConfig) -> None:
                      etp=m.expert_tensor_parallel_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# Estimators whose advantage is a sample's reward against its prompt group's (polyrl/algorithms/advantages.py): with one
+# sample per group, or identical samples, every advantage is 0.
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus_baseline")
+
+
+def _validate_one_reward(rw: RewardConfig) -> None:
+    if rw.rm_type and rw.custom_rm_path:
+        raise ConfigError(f"--rm-type {rw.rm_type} and --custom-rm-path {rw.custom_rm_path} both choose the reward: keep one "
+                          "(a custom function may call polyrl.rewards' built-ins itself)")
+
+
+def _validate_can_learn(cfg: Config) -> None:
+    """`polyrl train` runs whose every advantage is 0, or whose settings nothing reads, refused before anything starts.
+    Exempt: a --custom-generate-function-path (it may return several, differently sampled samples per call), rollouts
+    read from files (--debug-train-only), runs that do not train (--debug-rollout-only), and on-policy distillation
+    (the teacher's term trains whatever the rewards)."""
+    r, a, lg = cfg.rollout, cfg.algorithm, cfg.log
+    _validate_one_reward(cfg.reward)
+    est = a.advantage_estimator
+    exempt = (r.custom_generate_function_path or cfg.debug.train_only or cfg.debug.debug_rollout_only
+              or cfg.model.opd_teacher_load)
+    if not exempt and est in GROUP_RELATIVE_ESTIMATORS:
+        if r.n_samples_per_prompt == 1:
+            raise ConfigError(f"--n-samples-per-prompt 1 with --advantage-estimator {est}: its advantage is a sample's reward "
+                              "against the mean of its prompt's group, so with one sample per prompt every advantage is 0 "
+                              "and nothing trains; use --n-samples-per-prompt 2 or more (4-16 is usual), or "
+                              "--advantage-estimator reinforce_plus_plus (normalized over the batch)")
+        if r.rollout_temperature == 0:
+            raise ConfigError(f"--rollout-temperature 0 (greedy) with --advantage-estimator {est}: the "
+                              f"{r.n_samples_per_prompt} samples of a prompt are identical, so their rewards are equal and "
+                              "every advantage is 0; sample with --rollout-temperature > 0 (1.0 is usual)")
+    if cfg.data.eval_prompt_data and not lg.eval_interval:
+        raise ConfigError(f"--eval-prompt-data {cfg.data.eval_prompt_data} is set but --eval-interval is 0, so no evaluation "
+                          "would run: add --eval-interval N (every N steps, at the end and before the first step), or drop "
+                          "--eval-prompt-data (set in a --config file: --eval-prompt-data '')")
+    if lg.eval_interval and not cfg.data.eval_prompt_data:
+        raise ConfigError(f"--eval-interval {lg.eval_interval} has no prompts to evaluate on: add --eval-prompt-data PATH, "
+                          "or drop --eval-interval")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _validate_outputs(cfg: Config, command: str) -> None:
+    """What the run writes must not land on what the user owns, and output flags a command would ignore are refused."""
+    ck, m, lg = cfg.checkpoint, cfg.model, cfg.log
+    if command == "eval":
+        _validate_one_reward(cfg.reward)
+    if ck.save_hf:
+        outs = [("--save-hf", ck.save_hf)]
+        if cfg.algorithm.advantage_estimator == "gae" and command == "train":
+            outs.append(("--save-hf (its critic)", ck.save_hf.rstrip("/") + "_critic"))
+        for out_flag, out in outs:
+            for flag, src in (("--hf-checkpoint", m.hf_checkpoint), ("--ref-load", m.ref_load),
+                              ("--critic-load", m.critic_load), ("--opd-teacher-load", m.opd_teacher_load)):
+                if src and _same_dir(out, src):
+                    raise ConfigError(f"{out_flag} {out} is the {flag} directory: the export would overwrite the model it "
+                                      "was read from; choose another --save-hf directory")
+    if lg.ci_train_rollout_logprob_abs_diff_threshold is not None and (command != "train" or cfg.debug.debug_rollout_only):
+        where = "--debug-rollout-only trains nothing" if command == "train" else f"polyrl {command} trains no policy"
+        raise ConfigError(f"--ci-train-rollout-logprob-abs-diff-threshold compares training and rollout log-probs of a "
+                          f"training step; {where}: drop it")
+    if cfg.reward.max_consecutive_failed_steps and command != "train":
+        raise ConfigError(f"--max-consecutive-failed-steps counts the training steps of polyrl train; polyrl {command} has "
+                          "none: drop it")
+    if lg.overwrite and command not in ("train", "sft"):
+        raise ConfigError(f"--overwrite lets polyrl train / sft start afresh in a used --run-dir; polyrl {command} "
+                          "rewrites its own files: drop it")
+
+
+def check_run_dir(cfg: Config, command: str) -> None:
+    """A --run-dir whose metrics.jsonl holds an earlier run's steps is refused unless --overwrite (start afresh) or
+    --load (resume: the logger cuts metrics.jsonl at the resumed step), so no curve ever shows steps 1, 2, 3, 1, 2, 3.
+    Called by the CLI, not validate(): it reads the disk where the run would write."""
+    if command not in ("train", "sft") or cfg.log.overwrite or cfg.checkpoint.load:
+        return
+    path = os.path.join(cfg.log.run_dir, "metrics.jsonl")
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        raise ConfigError(f"--run-dir {cfg.log.run_dir} holds an earlier run ({path} has its steps): pass another "
+                          "--run-dir, --overwrite to start afresh there (its metrics.jsonl is emptied), or --load "
+                          "CHECKPOINT to resume that run")

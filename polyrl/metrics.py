@@ -1,19 +1,48 @@
-"""Console progress (rich), RUN_DIR/metrics.jsonl, TensorBoard, Weights & Biases, and PNG plots."""
+"""Console progress (rich), RUN_DIR/metrics.jsonl, TensorBoard, Weights & Biases, and PNG plots; the checks a step's
+metrics must pass (failed rewards, the train/rollout log-prob gate), the start-up banner and the closing line."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
 
 CONSOLE_KEYS = [
-    ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("response_len/mean", "len", "{:.1f}"),
+    ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("reward/errors", "rerr", "{:.0f}"),
+    ("reward/timeouts", "rtimeout", "{:.0f}"), ("response_len/mean", "len", "{:.1f}"),
     ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
     ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
 TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "other", "step")
+SHOW_WHEN_NONZERO = ("reward/errors", "reward/timeouts")  # console keys that say nothing when 0
+
+# Where the run is, for the line an interrupt prints: the last step whose metrics were logged and the phase running now.
+PROGRESS: dict = {"step": None, "phase": None}
+_OPEN_LOGGERS: list = []
+
+
+class RunStopped(RuntimeError):
+    """A step's metrics show the run must not go on (a gate or --max-consecutive-failed-steps); the CLI prints the
+    message as one line and exits 1."""
+
+
+# Config fields that hold secrets (api_key, its *_api_key / *_api_key_file variants, tokens, passwords); the data
+# section's input_key / label_key / ... name row fields and are kept.
+SECRET_FIELD = re.compile(r"(^|_)(api_key|secret|password|passwd|token)(_file|_path)?$")
+REDACTED = "<redacted>"
+
+
+def redact_secrets(obj):
+    """A copy of a (nested) dict/list with every secret field's value replaced by <redacted> (None stays None)."""
+    if isinstance(obj, dict):
+        return {k: (REDACTED if v is not None and isinstance(k, str) and SECRET_FIELD.search(k) else redact_secrets(v))
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_secrets(v) for v in obj)
+    return obj
 
 
 def notice(msg: str) -> None:
@@ -33,8 +62,10 @@ class Timer:
     def __call__(self, name: str):
         from torch.profiler import record_function
         t0 = time.perf_counter()
+        PROGRESS["phase"] = name
         with record_function(f"phase/{name}"):
             yield
+        PROGRESS["phase"] = None  # left set when the phase raised: an interrupt's message names it
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -67,7 +98,66 @@ def start_wandb(run_dir: str, *, project: str, group: str | None = None, name: s
         import wandb
     except ImportError as e:
         raise ImportError("--use-wandb needs the wandb package: pip install 'polyrl[wandb]'") from e
-    return wandb.init(project=project, group=group, name=name, mode=mode, dir=run_dir, config=config)
+    return wandb.init(project=project, group=group, name=name, mode=mode, dir=run_dir,
+                      config=redact_secrets(config) if config is not None else None)
+
+
+class StepChecks:
+    """What each step's metrics must pass, on every rank (the metrics are reduced, so every rank stops at the same step
+    and no rank is left waiting in a collective):
+    - rewards: a step where every reward call failed (errors + timeouts = samples) or every reward is 0 is warned about
+      on the console and counted in reward/all_failed and reward/all_zero; after `max_failed` such steps in a row
+      (--max-consecutive-failed-steps, 0 = never) the run stops;
+    - the log-prob gate: a training step whose train_rollout_logprob_abs_diff_max exceeds `logprob_threshold`
+      (--ci-train-rollout-logprob-abs-diff-threshold) stops the run, and so does one that lacks the metric (fail closed)."""
+
+    def __init__(self, max_failed: int = 0, logprob_threshold: float | None = None):
+        self.max_failed, self.logprob_threshold = max_failed, logprob_threshold
+        self.failed_in_a_row = 0
+
+    def rewards(self, step: int, m: dict) -> tuple[dict[str, float], str | None]:
+        """(reward/all_failed and reward/all_zero of this step, empty without reward metrics; why the run must stop, or
+        None). Warns on the console and counts steps in a row."""
+        n = m.get("reward/samples")
+        if not n:
+            return {}, None
+        failed = m.get("reward/errors", 0.0) + m.get("reward/timeouts", 0.0)
+        all_failed = failed >= n - 1e-9  # counts are averaged over ranks, so compare with a float's slack
+        all_zero = m.get("reward/zeros", 0.0) >= n - 1e-9
+        out = {"reward/all_failed": float(all_failed), "reward/all_zero": float(all_zero)}
+        if not (all_failed or all_zero):
+            self.failed_in_a_row = 0
+            return out, None
+        self.failed_in_a_row += 1
+        if all_failed:
+            what = (f"every reward call failed ({m.get('reward/errors', 0.0):.0f} errors, {m.get('reward/timeouts', 0.0):.0f} "
+                    "timeouts; the first is logged above)")
+        else:
+            what = "every reward is 0 (does the reward fit the data? --rm-type math needs \\boxed{} answers)"
+        stop = self.max_failed and self.failed_in_a_row >= self.max_failed
+        tail = (f"--max-consecutive-failed-steps {self.max_failed} reached" if stop else
+                f"{self.failed_in_a_row} of --max-consecutive-failed-steps {self.max_failed}" if self.max_failed else
+                f"{self.failed_in_a_row} in a row; --max-consecutive-failed-steps N stops the run after N")
+        notice(f"WARNING step {step}: {what}: the step learns nothing ({tail})")
+        why = (f"step {step}: {what}, {self.failed_in_a_row} steps in a row (--max-consecutive-failed-steps "
+               f"{self.max_failed}); the metrics of every step are in metrics.jsonl") if stop else None
+        return out, why
+
+    def logprob_gate(self, step: int, m: dict) -> None:
+        x = self.logprob_threshold
+        if x is None or "loss" not in m:  # rows without a training step (the initial eval) have nothing to compare
+            return
+        v = m.get("train_rollout_logprob_abs_diff_max")
+        if v is None:
+            raise RunStopped(f"step {step}: --ci-train-rollout-logprob-abs-diff-threshold {x:g} is set but the step logged "
+                             "no train_rollout_logprob_abs_diff_max (the engine returned no rollout log-probs?); failing "
+                             "closed")
+        if not v <= x:  # NaN fails too
+            mean = m.get("train_rollout_logprob_abs_diff")
+            raise RunStopped(f"step {step}: train_rollout_logprob_abs_diff_max {v:.6g} > "
+                             f"--ci-train-rollout-logprob-abs-diff-threshold {x:g}"
+                             + (f" (mean over the step's tokens {mean:.3g})" if mean is not None else "")
+                             + ": the trainer's log-probs of the sampled tokens differ from the engine's; stopping")
 
 
 class MetricsLogger:
@@ -75,15 +165,22 @@ class MetricsLogger:
     Only the logger with ``enabled`` (rank 0) writes anything."""
 
     def __init__(self, run_dir: str, *, total_steps: int, use_tensorboard: bool = False, quiet: bool = False,
-                 enabled: bool = True, title: str = "polyrl", wandb: dict | None = None):
+                 enabled: bool = True, title: str = "polyrl", wandb: dict | None = None, overwrite: bool = False,
+                 checks: StepChecks | None = None):
+        """overwrite: empty RUN_DIR/metrics.jsonl now (--overwrite). Otherwise the first step logged cuts the rows at and
+        after it (a resume logs each step once). checks: run on every rank, the disabled ones too."""
         self.enabled = enabled
         self.quiet = quiet or not enabled
         self.tb = self.wandb = None
         self._progress = None
+        self.checks = checks or StepChecks()
+        self._first = True
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        if overwrite:
+            open(self.path, "w").close()
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
@@ -97,10 +194,40 @@ class MetricsLogger:
                                       TimeRemainingColumn(), console=self.console, transient=False)
             self._task = self._progress.add_task("steps", total=total_steps)
             self._progress.start()
+        _OPEN_LOGGERS.append(self)
+
+    def _cut_at(self, step: int) -> None:
+        """Drop the rows of `step` and later ones (written by the run this one resumes, past its checkpoint)."""
+        if not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            lines = [l for l in f if l.strip()]
+        keep = [l for l in lines if json.loads(l).get("step", -1) < step]
+        if len(keep) < len(lines):
+            tmp = f"{self.path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+        """Write the step's row, then run the checks (which may raise RunStopped, after the row is written)."""
+        flags, stop = self.checks.rewards(step, metrics)
+        metrics = {**metrics, **flags}
+        PROGRESS["step"] = step
+        try:
+            if self.enabled:
+                self._write(step, metrics)
+            if stop:
+                raise RunStopped(stop)
+            self.checks.logprob_gate(step, metrics)
+        except RunStopped:
+            self.close()
+            raise
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._first:
+            self._first = False
+            self._cut_at(step)
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -112,7 +239,8 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if self._progress is not None:
-            parts = [f"step {step}"] + [f"{short} {fmt.format(row[k])}" for k, short, fmt in CONSOLE_KEYS if k in row]
+            parts = [f"step {step}"] + [f"{short} {fmt.format(row[k])}" for k, short, fmt in CONSOLE_KEYS
+                                        if k in row and (row[k] or k not in SHOW_WHEN_NONZERO)]
             if "eval/accuracy" in row:
                 parts.append(f"[bold green]eval_acc {row['eval/accuracy']:.3f}[/]")
             times = " ".join(f"{k[:6]} {row['time/' + k]:.1f}s" for k in TIME_KEYS if "time/" + k in row)
@@ -120,25 +248,83 @@ class MetricsLogger:
             self._progress.update(self._task, completed=step)
 
     def close(self) -> None:
+        if self in _OPEN_LOGGERS:
+            _OPEN_LOGGERS.remove(self)
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
 
 
+def stop_consoles() -> None:
+    """Stop the live progress views of open loggers (an interrupted run's last line must not be drawn over)."""
+    for lg in list(_OPEN_LOGGERS):
+        if lg._progress is not None:
+            lg._progress.stop()
+            lg._progress = None
+
+
 def logger_from_config(cfg, *, total_steps: int, enabled: bool, title: str) -> MetricsLogger:
-    """The run's MetricsLogger from the logging section (W&B gets the whole config as its run config)."""
+    """The run's MetricsLogger from the logging section (W&B gets the whole config, secrets redacted, as its run
+    config) with the step checks of --max-consecutive-failed-steps and --ci-train-rollout-logprob-abs-diff-threshold."""
     import dataclasses
     lg = cfg.log
     wandb = None
     if lg.use_wandb and enabled:
         wandb = dict(project=lg.wandb_project, group=lg.wandb_group, name=lg.wandb_run_name, mode=lg.wandb_mode,
-                     config=dataclasses.asdict(cfg))
+                     config=redact_secrets(dataclasses.asdict(cfg)))
+    checks = StepChecks(max_failed=cfg.reward.max_consecutive_failed_steps,
+                        logprob_threshold=lg.ci_train_rollout_logprob_abs_diff_threshold)
     return MetricsLogger(lg.run_dir, total_steps=total_steps, use_tensorboard=lg.use_tensorboard, quiet=lg.quiet,
-                         enabled=enabled, title=title, wandb=wandb)
+                         enabled=enabled, title=title, wandb=wandb, overwrite=lg.overwrite and not cfg.checkpoint.load,
+                         checks=checks)
+
+
+def _engine_summary(cfg) -> str:
+    r, e = cfg.rollout, cfg.engines
+    if cfg.debug.train_only:
+        return "none (--debug-train-only: rollouts from files)"
+    if e.rollout_external:
+        return f"external servers {', '.join(e.rollout_external_engine_addrs)}"
+    if r.rollout_engine == "embedded":
+        return "embedded (in the trainer's process)"
+    return f"{r.rollout_engine} servers x {e.rollout_num_engines or 'auto'} (launched)"
+
+
+def banner(cfg, placement_summary: str = "") -> str:
+    """The start-up line: model, backend, engine, placement, run dir. Printed on rank 0 (stderr) and returned."""
+    parts = [f"model {cfg.model.hf_checkpoint}", f"backend {cfg.cluster.train_backend}", f"engine {_engine_summary(cfg)}"]
+    if placement_summary:
+        parts.append(f"placement {placement_summary}")
+    parts.append(f"run dir {os.path.abspath(cfg.log.run_dir)}")
+    line = " | ".join(parts)
+    notice(line)
+    return line
+
+
+def closing_line(cfg) -> str:
+    """Where the run's outputs went: metrics, the latest complete checkpoint, the HF export. Printed on rank 0."""
+    from polyrl.checkpoint import critic_hf_dir, latest_complete
+    run_dir = os.path.abspath(cfg.log.run_dir)
+    parts = [f"metrics {os.path.join(run_dir, 'metrics.jsonl')} (curves: polyrl plot {run_dir})"]
+    ck = cfg.checkpoint
+    if ck.save:
+        latest = latest_complete(ck.save)
+        parts.append(f"checkpoint {latest} (resume: --load {os.path.abspath(ck.save)})" if latest
+                     else f"no complete checkpoint in {os.path.abspath(ck.save)}")
+    if ck.save_hf:
+        out = os.path.abspath(ck.save_hf)
+        if cfg.algorithm.advantage_estimator == "gae" and os.path.isdir(critic_hf_dir(out)):
+            out += f" (critic: {critic_hf_dir(out)})"
+        parts.append(f"HF export {out}")
+    line = "done: " + " | ".join(parts)
+    notice(line)
+    return line
 
 
 PLOTS = [("reward/mean", "reward"), ("response_len/mean", "response length"), ("kl", "KL"), ("entropy", "entropy"),

@@ -135,7 +135,8 @@ def test_manager_scores_builtin_and_reports_metrics():
     samples = [sample(r"\boxed{2}", "2"), sample(r"\boxed{3}", "2"), sample("none", "2"), sample(r"\boxed{2}", 2)]
     metrics = RewardManager("math").score(samples)
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.0]
-    assert metrics == {"reward/mean": 0.5, "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/accuracy": 0.5}
+    assert metrics == {"reward/mean": 0.5, "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/accuracy": 0.5,
+                       "reward/samples": 4.0, "reward/zeros": 2.0}
 
 
 def test_manager_isolates_raising_and_invalid_returns(tmp_path, caplog):

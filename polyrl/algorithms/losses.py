@@ -190,7 +190,10 @@ def rl_loss(
     )
     metrics: dict[str, torch.Tensor] = {}
     if "rollout_logprobs" in mb:  # train/rollout mismatch, visible every step
-        metrics["train_rollout_logprob_abs_diff"] = tok_mean((logprobs.detach() - mb["rollout_logprobs"]).abs())
+        diff = (logprobs.detach().float() - mb["rollout_logprobs"].float()).abs() * mask
+        metrics["train_rollout_logprob_abs_diff"] = diff.sum() / max(num_tokens, 1.0)
+        # the worst loss-masked token (masked ones count 0, which no |diff| is below); backends reduce *_max by max
+        metrics["train_rollout_logprob_abs_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
     if s.use_tis:
         w = tis_weights(old, mb["rollout_logprobs"], s.tis_clip)
         pg = pg * w

@@ -347,7 +347,8 @@ class RewardManager:
 
 
 # reward metrics that count events (summed over draws and ranks), unlike the means beside them
-COUNT_METRICS = ("reward/errors", "reward/timeouts", "reward/remote_failures", "reward/remote_retries")
+COUNT_METRICS = ("reward/errors", "reward/timeouts", "reward/remote_failures", "reward/remote_retries", "reward/samples",
+                 "reward/zeros")
 
 
 def merge_reward_metrics(scored: list[tuple[int, dict]]) -> dict[str, float]:
@@ -364,6 +365,9 @@ def reward_metrics(samples: list[Sample], errors: int = 0, timeouts: int = 0) ->
         "reward/errors": float(errors),
         "reward/timeouts": float(timeouts),
         "reward/accuracy": sum(s.reward > 0.5 for s in samples) / n,
+        # with errors and timeouts, these tell a step where every call failed or every reward is 0 (polyrl.metrics)
+        "reward/samples": float(len(samples)),
+        "reward/zeros": float(sum(s.reward == 0 for s in samples)),
     }
 
 

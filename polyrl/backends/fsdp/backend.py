@@ -422,8 +422,9 @@ class FSDPBackend:
             (loss * scale).backward()
             loss_total += loss.detach().double()
             for k, v in metrics.items():
-                if idx:
-                    sums[k] = sums.get(k, 0) + v.detach().double()
+                if idx:  # *_max metrics: the largest over micro-batches (and ranks, below), the others add up
+                    v = v.detach().double()
+                    sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
         max_norm = self.ocfg.clip_grad if self.ocfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
@@ -444,7 +445,12 @@ class FSDPBackend:
             self._move_optimizer_state("cpu")
         vec = torch.cat([vec[:1], vec[2:]])  # loss and metric sums (the grad norm is global already)
         if dist.get_world_size() > 1:
+            peak = [i + 1 for i, k in enumerate(keys) if k.endswith("_max")]
+            top = vec[peak].clone()
             dist.all_reduce(vec)
+            if peak:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX)
+                vec[peak] = top
         out = {"loss": float(vec[0]), **{k: float(v) for k, v in zip(keys, vec[1:].tolist())}}
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_step=float(skipped))
         if self.routing is not None:
@@ -604,8 +610,8 @@ class FSDPBackend:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=self.peft is None))
         # A resume onto more ranks than saved reuses rank 0's scheduler and RNG-derived state
-        rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
-        extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+        from polyrl.checkpoint import load_extras
+        extra = load_extras(path)  # tensors and plain values only: a checkpoint from elsewhere runs no code
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["cpu_rng"])
         if extra["cuda_rng"] is not None and self.device.type == "cuda":

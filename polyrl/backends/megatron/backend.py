@@ -396,8 +396,9 @@ class MegatronBackend:
                 loss = loss * 0.0
             elif report:
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                for k, v in metrics.items():  # *_max metrics: the largest over micro-batches and ranks
+                    v = float(v.detach())
+                    sums[k] = max(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
             return loss * scale, {}
 
         for c in self.model:
@@ -413,7 +414,7 @@ class MegatronBackend:
         total: dict[str, float] = {}
         for p in parts:
             for k, v in p.items():
-                total[k] = total.get(k, 0.0) + v
+                total[k] = max(total[k], v) if k.endswith("_max") and k in total else total.get(k, 0.0) + v
         loss_total = total.pop("loss", 0.0)
         skipped = not math.isfinite(grad_norm) or not math.isfinite(loss_total)
         if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
@@ -667,9 +668,8 @@ class MegatronBackend:
             self.optimizer.load_state_dict(loaded["optimizer"])
         compat.untie_adam_steps(self.optimizer)
         compat.use_fused_adam(self.optimizer)
-        rank_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
-        extra = torch.load(rank_file if os.path.exists(rank_file) else os.path.join(path, "extra_rank0.pt"),
-                           weights_only=False)
+        from polyrl.checkpoint import load_extras
+        extra = load_extras(path)  # tensors and plain values only: a checkpoint from elsewhere runs no code
         self.sched_step, self.skipped_steps = extra["sched_step"], extra["skipped_steps"]
         torch.set_rng_state(extra["cpu_rng"])
         torch.cuda.set_rng_state(extra["cuda_rng"])
