@@ -61,6 +61,33 @@ def test_same_seed_same_run_and_weight_sync_keeps_rollout_logprobs_exact(base_ar
     assert a[-1]["loss"] != a[0]["loss"]
 
 
+def _saved_steps(template: str, steps: int) -> list[list[dict]]:
+    """The samples each step trained on, as --save-debug-rollout-data wrote them (header line first)."""
+    return [[json.loads(line) for line in open(template.format(rollout_id=k))][1:] for k in range(steps)]
+
+
+def _group_adv(rewards: list[float], normalize_std: bool) -> list[float]:
+    """GRPO's per-sequence advantage for groups of --n-samples-per-prompt 4: (r - mean) / (unbiased std + 1e-6)."""
+    out = []
+    for g in range(0, len(rewards), 4):
+        r = rewards[g:g + 4]
+        mean = sum(r) / 4
+        std = (sum((x - mean) ** 2 for x in r) / 3) ** 0.5
+        out += [(x - mean) / (std + 1e-6) if normalize_std else x - mean for x in r]
+    return out
+
+
+def _token_mean_of(adv: list[float], samples: list[dict]) -> float:
+    """Token mean of per-sequence advantages broadcast to each response token."""
+    lens = [len(x["response_ids"]) for x in samples]
+    return sum(a * n for a, n in zip(adv, lens)) / sum(lens)
+
+
+# pg_loss is the token mean of the per-token surrogate. On a step's single optimizer step the loss's old log-probs
+# are the current ones detached, so the ratio is exactly 1 and pg_loss = -(token mean of the advantages): computed
+# here from each step's saved rewards and lengths with the estimator's formula. Whitened estimators (REINFORCE++ and
+# its baseline) have a token mean of 0 by construction, which GRPO's per-sequence advantages over responses of
+# different lengths do not; Dr.GRPO drops the std division (advantages several times smaller than GRPO's).
 @pytest.mark.parametrize("extra", [
     ["--advantage-estimator", "gspo", "--eps-clip", "3e-4", "--eps-clip-high", "4e-4", "--loss-agg-mode", "seq-mean-token-mean"],
     ["--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "k3", "--ref-update-interval", "1"],
@@ -71,13 +98,37 @@ def test_same_seed_same_run_and_weight_sync_keeps_rollout_logprobs_exact(base_ar
      "--entropy-coef", "0.01"],
 ])
 def test_algorithm_variants_train(base_args, tmp_path, extra):
-    r = train(base_args, tmp_path / "run", "--num-rollout", "2", *extra)
+    saved = str(tmp_path / "rollouts" / "{rollout_id}.jsonl")
+    r = train(base_args, tmp_path / "run", "--num-rollout", "2", "--save-debug-rollout-data", saved, *extra)
     assert len(r) == 2
     for row in r:
         assert row["skipped_step"] == 0 and row["grad_norm"] > 0
+    steps = _saved_steps(saved, 2)
+    estimator = extra[extra.index("--advantage-estimator") + 1] if "--advantage-estimator" in extra else "grpo"
+    for row, samples in zip(r, steps):
+        rewards = [x["reward"] for x in samples]
+        assert len(set(rewards)) > 1, rewards  # partial credit: advantages are not all zero
+        grpo = -_token_mean_of(_group_adv(rewards, normalize_std=True), samples)
+        if estimator in ("grpo", "gspo"):
+            # fp32 sums of 16 advantages of size <= 1.5: 1e-5 covers their rounding
+            assert row["pg_loss"] == pytest.approx(grpo, abs=1e-5) and row["ratio"] == pytest.approx(1.0, abs=1e-6)
+        elif estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+            # whitening removes the token mean (to fp32 rounding of ~100 unit-scale terms); GRPO's mean is not 0 here
+            assert row["pg_loss"] == pytest.approx(0.0, abs=1e-5) and abs(grpo) > 1e-3, (row["pg_loss"], grpo)
+        else:  # dr_grpo: two optimizer steps (--global-batch-size 8); the first half's ratio is 1, the second's is near 1
+            half = [-_token_mean_of(_group_adv(rewards[k:k + 8], normalize_std=False), samples[k:k + 8]) for k in (0, 8)]
+            dr = sum(half) / 2
+            # lr 1e-3 moves the second half's ratios and TIS weights by a few percent at most: 10% of the advantages'
+            # scale covers them, and GRPO's std-normalised value lies beyond that
+            scale = max(abs(a) for a in _group_adv(rewards, normalize_std=False))
+            assert abs(row["pg_loss"] - dr) <= 0.1 * scale and abs(grpo - dr) > 0.1 * scale, (row["pg_loss"], dr, grpo)
     if "--use-kl-loss" in extra:
         assert "kl" in r[0] and r[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # actor == reference before any update
         assert r[1]["kl"] >= 0.0
+        if "--ref-update-interval" in extra:  # the reference took the actor's weights after step 1: equal again
+            assert r[1]["kl"] == pytest.approx(0.0, abs=1e-6)
+        else:  # the reference stayed at the initial weights, the actor moved
+            assert r[1]["kl"] > 1e-6
     if "--global-batch-size" in extra:  # two optimizer steps per rollout: second one is off-policy
         assert r[0]["ratio"] != 1.0
 
