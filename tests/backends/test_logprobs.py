@@ -76,6 +76,7 @@ def test_empty_input():
     assert h.grad.shape == h.shape and float(w.grad.abs().sum()) == 0.0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton passes)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_passes_match_the_torch_passes(dtype):
@@ -101,6 +102,7 @@ def test_triton_passes_match_the_torch_passes(dtype):
             torch.testing.assert_close(dt.float(), dr.float(), atol=tol * float(g_lp.abs().max()), rtol=tol)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_chunked_equals_full_logits_autograd_in_fp32():
     h, w, t, a, b = _inputs(T=300, H=64, V=151936 // 8, device="cuda")
