@@ -133,18 +133,19 @@ class EngineRayActor:
     def __init__(self):
         self.server = None
 
-    def start(self, cfg: Config, index: int, log_dir: str, host: str) -> str:
+    def start(self, cfg: Config, index: int, log_dir: str, host: str, api_key: str) -> str:
         from polyrl.rollout.http_client import HTTPClient
-        from polyrl.rollout.http_engine import Server, free_port, server_command, wait_healthy
+        from polyrl.rollout.http_engine import Server, free_port, launch_secret, server_command, wait_healthy
         bind = _node_ip() if host == "node" else "127.0.0.1"
         port = free_port(bind)
         kind = "sglang" if cfg.rollout.rollout_engine == "sglang" else "server"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        self.server = Server(index=index, url=f"http://{bind}:{port}", env=env,
-                             cmd=server_command(cfg, kind, port, cfg.cluster.device, host=bind),
+        key_file, key_env = launch_secret(cfg, kind, api_key, os.path.join(log_dir, f"engine{index}.sglang.yaml"))
+        self.server = Server(index=index, url=f"http://{bind}:{port}", env={**env, **key_env},
+                             cmd=server_command(cfg, kind, port, cfg.cluster.device, host=bind, sglang_config=key_file),
                              log_path=os.path.join(log_dir, f"engine{index}.log"))
         self.server.start()
-        http = HTTPClient(cfg.engines.api_key or None)
+        http = HTTPClient(api_key)
         try:
             wait_healthy(self.server, http, cfg.engines.rollout_engine_startup_timeout)
             return self.server.url
@@ -197,13 +198,15 @@ def train_on_ray(cfg: Config) -> dict:
         run_cfg = copy.deepcopy(cfg)
         run_cfg.ray.use_ray = False
         if n_eng:
-            if multi_node and not cfg.engines.api_key:  # servers listen off loopback: state-changing calls need a key
-                run_cfg.engines.api_key = cfg.engines.api_key = os.urandom(16).hex()
+            # every engine server gets a key (a random one unless given), also on loopback; the train actors send it
+            from polyrl.rollout.http_engine import engines_api_key
+            run_cfg.engines.api_key = key = engines_api_key(cfg, launched=True)
+            run_cfg.engines.api_key_file = None
             eng_cls = ray.remote(num_cpus=0)(EngineRayActor)
             engines = [eng_cls.options(scheduling_strategy=at(world + k), resources={unit: per_eng}).remote()
                        for k in range(n_eng)]
             log_dir = os.path.join(cfg.log.run_dir, "engines")
-            urls = _get(ray, [e.start.remote(cfg, k, log_dir, "node" if multi_node else "loopback")
+            urls = _get(ray, [e.start.remote(cfg, k, log_dir, "node" if multi_node else "loopback", key)
                               for k, e in enumerate(engines)], timeout + 30, "engine actors starting their servers")
             run_cfg.engines.rollout_external, run_cfg.engines.rollout_external_engine_addrs = True, urls
         train_cls = ray.remote(num_cpus=0)(TrainRayActor)

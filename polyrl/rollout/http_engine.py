@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import os
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -95,7 +96,8 @@ class Server:
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        with open(self.log_path, "ab") as logf:
+        # 0600: a server may print its settings (SGLang prints its ServerArgs, key included) into its log
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
             # spawn: tied to the trainer (killed with it, also by kill -9), even when a restart thread starts it
             self.proc = spawn(self.cmd, env=self.env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -140,24 +142,84 @@ def decode_routed_experts(b64: str, tokens: int, layers: int, top_k: int) -> tor
     return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2**15 else routes
 
 
-def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "127.0.0.1") -> list[str]:
-    """argv of one launched engine server (host: where it listens; off loopback it needs an api key)."""
+API_KEY_ENV = "POLYRL_API_KEY"  # polyrl serve reads its key from here when --api-key is absent (polyrl.rollout.server)
+
+
+def engines_api_key(cfg: Config, launched: bool) -> str | None:
+    """The engines' key: --api-key, else --api-key-file; servers polyrl launches get a random one when neither is set
+    (also on loopback: any local user can reach 127.0.0.1). Held by the engine object only, never written to the config."""
     e = cfg.engines
-    key = ["--api-key", e.api_key] if e.api_key else []
+    if e.api_key and e.api_key_file:
+        from polyrl.config import ConfigError
+        raise ConfigError("--api-key and --api-key-file are alternatives; give one")
+    if e.api_key_file:
+        from polyrl.rollout.server import read_key_file
+        return read_key_file(e.api_key_file, "--api-key-file")
+    return e.api_key or (secrets.token_urlsafe(32) if launched else None)
+
+
+def _sglang_user_config(args: Sequence[str]) -> str | None:
+    return args[args.index("--config") + 1] if "--config" in args[:-1] else None
+
+
+def launch_secret(cfg: Config, kind: str, key: str | None, path: str) -> tuple[str | None, dict[str, str]]:
+    """(SGLang --config file, environment) that give a launched server its key without putting it on its command line
+    (/proc/PID/cmdline is readable by every local user; /proc/PID/environ and a 0600 file only by this user).
+    polyrl serve reads POLYRL_API_KEY; sglang.launch_server reads flags from a YAML --config file, so its key goes in
+    one (merged with a --sglang-config file the user gave: SGLang takes a single --config)."""
+    if key is None:
+        return None, {}
+    if kind != "sglang":
+        return None, {API_KEY_ENV: key}
+    import yaml
+    data = {}
+    user = _sglang_user_config(cfg.engines.sglang_args)
+    if user is not None:
+        with open(user) as f:
+            data = yaml.safe_load(f) or {}
+    data["api-key"] = key
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(data, f)
+    return path, {}
+
+
+def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "127.0.0.1",
+                   sglang_config: str | None = None) -> list[str]:
+    """argv of one launched engine server (host: where it listens). It holds no key: launch_secret hands that over
+    (sglang_config: the file it wrote for SGLang)."""
+    e = cfg.engines
     if kind == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise ImportError(SGLANG_HINT)
+        extra = list(e.sglang_args)
+        if sglang_config is not None and _sglang_user_config(extra) is not None:  # merged into ours by launch_secret
+            i = extra.index("--config")
+            del extra[i:i + 2]
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_checkpoint,
                 "--host", host, "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
-                "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction), *key,
-                *(["--enable-return-routed-experts"] if wants_routes(cfg) else []), *e.sglang_args]
+                "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction),
+                *(["--config", sglang_config] if sglang_config else []),
+                *(["--enable-return-routed-experts"] if wants_routes(cfg) else []), *extra]
     r = cfg.rollout
+    from polyrl.runtime import weight_sync_mode
+    # --weight-sync disk: the servers may load from the directory DiskTransport writes in, and nothing else
+    allowed = []
+    if weight_sync_mode(cfg) == "disk":
+        from polyrl.weight_sync.distributed import private_weight_dir
+        allowed = ["--allowed-weight-dirs", private_weight_dir()]
+    max_n = max(64, r.n_samples_per_prompt)  # a request carries one prompt's n samples
     return [sys.executable, "-m", "polyrl", "serve", "--hf-checkpoint", cfg.model.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", device, "--seed", str(cfg.cluster.seed),
             "--rollout-mem-fraction", str(r.rollout_mem_fraction), "--rollout-batch-generate", str(r.rollout_batch_generate),
             "--attn-implementation", cfg.model.attn_implementation,
+            "--max-n", str(max_n), "--max-running-requests", str(max(1024, max_n)),
+            # the server stops generating for a request its client has given up on
+            "--request-timeout-s", str(e.rollout_request_timeout), *allowed,
             *([] if r.rollout_gpu_engine else ["--no-rollout-gpu-engine"]),
-            *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg), *key]
+            *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg)]
 
 
 def num_engines(cfg: Config) -> int:
@@ -197,7 +259,8 @@ class HTTPEngine:
         self.request_timeout = e.rollout_request_timeout
         # SGLang gives the n copies of one request the same seed: ask it for single samples, each with its own seed
         self.split_samples = self.kind != "server"
-        self.http = HTTPClient(cfg.engines.api_key)
+        self.api_key = engines_api_key(cfg, launched=not e.rollout_external)
+        self.http = HTTPClient(self.api_key)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.version = 0
         self.membership = 0  # changes when a server is restarted: the weight transport rebuilds its group
@@ -207,6 +270,9 @@ class HTTPEngine:
         self._lock = threading.Lock()
         self._closed = False
         self.servers: list[Server] = []
+        self._secret_files: list[str] = []  # 0600 files holding the key for launched SGLang servers, removed at close
+        self._weight_source = None  # (source, transport): how a restarted server gets the current weights
+        self._resync_lock = threading.Lock()
         atexit.register(self.close)
         try:
             self._start_servers(cfg, device)
@@ -227,21 +293,25 @@ class HTTPEngine:
         else:
             n = num_engines(cfg)
             log_dir = e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
-            urls: list = [None, None]  # (server urls, colocated): the same length on every rank
+            urls: list = [None, None, None]  # (server urls, colocated, key): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
-                urls = [[s.url for s in self.servers], self.colocated]
+                urls = [[s.url for s in self.servers], self.colocated, self.api_key]
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list(urls, src=0)
             if self.rank != 0:
                 self.servers = [Server(k, u, log_path=os.path.join(log_dir, f"engine{k}.log")) for k, u in enumerate(urls[0])]
                 self.colocated = urls[1]
+                if urls[2] != self.api_key:  # rank 0's random key is the servers' key
+                    self.api_key = urls[2]
+                    self.http.close()
+                    self.http = HTTPClient(self.api_key)
         for s in self.servers:
             self._wait_healthy(s, e.rollout_engine_startup_timeout)
         if e.use_sglang_router and self.rank == 0:
             from polyrl.rollout.router import launch_router
             self.router = launch_router([s.url for s in self.servers], policy=e.sglang_router_policy,
-                                        api_key=cfg.engines.api_key,
+                                        api_key=self.api_key,
                                         log_path=os.path.join(e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines"),
                                                               "router.log"),
                                         timeout=e.rollout_engine_startup_timeout)
@@ -267,11 +337,14 @@ class HTTPEngine:
         servers = []
         for k in range(n):
             port = free_port()
-            s = Server(k, f"http://127.0.0.1:{port}", cmd=server_command(cfg, self.kind, port, device),
-                       env={**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[k]))} if gpus[k] else {})},
+            key_file, key_env = launch_secret(cfg, self.kind, self.api_key, os.path.join(log_dir, f"engine{k}.sglang.yaml"))
+            s = Server(k, f"http://127.0.0.1:{port}", cmd=server_command(cfg, self.kind, port, device, sglang_config=key_file),
+                       env={**env, **key_env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[k]))} if gpus[k] else {})},
                        log_path=os.path.join(log_dir, f"engine{k}.log"))
             s.start()
             servers.append(s)
+            if key_file:
+                self._secret_files.append(key_file)
         self.servers = servers
         return servers
 
@@ -494,4 +567,9 @@ class HTTPEngine:
             self.router.stop()
         for s in self.servers:
             s.stop()
+        for path in self._secret_files:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
         self.http.close()

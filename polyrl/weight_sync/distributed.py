@@ -423,6 +423,18 @@ def _mismatch(x: torch.Tensor, got: Any) -> str | None:
     return f"max |diff| {(back - x.double()).abs().max().item():.3g}"
 
 
+def private_weight_dir() -> str:
+    """Where --weight-sync disk writes by default: this user's own directory (mode 0700) under the temp dir, the one
+    directory the servers polyrl launches may load weights from (polyrl serve --allowed-weight-dirs)."""
+    d = os.path.join(tempfile.gettempdir(), f"polyrl-weights-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{d} must be a directory owned by this user with mode 0700 (engine servers load weights "
+                           "from it); remove it and start again")
+    return d
+
+
 class DiskTransport(_ServerTransport):
     """`--weight-sync disk`: rank 0 writes the stream as safetensors files (one per bucket) into a
     fresh directory that every server can read (same machine or shared filesystem), every server
@@ -436,7 +448,7 @@ class DiskTransport(_ServerTransport):
 
     def _send(self, stream, t: _Targets, version: int, sent: list | None) -> int:
         from safetensors.torch import save_file
-        d = tempfile.mkdtemp(prefix=f"polyrl_weights_v{version}_", dir=self.dir)
+        d = tempfile.mkdtemp(prefix=f"polyrl_weights_v{version}_", dir=self.dir or private_weight_dir())
         try:
             total, index = 0, {}
             for k, bucket in enumerate(buckets(stream, self.bucket_bytes)):

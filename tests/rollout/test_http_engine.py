@@ -133,17 +133,23 @@ def test_a_dead_engine_without_fault_tolerance_stops_the_run_naming_it(tiny_mode
 
 
 FAKE_SGLANG = '''
-"""Stand-in for `python -m sglang.launch_server`: records its argv, then runs polyrl serve with the flags both share."""
-import json, os, sys
+"""Stand-in for `python -m sglang.launch_server`: records its argv, then runs polyrl serve with the flags both share
+(the key from SGLang's YAML --config file; weights from the directory --weight-sync disk writes in)."""
+import json, os, stat, sys, yaml
+from polyrl.weight_sync.distributed import private_weight_dir
 argv = sys.argv[1:]
 with open(os.environ["FAKE_SGLANG_ARGV"], "a") as f:
     f.write(json.dumps(argv) + "\\n")
-keep = {"--model-path": "--hf-checkpoint", "--host": "--host", "--port": "--port", "--api-key": "--api-key"}
+keep = {"--model-path": "--hf-checkpoint", "--host": "--host", "--port": "--port"}
 out = []
 for i, a in enumerate(argv):
     if a in keep:
         out += [keep[a], argv[i + 1]]
-os.execv(sys.executable, [sys.executable, "-m", "polyrl", "serve", "--device", "cpu", *out])
+config = argv[argv.index("--config") + 1]
+assert stat.S_IMODE(os.stat(config).st_mode) == 0o600, oct(os.stat(config).st_mode)
+os.environ["POLYRL_API_KEY"] = yaml.safe_load(open(config))["api-key"]
+os.execv(sys.executable, [sys.executable, "-m", "polyrl", "serve", "--device", "cpu", "--allowed-weight-dirs",
+                          private_weight_dir(), *out])
 '''
 
 
@@ -165,7 +171,8 @@ def test_sglang_launch_path_passes_every_sglang_flag(tiny_model, arith_data, tmp
             "--sglang-speculative-num-draft-tokens", "4", "--sglang-enable-deterministic-inference", "--sglang-some-new-flag=x"]
     assert main(args) == 0
     argv = json.loads((tmp_path / "argv.jsonl").read_text().splitlines()[0])
-    assert argv[:2] == ["--model-path", tiny_model] and "--api-key" in argv
+    assert argv[:2] == ["--model-path", tiny_model] and "--api-key" not in argv and "k3y" not in argv
+    assert not list((tmp_path / "run" / "engines").glob("*.yaml"))  # the key's file is gone with the run
     tail = " ".join(argv)
     for want in ("--tp-size 1", "--dp-size 1", "--mem-fraction-static 0.5", "--enable-torch-compile",
                  "--speculative-algorithm EAGLE", "--speculative-num-draft-tokens 4", "--enable-deterministic-inference",

@@ -48,7 +48,10 @@ def trainer_weights(model_dir: str, step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
     """Two `polyrl serve` processes shared by this module's tests (the restart test, last, replaces one)."""
-    with serving(tiny_model, tmp_path_factory.mktemp("serve"), 2) as procs:
+    weights = tmp_path_factory.mktemp("weights")  # the one directory /update_weights_from_disk may read
+    with serving(tiny_model, tmp_path_factory.mktemp("serve"), 2, "--allowed-weight-dirs", str(weights)) as procs:
+        for p in procs:
+            p.weights_dir = weights
         yield procs
 
 
@@ -56,8 +59,9 @@ def read_back(http: HTTPClient, url: str, name: str) -> torch.Tensor:
     return decode_tensor(http.call(url, "/get_weights_by_name", {"name": name, "return_format": "base64"}, timeout=30))
 
 
-def test_disk_transport(tiny_model, pair, tmp_path):
+def test_disk_transport(tiny_model, pair):
     eng = FakeEngine([p.url for p in pair])
+    tmp_path = pair[0].weights_dir
     try:
         w = trainer_weights(tiny_model, 5)
         DiskTransport(1 << 16, check_equal=True, dir=str(tmp_path)).push(iter(w.items()), [eng], 5)
