@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
         polyrl("eval", "--hf-checkpoint", sft_model, *evals, "--max-turns", turns, "--run-dir", os.path.join(d, "eval_sft"),
                *common)
         polyrl("train", "--config", CONFIG, "--hf-checkpoint", sft_model, "--prompt-data", data["train"],
-               "--eval-prompt-data", data["eval"], *FUNCTIONS, "--max-turns", turns, "--num-rollout", str(a.grpo_steps),
-               "--rollout-batch-size", str(a.rollout_batch_size),
-               "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--eval-interval", "0", "--save-hf", rl_model,
+               *FUNCTIONS, "--max-turns", turns, "--num-rollout", str(a.grpo_steps),
+               "--rollout-batch-size", str(a.rollout_batch_size), "--n-samples-per-prompt", str(a.n_samples_per_prompt),
+               "--eval-prompt-data", "", "--eval-interval", "0", "--save-hf", rl_model,  # evals run as polyrl eval below
                "--save-debug-rollout-data", os.path.join(d, "rollouts", "step_{rollout_id}.jsonl"),
                "--run-dir", d, *common)
         polyrl("eval", "--hf-checkpoint", rl_model, *evals, "--max-turns", turns, "--run-dir", os.path.join(d, "eval_grpo"),
