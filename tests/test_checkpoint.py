@@ -51,3 +51,82 @@ def test_default_keeps_every_checkpoint(tmp_path):
     for step in (1, 2, 3):
         save(tmp_path, step)
     assert complete_steps(str(tmp_path)) == [1, 2, 3]
+
+
+# ---- loading runs no code; every torn file is named ----
+
+class _RunsCode:
+    """A pickle payload that would create a file when unpickled with weights_only=False."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_tampered_extras_are_refused_naming_the_file_and_run_nothing(tmp_path):
+    import torch
+
+    from polyrl.checkpoint import CheckpointError, load_extras
+    marker = tmp_path / "pwned"
+    torch.save({"scheduler": {}, "cpu_rng": torch.get_rng_state(), "evil": _RunsCode(str(marker))},
+               tmp_path / "extra_rank0.pt")
+    with pytest.raises(CheckpointError, match="extra_rank0.pt holds objects other than tensors") as e:
+        load_extras(str(tmp_path), rank=0)
+    assert str(tmp_path / "extra_rank0.pt") in str(e.value) and not marker.exists()
+    torch.save({"scheduler": {"last_epoch": 3}, "cpu_rng": torch.get_rng_state(), "cuda_rng": None, "skipped_steps": 0},
+               tmp_path / "extra_rank0.pt")
+    assert load_extras(str(tmp_path), rank=1)["scheduler"] == {"last_epoch": 3}  # rank 1 of a resume onto more ranks
+    os.remove(tmp_path / "extra_rank0.pt")
+    with pytest.raises(CheckpointError, match="extra_rank0.pt is missing"):
+        load_extras(str(tmp_path), rank=0)
+
+
+def test_dcp_shards_shorter_than_their_metadata_say_are_named(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from polyrl.checkpoint import CheckpointError, _check_dcp_files
+    dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(tmp_path / "dcp"))
+    _check_dcp_files(str(tmp_path))  # intact
+    (shard,) = [f for f in os.listdir(tmp_path / "dcp") if f.endswith(".distcp")]
+    with open(tmp_path / "dcp" / shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'dcp' / shard} is truncated"):
+        _check_dcp_files(str(tmp_path))
+    with open(tmp_path / "dcp" / ".metadata", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match=r"\.metadata is truncated or unreadable"):
+        _check_dcp_files(str(tmp_path))
+
+
+# ---- secrets ----
+
+def test_saved_loop_state_has_every_secret_redacted_and_row_keys_kept(tmp_path):
+    import dataclasses
+    import json
+
+    from polyrl.config import Config
+    cfg = Config()
+    cfg.engines.api_key = cfg.server.api_key = "sk-123-secret"
+    save_checkpoint(str(tmp_path), 1, FakeBackend(), {"step": 1, "config": dataclasses.asdict(cfg),
+                                                      "extra": {"hf_token": "hf_abc", "api_key_file": "/k"}})
+    for d, _, files in os.walk(tmp_path):
+        for f in files:
+            data = open(os.path.join(d, f), "rb").read()
+            assert b"sk-123-secret" not in data and b"hf_abc" not in data, f
+    state = json.load(open(tmp_path / "step_000001" / "loop_state.json"))
+    assert state["config"]["engines"]["api_key"] == state["config"]["server"]["api_key"] == "<redacted>"
+    assert state["extra"] == {"hf_token": "<redacted>", "api_key_file": "<redacted>"}
+    assert state["config"]["data"]["label_key"] == "label" and state["step"] == 1
+    assert cfg.engines.api_key == "sk-123-secret"  # the run's own config is not touched
+
+
+def test_latest_complete_names_the_newest_complete_step(tmp_path):
+    from polyrl.checkpoint import latest_complete
+    assert latest_complete(str(tmp_path)) is None and latest_complete(None) is None
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    os.makedirs(tmp_path / "step_000003.tmp")
+    assert latest_complete(str(tmp_path)) == os.path.abspath(tmp_path / "step_000002")

@@ -1,4 +1,7 @@
-"""polyrl.metrics: the per-phase device-busy summary of --profile-step (the GPU side of it, from a synthetic trace)."""
+"""polyrl.metrics: the per-phase device-busy summary of --profile-step (from a synthetic trace), metrics.jsonl on resume and
+--overwrite, the step checks (failed rewards, the log-prob gate), the banner and the closing line."""
+
+import os
 
 from polyrl.metrics import Timer, phase_busy
 
@@ -35,3 +38,93 @@ def test_timer_sums_repeated_phases(monkeypatch):
     with t("rollout"):
         pass
     assert t.times == {"train": 6.0, "rollout": 0.5}  # the three train phases add up; the time between them does not
+
+
+# ---- metrics.jsonl: a resume logs each step once, --overwrite starts afresh ----
+
+def _logged(tmp_path):
+    import json
+    return [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+
+
+def test_first_logged_step_cuts_the_rows_at_and_after_it(tmp_path):
+    from polyrl.metrics import MetricsLogger
+    lg = MetricsLogger(str(tmp_path), total_steps=4, quiet=True)
+    for s in (0, 1, 2, 3, 4):
+        lg.log(s, {"loss": float(s)})
+    lg.close()
+    lg = MetricsLogger(str(tmp_path), total_steps=4, quiet=True)  # resumed from the checkpoint of step 2
+    lg.log(3, {"loss": 30.0})
+    lg.log(4, {"loss": 40.0})
+    lg.close()
+    assert _logged(tmp_path) == [0, 1, 2, 3, 4]
+    lg = MetricsLogger(str(tmp_path), total_steps=1, quiet=True, overwrite=True)
+    assert _logged(tmp_path) == []
+    lg.log(1, {"loss": 1.0})
+    assert _logged(tmp_path) == [1]
+
+
+# ---- step checks ----
+
+def _reward_row(samples=4.0, errors=0.0, timeouts=0.0, zeros=0.0):
+    return {"reward/samples": samples, "reward/errors": errors, "reward/timeouts": timeouts, "reward/zeros": zeros}
+
+
+def test_reward_checks_count_failed_steps_in_a_row_and_reset(capsys):
+    from polyrl.metrics import StepChecks
+    c = StepChecks(max_failed=2)
+    assert c.rewards(1, {"loss": 1.0}) == ({}, None)  # no reward metrics (sft): nothing to check
+    assert c.rewards(1, _reward_row(errors=2, timeouts=2, zeros=4)) == ({"reward/all_failed": 1.0, "reward/all_zero": 1.0}, None)
+    assert c.rewards(2, _reward_row(zeros=3)) == ({"reward/all_failed": 0.0, "reward/all_zero": 0.0}, None)  # resets
+    assert c.rewards(3, _reward_row(zeros=4))[1] is None
+    flags, why = c.rewards(4, _reward_row(zeros=4))
+    assert flags == {"reward/all_failed": 0.0, "reward/all_zero": 1.0} and why.startswith("step 4: every reward is 0")
+    err = capsys.readouterr().err
+    assert "WARNING step 1: every reward call failed (2 errors, 2 timeouts" in err and "WARNING step 2" not in err
+    # counts averaged over two ranks (loop: sum / world) are still compared as equal
+    assert StepChecks().rewards(1, _reward_row(samples=1.5, errors=1.5))[0]["reward/all_failed"] == 1.0
+
+
+def test_logprob_gate_fails_closed(tmp_path):
+    import pytest
+
+    from polyrl.metrics import MetricsLogger, RunStopped, StepChecks
+    gate = StepChecks(logprob_threshold=0.1)
+    gate.logprob_gate(0, {"eval/accuracy": 0.5})  # an eval-only row: no training step to compare
+    gate.logprob_gate(1, {"loss": 1.0, "train_rollout_logprob_abs_diff_max": 0.1})
+    for m, words in (({"loss": 1.0}, "no train_rollout_logprob_abs_diff_max"),
+                     ({"loss": 1.0, "train_rollout_logprob_abs_diff_max": float("nan")}, "nan > "),
+                     ({"loss": 1.0, "train_rollout_logprob_abs_diff_max": 0.25}, "0.25 > ")):
+        with pytest.raises(RunStopped, match=words):
+            gate.logprob_gate(7, m)
+    # the logger writes the step's row first, then stops; a disabled (non-zero rank) logger stops at the same step
+    for enabled in (True, False):
+        lg = MetricsLogger(str(tmp_path / str(enabled)), total_steps=3, quiet=True, enabled=enabled, checks=StepChecks(logprob_threshold=0.1))
+        with pytest.raises(RunStopped, match="step 2: "):
+            lg.log(2, {"loss": 1.0, "train_rollout_logprob_abs_diff_max": 0.5})
+    assert _logged(tmp_path / "True") == [2] and not (tmp_path / "False").exists()
+
+
+# ---- banner and closing line ----
+
+def test_banner_and_closing_line_say_where_things_are(tmp_path, capsys):
+    from polyrl.checkpoint import save_checkpoint
+    from polyrl.config import Config
+    from polyrl.metrics import banner, closing_line
+
+    class Backend:
+        def save(self, path):
+            os.makedirs(os.path.join(path, "dcp"))
+
+    cfg = Config()
+    cfg.model.hf_checkpoint, cfg.log.run_dir = "/models/tiny", str(tmp_path / "run")
+    line = banner(cfg, "1 rank, engine colocated")
+    assert line == (f"model /models/tiny | backend fsdp | engine embedded (in the trainer's process) | placement 1 rank, "
+                    f"engine colocated | run dir {tmp_path / 'run'}")
+    cfg.checkpoint.save, cfg.checkpoint.save_hf = str(tmp_path / "ck"), str(tmp_path / "hf")
+    assert f"no complete checkpoint in {tmp_path / 'ck'}" in closing_line(cfg)
+    save_checkpoint(cfg.checkpoint.save, 3, Backend(), {"step": 3})
+    line = closing_line(cfg)
+    assert line == (f"done: metrics {tmp_path / 'run' / 'metrics.jsonl'} (curves: polyrl plot {tmp_path / 'run'}) | checkpoint "
+                    f"{tmp_path / 'ck' / 'step_000003'} (resume: --load {tmp_path / 'ck'}) | HF export {tmp_path / 'hf'}")
+    assert line in capsys.readouterr().err
