@@ -8,6 +8,15 @@ checks, retries and restarts live here. Weights reach the servers through a tran
 (polyrl.weight_sync.distributed), which asks this object where to send them
 (`weight_sync_urls`, `membership`) and tells it what they now hold (`weights_pushed`).
 
+Fault tolerance (`--use-fault-tolerance`): a server that dies, or stops answering (its /health
+or a request times out: --rollout-health-check-interval, --rollout-request-timeout), is marked
+down; its in-flight requests are cancelled and re-sent to the others (or to it once it is back),
+and a launched one is killed (SIGKILL when it does not answer) and restarted. A restarted server
+holds --hf-checkpoint's weights: the transport's last pushed weights (`set_weight_source`) are
+re-sent to it alone (`transport.push_to`) before it serves again. A server lost during a push is
+reported by `lost_during_sync`; the push finishes on the others. Without the flag each of these
+stops the run with an EngineDeadError naming the engine and its log.
+
 Sampling is reproducible across servers: every prompt carries its own `sampling_seed`
 (polyrl.rollout.sampling), so a sample does not depend on which server ran it.
 """
@@ -23,7 +32,6 @@ import logging
 import os
 import random
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +43,8 @@ import torch
 import torch.distributed as dist
 
 from polyrl.config import Config
+from polyrl.dist import free_port
+from polyrl.placement import num_engines, plan_here
 from polyrl.rollout.base import wake_tags
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
 from polyrl.rollout.router import spawn
@@ -50,12 +60,6 @@ SGLANG_HINT = ("--rollout-engine sglang needs SGLang in this Python environment:
 
 class EngineDeadError(RuntimeError):
     """An engine server died or stopped answering and fault tolerance is off (or nothing is left to retry on)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(s: Server, http, timeout: float) -> None:
@@ -88,6 +92,7 @@ class Server:
     failures: int = 0
     restarting: bool = False
     log_tail: list[str] = field(default_factory=list)
+    inflight: set = field(default_factory=set)  # asyncio tasks of its /generate requests (cancelled when it goes down)
 
     @property
     def name(self) -> str:
@@ -113,6 +118,12 @@ class Server:
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
+
+    def kill(self) -> None:
+        """SIGKILL: a stopped or wedged process ignores SIGTERM until it runs again."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
     def tail(self, n: int = 15) -> str:
         if not self.log_path or not os.path.exists(self.log_path):
@@ -222,26 +233,6 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
             *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg)]
 
 
-def num_engines(cfg: Config) -> int:
-    e = cfg.engines
-    if e.rollout_num_engines:
-        return e.rollout_num_engines
-    if e.rollout_num_gpus:
-        return max(1, e.rollout_num_gpus // e.rollout_num_gpus_per_engine)
-    return 1
-
-
-def plan_gpus(n_engines: int, per_engine: int, trainer_gpus: int, visible: int) -> tuple[list[list[int]], bool]:
-    """GPU ids of each engine and whether they share the trainer's GPUs. Disaggregated when the GPUs
-    past the trainer's hold every engine; colocated (engine k on trainer GPU k, wrapping) otherwise."""
-    if visible >= trainer_gpus + n_engines * per_engine:
-        return [list(range(trainer_gpus + k * per_engine, trainer_gpus + (k + 1) * per_engine))
-                for k in range(n_engines)], False
-    if per_engine > trainer_gpus:
-        raise ValueError(f"--rollout-num-gpus-per-engine {per_engine} needs {per_engine} GPUs but {visible} are visible")
-    return [[(k * per_engine + i) % trainer_gpus for i in range(per_engine)] for k in range(n_engines)], True
-
-
 class HTTPEngine:
     """`--rollout-engine server|sglang` (launched) or `--rollout-external` (attached)."""
 
@@ -264,7 +255,7 @@ class HTTPEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.version = 0
         self.membership = 0  # changes when a server is restarted: the weight transport rebuilds its group
-        self.colocated = False
+        self.shares_devices = False
         self.router = None
         self._stats: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -296,12 +287,12 @@ class HTTPEngine:
             urls: list = [None, None, None]  # (server urls, colocated, key): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
-                urls = [[s.url for s in self.servers], self.colocated, self.api_key]
+                urls = [[s.url for s in self.servers], self.shares_devices, self.api_key]
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list(urls, src=0)
             if self.rank != 0:
                 self.servers = [Server(k, u, log_path=os.path.join(log_dir, f"engine{k}.log")) for k, u in enumerate(urls[0])]
-                self.colocated = urls[1]
+                self.shares_devices = urls[1]
                 if urls[2] != self.api_key:  # rank 0's random key is the servers' key
                     self.api_key = urls[2]
                     self.http.close()
@@ -328,12 +319,10 @@ class HTTPEngine:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                   "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
             env.pop(k, None)  # a server is not a rank of the trainer's job
-        gpus: list[list[int]] = [[] for _ in range(n)]
-        if device == "cuda":
-            import torch
-            trainer = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-            gpus, self.colocated = plan_gpus(n, e.rollout_num_gpus_per_engine, trainer, torch.cuda.device_count())
-            log.warning("rollout engines on GPUs %s (%s)", gpus, "colocated with the trainer" if self.colocated else "disaggregated")
+        plan = plan_here(cfg)  # the layout validation checked: engine GPUs, and whether they are the trainer's
+        gpus, self.shares_devices = [list(g) for g in plan.engine_devices], plan.shared
+        if any(gpus):
+            log.warning("rollout engines on GPUs %s (%s)", gpus, "shared with the trainer" if plan.shared else "their own")
         servers = []
         for k in range(n):
             port = free_port()
@@ -362,7 +351,9 @@ class HTTPEngine:
             else:
                 jobs.append((i, 0, params.n, prompt_seed(params, base, i)))
         attempts = self._max_attempts()
-        budget = self.request_timeout * attempts + 60
+        # each attempt may wait for a restart (startup timeout) before its request (request timeout)
+        budget = (self.request_timeout + (self.cfg.engines.rollout_engine_startup_timeout if self.fault_tolerant else 0)) \
+            * attempts + 60
         async def all_jobs():
             return await asyncio.gather(*(self._one(prompts[i], params, n, seed) for i, _, n, seed in jobs))
         outs = self.http.run(all_jobs(), timeout=budget)
@@ -390,10 +381,18 @@ class HTTPEngine:
         for attempt in range(self._max_attempts()):
             s = None if self.router_url else await self._pick()
             url = self.router_url or s.url
-            if s is not None:
+            task = asyncio.ensure_future(self._generate_when_free(url, payload))
+            if s is not None:  # no await between the pick and here: a server marked down meanwhile cancels this task
                 s.outstanding += 1
+                s.inflight.add(task)
             try:
-                out = await self.http.request(url, "/generate", payload, timeout=self.request_timeout)
+                try:
+                    out = await task
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise  # the whole generate is being cancelled
+                    raise EngineHTTPError(url, "/generate", "cancelled: its engine was marked down (exited, or no "
+                                          "answer to /health) while the request was in flight") from None
                 outs = out if isinstance(out, list) else [out]
                 if any(o.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" for o in outs):
                     raise EngineHTTPError(url, "/generate", "request aborted by the server")
@@ -407,11 +406,28 @@ class HTTPEngine:
             finally:
                 if s is not None:
                     s.outstanding -= 1
+                    s.inflight.discard(task)
         raise EngineDeadError(f"a /generate request failed on every attempt ({self._max_attempts()}); last error: {last}")
 
+    async def _generate_when_free(self, url: str, payload: dict):
+        """POST /generate; a server that answers 429 (full: its --max-running-requests samples are queued or running)
+        is asked again after a backoff (0.05 s doubling to 1 s), within one --rollout-request-timeout: busy is not dead."""
+        deadline = time.monotonic() + self.request_timeout
+        wait = 0.05
+        while True:
+            try:
+                return await self.http.request(url, "/generate", payload, timeout=max(1.0, deadline - time.monotonic()))
+            except EngineHTTPError as err:
+                if err.status != 429 or time.monotonic() + wait > deadline:
+                    raise
+                self._stats["rollout/busy_retries"] += 1
+                await asyncio.sleep(wait * (0.5 + random.random()))  # jitter: clients refused together spread out
+                wait = min(1.0, 2 * wait)
+
     async def _pick(self) -> Server:
-        """Least outstanding requests among live servers holding the current weights; waits (bounded)
-        while every server is restarting."""
+        """Least outstanding requests among live servers holding the current weights. With fault tolerance,
+        re-sends the current weights to a live server that lacks them (a restarted one) and waits (bounded by
+        --rollout-engine-startup-timeout) while servers are being restarted or may come back."""
         deadline = time.monotonic() + self.cfg.engines.rollout_engine_startup_timeout
         while True:
             down = [s for s in self.servers if not s.alive]
@@ -421,25 +437,78 @@ class HTTPEngine:
             ready = [s for s in self.servers if s.alive and s.version == self.version]
             if ready:
                 return min(ready, key=lambda s: (s.outstanding, s.index))
-            if not self.fault_tolerant or time.monotonic() > deadline or not any(s.restarting for s in self.servers):
+            stale = [s for s in self.servers if s.alive and not s.restarting]
+            if stale and self.fault_tolerant and self.rank == 0 and self._weight_source is not None:
+                await asyncio.to_thread(self._bring_current, stale[0])
+                continue
+            if not self.fault_tolerant or time.monotonic() > deadline or not self._may_recover():
                 states = "; ".join(f"{s.name}: {'up' if s.alive else 'down'}, weights v{s.version}" for s in self.servers)
                 raise EngineDeadError(f"no engine can serve weights v{self.version}: {states}")
             await asyncio.sleep(0.2)
+
+    def _may_recover(self) -> bool:
+        """Whether a server may yet serve the current weights without this rank doing anything: one is being
+        restarted, or rank 0 restarts and re-syncs them (other ranks), or an external one may come back."""
+        return self.rank != 0 or any(s.restarting or (not s.cmd and not s.alive) for s in self.servers)
 
     def _failed(self, s: Server | None, err: Exception) -> None:
         if s is None:  # behind the router: it retries on its workers; health checks find the dead one
             if not self.fault_tolerant:
                 raise EngineDeadError(f"the sglang-router at {self.router_url} failed: {err}") from None
             return
-        with self._lock:
-            was_alive, s.alive = s.alive, False
         if not self.fault_tolerant:
+            s.alive = False
             raise EngineDeadError(f"{s.name} failed: {err}. Last log lines:\n{s.tail()}\n"
                                   "(--use-fault-tolerance re-sends its requests to the other engines and restarts it)") from None
-        if was_alive:
-            log.warning("%s failed (%s); re-sending its requests to the others%s", s.name, err,
-                        " and restarting it" if s.cmd else "")
-            self._restart_later(s)
+        self._mark_down(s, str(err))
+
+    def _mark_down(self, s: Server, why: str) -> None:
+        """s is down: its in-flight requests are cancelled (each is re-sent, or names s without fault tolerance)
+        and, with fault tolerance, a launched one is restarted."""
+        restart = self.fault_tolerant and s.cmd is not None and self.rank == 0
+        with self._lock:
+            was_alive, s.alive = s.alive, False
+            # before its requests are cancelled: a re-sent one then waits for the restart instead of giving up
+            restart = restart and was_alive and not s.restarting and not self._closed
+            if restart:
+                s.restarting = True
+        if not was_alive:
+            return
+        self._stats["rollout/engines_lost"] += 1
+        if s.inflight:
+            self.http.submit(self._cancel_inflight(s))
+        if self.fault_tolerant:
+            log.warning("%s is down (%s); re-sending its requests%s", s.name, why, " and restarting it" if s.cmd else "")
+            if restart:
+                threading.Thread(target=self._restart, args=(s,), name=f"polyrl-restart-{s.index}", daemon=True).start()
+        else:
+            log.error("%s is down (%s)", s.name, why)
+
+    @staticmethod
+    async def _cancel_inflight(s: Server) -> None:
+        for task in list(s.inflight):
+            task.cancel()
+
+    def lost_during_sync(self, urls: list[str], err: str) -> list[str]:
+        """Which of these servers died or hung during a weight sync that failed with `err` (down already,
+        exited, or no /health answer within 5 s). With fault tolerance they are marked down (and restarted,
+        then re-sent the weights); without it the first one is an EngineDeadError naming it and its log."""
+        lost = [s for s in self.servers if s.url in urls and (not s.alive or s.exited() or not self._answers(s, 5.0))]
+        if lost and not self.fault_tolerant:
+            s = lost[0]
+            why = f"exited with code {s.proc.returncode}" if s.exited() else "stopped answering"
+            raise EngineDeadError(f"{s.name} {why} during the weight sync "
+                                  "(--use-fault-tolerance restarts it and re-sends the weights)")
+        for s in lost:
+            self._mark_down(s, f"lost during the weight sync: {err}")
+        return [s.url for s in lost]
+
+    def _answers(self, s: Server, timeout: float) -> bool:
+        try:
+            self.http.call(s.url, "/health", timeout=timeout)
+            return True
+        except (EngineHTTPError, TimeoutError):
+            return False
 
     @staticmethod
     def _to_sample_fields(o: dict) -> tuple[list[int], list[float], str]:
@@ -474,23 +543,17 @@ class HTTPEngine:
             for s in list(self.servers):
                 if s.restarting:
                     continue
-                ok = not s.exited()
-                if ok:
-                    try:
-                        self.http.call(s.url, "/health", timeout=max(interval, 1.0))
-                    except (EngineHTTPError, TimeoutError):
-                        ok = False
+                ok = not s.exited() and self._answers(s, max(interval, 1.0))
                 if ok:
                     s.failures = 0
-                    if not s.alive and not s.cmd and self.fault_tolerant:  # external or another rank's server came back
+                    # an external server or another rank's view of a launched one: back, or given new weights by rank 0
+                    if not s.cmd and self.fault_tolerant and (not s.alive or s.version != self.version):
                         self._refresh_version(s)
                     continue
                 s.failures += 1
                 if s.alive and (s.exited() or s.failures >= 2):
-                    s.alive = False
-                    log.warning("%s failed its health check", s.name)
-                    if self.fault_tolerant and s.cmd:
-                        self._restart_later(s)
+                    self._mark_down(s, f"exited with code {s.proc.returncode}" if s.exited() else
+                                    f"no answer to /health within {max(interval, 1.0):g} s, twice")
 
     def _refresh_version(self, s: Server) -> None:
         try:
@@ -500,35 +563,52 @@ class HTTPEngine:
         except (EngineHTTPError, TimeoutError, ValueError):
             pass
 
-    def _restart_later(self, s: Server) -> None:
-        if not s.cmd or self.rank != 0:
-            return  # external servers (and other ranks' views of launched ones) are only waited for
-        with self._lock:
-            if s.restarting or self._closed:
-                return
-            s.restarting = True
-        threading.Thread(target=self._restart, args=(s,), name=f"polyrl-restart-{s.index}", daemon=True).start()
-
     def _restart(self, s: Server) -> None:
         try:
+            if not s.exited() and not self._answers(s, 2.0):
+                s.kill()  # hung (stopped, wedged): SIGTERM would wait for it to run again
             s.stop(grace=5)
             s.start()
-            self._wait_healthy(s, self.cfg.engines.rollout_engine_startup_timeout)
+            wait_healthy(s, self.http, self.cfg.engines.rollout_engine_startup_timeout)
             with self._lock:
-                # it loaded --hf-checkpoint: current only before the first sync; else it waits for the next one
-                s.version = 0 if self.version == 0 else None
-                s.alive = True
+                # it loaded --hf-checkpoint: without a weight source that is current only before the first sync
+                s.version = None if self._weight_source is not None or self.version != 0 else 0
+                s.failures = 0
                 self.membership += 1
             self._stats["rollout/restarts"] += 1
+            if self._weight_source is not None:
+                self._bring_current(s)  # before it serves: the current weights, to it alone
+            s.alive = True
             log.warning("%s restarted (weights v%s)", s.name, s.version)
         except Exception as err:  # the run goes on with the others; the next generate names what is down
             log.error("%s could not be restarted: %s", s.name, err)
         finally:
             s.restarting = False
 
+    def _bring_current(self, s: Server) -> None:
+        """Re-send the weight source's weights to s alone (rank 0): a restarted server holds --hf-checkpoint's."""
+        with self._resync_lock:
+            if self._weight_source is None or (s.version is not None and s.version == self.version):
+                return
+            source, transport = self._weight_source
+            try:
+                v = transport.push_to(source, self, [s.url])
+            except Exception as err:  # it is marked down and restarted again; requests go elsewhere meanwhile
+                log.error("re-sending the weights to %s failed: %s", s.name, err)
+                self._mark_down(s, f"re-sending the weights failed: {err}")
+                return
+            self._stats["rollout/resyncs"] += 1
+            log.warning("%s re-sent the current weights (v%d)", s.name, v)
+
     # ---- what the loop and the transports call ---------------------------------------------------
     def update_weights(self, weights, version: int) -> None:
         raise TypeError("engine servers receive weights through --weight-sync distributed or disk, not in-process tensors")
+
+    def set_weight_source(self, source, transport) -> None:
+        """How a restarted server gets the current weights: `source()` returns (stream of (HF name, tensor),
+        version), pushed to it alone by `transport.push_to(source, self, [url])` on rank 0 (no collective: a
+        host copy, or a live export only where nothing else runs on the trainer meanwhile)."""
+        self._weight_source = (source, transport) if source is not None else None
 
     def weight_sync_urls(self) -> list[str]:
         """Servers that must receive the next weights: every live one (restarted ones included)."""
@@ -542,11 +622,11 @@ class HTTPEngine:
                     s.version = version
 
     def sleep(self) -> None:
-        if self.colocated:  # trainer and engines take turns on the same GPUs
+        if self.shares_devices:  # trainer and engines take turns on the same GPUs
             self.http.call_all(self.weight_sync_urls(), "/release_memory_occupation", {}, timeout=120)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
-        if self.colocated:
+        if self.shares_devices:
             body = {} if tags is None else {"tags": sorted(wake_tags(tags))}
             self.http.call_all(self.weight_sync_urls(), "/resume_memory_occupation", body, timeout=120)
 

@@ -15,6 +15,11 @@ Only tensors cross the group; the HTTP side carries JSON metadata (nothing is pi
 group is kept across steps and rebuilt when the set of servers changes (`engine.membership`).
 Every wait is bounded, and a server that answers with an error ends a broadcast at once.
 
+A server that dies or hangs during a push: the engine says which (`lost_during_sync`). Without
+fault tolerance that is one EngineDeadError naming the engine and its log; with it, the push goes
+on to the others, and the engine restarts the lost server and re-sends it the last pushed weights
+(`push_to`), which rank 0 keeps in host memory for a fault-tolerant engine.
+
 `--check-weight-update-equal` reads every weight back from every server. `polyrl serve` answers
 /get_weights_by_name {"return_format": "sha256"} (a polyrl extension) with the digest of the
 whole tensor's bytes in its dtype, so the check is exact and cheap; an SGLang server ignores the
@@ -35,8 +40,9 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -47,6 +53,7 @@ from polyrl.weight_sync import buckets
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "polyrl_weight_update_group"
+RESYNC_GROUP = "polyrl_weight_resync_group"  # one server that came back gets the last weights on a group of its own
 
 
 class WeightSyncError(RuntimeError):
@@ -233,12 +240,19 @@ def _check_answers(futs: dict, what: str, timeout_s: float) -> None:
 
 
 class _Targets:
-    """The servers of the engines a push goes to (one HTTP client: every engine of a job shares the api key)."""
+    """The servers of the engines a push goes to (one HTTP client: every engine of a job shares the api key).
+    urls: only these (a re-sync), else every server each engine names."""
 
-    def __init__(self, engines: list):
+    def __init__(self, engines: list, urls: list[str] | None = None):
+        self.engines = engines
         self.http = engines[0].http
-        self.urls = [u for e in engines for u in e.weight_sync_urls()]
+        self.urls = list(urls) if urls is not None else [u for e in engines for u in e.weight_sync_urls()]
         self.membership = tuple(getattr(e, "membership", 0) for e in engines)
+
+    def gone(self) -> list[str]:
+        """Targets their engine no longer counts as live (its health check found them dead or hung)."""
+        live = {u for e in self.engines for u in e.weight_sync_urls()}
+        return [u for u in self.urls if u not in live]
 
 
 class _ServerTransport:
@@ -247,39 +261,106 @@ class _ServerTransport:
 
     def __init__(self, bucket_bytes: int, timeout_s: float, check_equal: bool):
         self.bucket_bytes, self.timeout_s, self.check_equal = bucket_bytes, timeout_s, check_equal
+        self._lock = threading.Lock()  # a push and a re-sync of a restarted server never interleave
+        self._last: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # host copy of the last push (rank 0)
 
     def push(self, stream: Iterable[tuple[str, torch.Tensor]], engines: list, version: int) -> int:
         """Send the stream to every server of `engines`; returns the bytes of the stream (not times the servers)."""
         rank, world = _rank_world()
-        outcome: list = [None, None]  # error message, urls that got the weights
+        outcome: list = [None, None, False]  # error message, urls that got the weights, whether an engine died
         total = 0
+        it = iter(stream)  # once: a WeightExport restarts its (collective) export at each iter()
         if rank == 0:
-            try:
-                t = _Targets(engines)
-                if not t.urls:
-                    raise WeightSyncError("no live engine server to send weights to")
-                sent: list[tuple[str, torch.Tensor]] | None = [] if self.check_equal else None
-                total = self._send(stream, t, version, sent)
-                if sent is not None:
-                    check_weights_equal(t.http, t.urls, sent, timeout_s=self.timeout_s)
-                outcome[1] = t.urls
-            except Exception as e:
-                if world == 1:
-                    raise
-                outcome[0] = str(e) if isinstance(e, WeightSyncError) else f"{type(e).__name__}: {e}"
+            with self._lock:
+                try:
+                    total, outcome[1] = self._push_rank0(it, engines, version)
+                except Exception as e:
+                    for _ in it:  # the other ranks' export is collective: they walk the whole stream
+                        pass
+                    if world == 1:
+                        raise
+                    outcome[0] = str(e) if isinstance(e, WeightSyncError) else f"{type(e).__name__}: {e}"
+                    outcome[2] = _is_engine_dead(e)
         else:
-            for _ in stream:
+            for _ in it:
                 pass
         if world > 1:
             dist.broadcast_object_list(outcome, src=0)
             if outcome[0] is not None:
+                if outcome[2]:
+                    from polyrl.rollout.http_engine import EngineDeadError
+                    raise EngineDeadError(outcome[0])
                 raise WeightSyncError(outcome[0])
         for e in engines:
             e.weights_pushed(version, outcome[1])
         return total
 
-    def _send(self, stream, t: _Targets, version: int, sent: list | None) -> int:
+    def _push_rank0(self, it: Iterator, engines: list, version: int) -> tuple[int, list[str]]:
+        """Rank 0's part: send, and on a server lost mid-push (fault tolerance) finish on the others from the host copy."""
+        keep = self.check_equal or any(e.fault_tolerant for e in engines)
+        self._last = None  # never two host copies at once
+        kept: list[tuple[str, torch.Tensor]] | None = [] if keep else None
+
+        def tee():
+            for name, x in it:
+                if kept is not None:
+                    kept.append((name, x.detach().to("cpu", copy=True)))
+                yield name, x
+
+        src = tee()
+        t = _Targets(engines)
+        if not t.urls:
+            raise WeightSyncError("no live engine server to send weights to")
+        total = 0
+        for attempt in range(len(t.urls) + 1):
+            try:
+                total = self._send(src, t, version)
+                break
+            except WeightSyncError as err:
+                lost = [u for e in engines for u in e.lost_during_sync(t.urls, str(err))]  # raises without fault tolerance
+                if not lost or kept is None:
+                    raise
+                for _ in src:  # the rest of the stream, into the host copy
+                    pass
+                log.warning("weight sync v%d: %s lost during the push; sending to the others", version, ", ".join(lost))
+                src, t = iter(kept), _Targets(engines)
+                if not t.urls:  # every server is restarting: each gets these weights when it is back
+                    break
+        else:
+            raise WeightSyncError(f"weight sync v{version}: servers kept failing over {len(t.urls) + 1} attempts")
+        if self.check_equal and t.urls:
+            check_weights_equal(t.http, t.urls, kept, timeout_s=self.timeout_s)
+        if kept is not None:
+            self._last = (kept, version)
+            for e in engines:
+                if e.fault_tolerant:
+                    e.set_weight_source(self.last_weights, self)
+        return total, t.urls
+
+    def last_weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+        """The last pushed (name, tensor) stream and its version: what a restarted server must hold."""
+        if self._last is None:
+            raise WeightSyncError("no weights pushed yet")
+        return iter(self._last[0]), self._last[1]
+
+    def push_to(self, source: Callable[[], tuple[Iterable[tuple[str, torch.Tensor]], int]], engine, urls: list[str]) -> int:
+        """Rank 0 only, no collective: `source()`'s weights to these servers of `engine` (a restarted one), read
+        under the push lock so that it is the newest stream; returns the version they now hold."""
+        with self._lock:
+            stream, version = source()
+            self._send_to(iter(stream), _Targets([engine], urls), version)
+        engine.weights_pushed(version, urls)
+        return version
+
+    def _send(self, stream, t: _Targets, version: int) -> int:
         raise NotImplementedError
+
+    def _send_to(self, stream, t: _Targets, version: int) -> int:
+        return self._send(stream, t, version)
+
+
+def _is_engine_dead(e: Exception) -> bool:
+    return type(e).__name__ == "EngineDeadError"
 
 
 class DistributedTransport(_ServerTransport):
@@ -308,30 +389,58 @@ class DistributedTransport(_ServerTransport):
         if self.pg is not None:  # a server was restarted or left: rebuild with the current set
             log.warning("weight sync: the engine servers changed; rebuilding the weight-update group")
             self.close()
+        self.pg, self._store = self._form_group(t, GROUP_NAME)
+        self._key, self._members = key, t
+        self.builds += 1
+        log.info("weight-update group formed with %d servers (%s)", len(t.urls), self.backend)
+
+    def _form_group(self, t: _Targets, group_name: str) -> tuple:
         host = self.master_address or local_address_towards(urlparse(t.urls[0]).hostname or "127.0.0.1")
         world = 1 + len(t.urls)
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=self.timeout_s),
                               wait_for_workers=False)
         futs = {u: t.http.call_async(u, "/init_weights_update_group", {
             "master_address": host, "master_port": store.port, "rank_offset": 1 + k, "world_size": world,
-            "group_name": GROUP_NAME, "backend": self.backend}, timeout=self.timeout_s) for k, u in enumerate(t.urls)}
+            "group_name": group_name, "backend": self.backend}, timeout=self.timeout_s) for k, u in enumerate(t.urls)}
         try:
-            self.pg, self._store = new_group(self.backend, host, store.port, 0, world, GROUP_NAME, self.timeout_s, store)
+            pg, store = new_group(self.backend, host, store.port, 0, world, group_name, self.timeout_s, store)
         except Exception as e:
             raise WeightSyncError(f"forming the weight-update group ({self.backend}, master {host}:{store.port}) with "
                                   f"{', '.join(t.urls)} failed: {e}; servers: {_answers(futs, 5)}") from None
         _check_answers(futs, "/init_weights_update_group", self.timeout_s)
-        self._key, self._members = key, t
-        self.builds += 1
-        log.info("weight-update group formed with %d servers (%s)", len(t.urls), self.backend)
+        return pg, store
 
-    def _send(self, stream, t: _Targets, version: int, sent: list | None) -> int:
+    def _send(self, stream, t: _Targets, version: int) -> int:
         self._ensure_group(t)
+        return self._broadcast_stream(self.pg, GROUP_NAME, stream, t, version, self._drop)
+
+    def _send_to(self, stream, t: _Targets, version: int) -> int:
+        """A group of its own for these servers (a restarted one), gone afterwards: the main group stays as it is."""
+        pg, store = self._form_group(t, RESYNC_GROUP)
+        broken = False
+        def drop():
+            nonlocal broken
+            broken = True
+            self._broken.append((pg, store))
+        try:
+            return self._broadcast_stream(pg, RESYNC_GROUP, stream, t, version, drop)
+        finally:
+            if not broken:
+                futs = {u: t.http.call_async(u, "/destroy_weights_update_group", {"group_name": RESYNC_GROUP}, timeout=30)
+                        for u in t.urls}
+                for f in futs.values():
+                    try:
+                        f.result(35)
+                    except Exception:  # the server died meanwhile: nothing of the group is left there
+                        pass
+                _shutdown(pg)
+
+    def _broadcast_stream(self, pg, group_name: str, stream, t: _Targets, version: int, drop: Callable[[], None]) -> int:
         total = 0
         for k, bucket in enumerate(buckets(stream, self.bucket_bytes)):
             xs = [x.detach().to(self.device).contiguous() for _, x in bucket]
             meta = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(x.dtype) for x in xs],
-                    "shapes": [list(x.shape) for x in xs], "group_name": GROUP_NAME, "flush_cache": True,
+                    "shapes": [list(x.shape) for x in xs], "group_name": group_name, "flush_cache": True,
                     "weight_version": str(version)}
             # one dtype (the usual case): one broadcast of the concatenation instead of one per tensor, since a
             # bucket holds hundreds of small tensors and each broadcast costs a launch on both sides
@@ -340,31 +449,32 @@ class DistributedTransport(_ServerTransport):
                 meta["load_format"] = "flattened_bucket"
             futs = {u: t.http.call_async(u, "/update_weights_from_distributed", meta, timeout=self.timeout_s) for u in t.urls}
             sends = [torch.cat([x.reshape(-1) for x in xs])] if flat else xs
-            works = [self.pg.broadcast([x], _broadcast_opts()) for x in sends]
-            self._wait(works, futs, f"bucket {k} ({len(xs)} tensors from {bucket[0][0]})")
+            works = [pg.broadcast([x], _broadcast_opts()) for x in sends]
+            self._wait(works, futs, t, f"bucket {k} ({len(xs)} tensors from {bucket[0][0]})", drop)
             _check_answers(futs, "/update_weights_from_distributed", self.timeout_s)
             total += sum(x.numel() * x.element_size() for x in xs)
-            if sent is not None:
-                sent.extend((n, x.to("cpu", copy=True)) for (n, _), x in zip(bucket, xs))
         return total
 
-    def _wait(self, works: list, futs: dict, what: str) -> None:
+    def _wait(self, works: list, futs: dict, t: _Targets, what: str, drop: Callable[[], None]) -> None:
         """Until every broadcast of a bucket completed. A server that answers with an error (it will
-        never take its part) ends the wait at once rather than at the timeout; either way the group
-        is dropped and rebuilt on the next push."""
+        never take its part) or that its engine found dead or hung ends the wait at once rather than
+        at the timeout; either way the group is dropped (and rebuilt on the next push)."""
         deadline = time.monotonic() + self.timeout_s
+        next_look = time.monotonic() + 0.5
         while not all(w.is_completed() for w in works):
             gave_up = [u for u, f in futs.items() if f.done() and (f.exception() is not None or _failed(f.result()))]
+            if not gave_up and time.monotonic() > next_look:  # the engine's health checks see a hung server
+                gave_up, next_look = t.gone(), time.monotonic() + 0.5
             if gave_up or time.monotonic() > deadline:
-                self._drop()
-                why = "" if gave_up else f"not finished within {self.timeout_s:.0f} s; "
+                drop()
+                why = f"{', '.join(gave_up)} gone; " if gave_up else f"not finished within {self.timeout_s:.0f} s; "
                 raise WeightSyncError(f"broadcasting {what} failed: {why}servers: {_answers(futs, 0)}")
             time.sleep(0.0005)
         try:
             for w in works:
                 w.wait()
         except Exception as e:
-            self._drop()
+            drop()
             raise WeightSyncError(f"broadcasting {what} failed: {e}; servers: {_answers(futs, 5)}") from None
 
     def _drop(self) -> None:
@@ -446,7 +556,7 @@ class DiskTransport(_ServerTransport):
         super().__init__(bucket_bytes, timeout_s, check_equal)
         self.dir, self.hf_checkpoint = dir, hf_checkpoint
 
-    def _send(self, stream, t: _Targets, version: int, sent: list | None) -> int:
+    def _send(self, stream, t: _Targets, version: int) -> int:
         from safetensors.torch import save_file
         d = tempfile.mkdtemp(prefix=f"polyrl_weights_v{version}_", dir=self.dir or private_weight_dir())
         try:
@@ -458,8 +568,6 @@ class DiskTransport(_ServerTransport):
                 save_file(tensors, os.path.join(d, fname))
                 index.update(dict.fromkeys(tensors, fname))
                 total += sum(x.numel() * x.element_size() for x in tensors.values())
-                if sent is not None:
-                    sent.extend(tensors.items())
             with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
             if self.hf_checkpoint:

@@ -22,13 +22,22 @@ pytestmark = pytest.mark.slow
 
 
 class FakeEngine:
-    """What a transport needs from an HTTP engine: where to send, how, and whether the set changed."""
+    """What a transport needs from an HTTP engine: where to send, how, whether the set changed, and which
+    servers a failed push lost (none here: every failure is the push's own)."""
+
+    fault_tolerant = False
 
     def __init__(self, urls: list[str]):
         self.urls = list(urls)
         self.http = HTTPClient()
         self.membership = 0
         self.pushed: list[tuple[int, list]] = []
+
+    def lost_during_sync(self, urls: list[str], err: str) -> list[str]:
+        return []
+
+    def set_weight_source(self, source, transport) -> None:
+        raise AssertionError("only a fault-tolerant engine is given a weight source")
 
     def weight_sync_urls(self) -> list[str]:
         return list(self.urls)

@@ -1,0 +1,220 @@
+"""Fault tolerance of the HTTP engine against real `polyrl serve` processes it launches (CPU, loopback):
+a single engine killed mid-rollout, killed during a weight sync, or hung (SIGSTOP) is restarted and
+re-sent the current weights, and every prompt's samples come back exactly once, equal to an in-process
+engine holding the same weights; two engines killed together; without --use-fault-tolerance a death
+during a sync or a hang is one EngineDeadError naming the engine and its log. Assertions are on
+samples, counters and processes; time appears only in the bounded waits."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from polyrl.config import Config
+from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.rollout.http_engine import EngineDeadError, HTTPEngine
+from polyrl.types import SamplingParams
+from polyrl.weight_sync.distributed import DistributedTransport
+
+pytestmark = pytest.mark.slow
+
+# Same FP32 model on both sides, different batch compositions: logprobs differ by BLAS reduction order only
+# (~1e-6); 1e-4 leaves two orders of magnitude (as in test_http_engine).
+LOGPROB_TOL = 1e-4
+
+
+def engine_cfg(model: str, tmp_path, n: int, fault_tolerant: bool) -> Config:
+    cfg = Config()
+    cfg.model.hf_checkpoint = model
+    cfg.cluster.device = "cpu"
+    cfg.rollout.rollout_engine = "server"
+    cfg.log.run_dir = str(tmp_path)
+    e = cfg.engines
+    e.rollout_num_engines = n
+    e.use_fault_tolerance = fault_tolerant
+    e.rollout_engine_startup_timeout = 180
+    e.rollout_request_timeout = 5  # a hung server's requests give up after this (the health check is faster)
+    e.rollout_health_check_interval = 0.5
+    return cfg
+
+
+def trainer_weights(model_dir: str, step: int) -> dict[str, torch.Tensor]:
+    """The tiny model's weights moved by a step-dependent amount: what a trained step would push."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(step)
+    return {n: p.detach() + 0.01 * step * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+def reference(model: str, weights: dict | None, version: int, ps, sp):
+    ref = EmbeddedEngine(model, dtype=torch.float32)
+    if weights is not None:
+        ref.update_weights(iter(weights.items()), version)
+    return ref.generate(ps, sp)
+
+
+def prompts(eng: HTTPEngine, k: int) -> list[list[int]]:
+    return [eng.tokenizer(f"{a}+{a * 7 % 50}=")["input_ids"] for a in range(k)]
+
+
+def same_samples(got, want) -> None:
+    """Every (prompt, sample) exactly once, in order, with the reference's tokens: none lost, none duplicated."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.group_index, g.prompt_ids, g.response_ids, g.finish_reason) == (w.group_index, w.prompt_ids,
+                                                                                   w.response_ids, w.finish_reason)
+        assert max(abs(a - b) for a, b in zip(g.rollout_logprobs, w.rollout_logprobs)) < LOGPROB_TOL
+
+
+def wait_for(cond, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
+        time.sleep(0.05)
+
+
+def generate_while(eng: HTTPEngine, ps, sp, victims: list[int], sig: int) -> list:
+    """generate() on a thread; once every victim server has a request in flight, send it `sig`. Returns the samples."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("samples", eng.generate(ps, sp)), daemon=True)
+    t.start()
+    for k in victims:
+        s = eng.servers[k]
+        wait_for(lambda: s.outstanding > 0, 60, f"engine {k} to get a request")
+        os.kill(s.proc.pid, sig)
+    t.join(400)
+    assert not t.is_alive(), "generate did not return"
+    assert "samples" in out, "generate raised (see the log above)"
+    return out["samples"]
+
+
+def restarted(s, old) -> bool:
+    return s.alive and s.proc is not old and not s.restarting
+
+
+def killing_stream(weights: dict, proc, after: int):
+    """The weights as a push streams them, killing the server (kill -9) once `after` tensors went out."""
+    for k, item in enumerate(weights.items()):
+        if k == after:
+            proc.kill()
+            proc.wait(10)
+        yield item
+
+
+def test_one_engine_survives_a_kill_a_kill_during_the_sync_and_a_hang(tiny_model, tmp_path):
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, 1, fault_tolerant=True), "cpu")
+    tr = DistributedTransport(1 << 14, device="cpu", timeout_s=120)  # small buckets: a push takes several
+    s = eng.servers[0]
+    try:
+        ps = prompts(eng, 8)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5)
+        w1 = trainer_weights(tiny_model, 1)
+        tr.push(iter(w1.items()), [eng], 1)
+        eng.stats()
+
+        # 1. kill -9 mid-rollout: restarted with --hf-checkpoint's weights, re-sent v1, then the requests go to it
+        old = s.proc
+        same_samples(generate_while(eng, ps, sp, [0], signal.SIGKILL), reference(tiny_model, w1, 1, ps, sp))
+        st = eng.stats()
+        assert st["rollout/restarts"] == 1 and st["rollout/resyncs"] == 1 and st["rollout/retries"] >= 1
+        assert s.proc is not old and s.version == 1 and eng.membership == 1
+
+        # 2. kill -9 during the push of v2: the push completes (no server left to take it), the restarted
+        # server gets v2 alone, and the next rollout samples from v2
+        w2 = trainer_weights(tiny_model, 2)
+        old = s.proc
+        tr.push(killing_stream(w2, old, len(w2) // 2), [eng], 2)
+        assert old.returncode == -signal.SIGKILL and eng.version == 2
+        wait_for(lambda: restarted(s, old), 240, "the engine killed during the sync to come back")
+        assert s.version == 2
+        same_samples(eng.generate(ps, sp), reference(tiny_model, w2, 2, ps, sp))
+        st = eng.stats()
+        assert st["rollout/restarts"] == 1 and st["rollout/resyncs"] == 1
+
+        # 3. SIGSTOP mid-rollout: the health check (or the request timeout) finds it hung, it is killed with
+        # SIGKILL (SIGTERM waits for a stopped process) and restarted, its requests answered once, by the new one
+        old = s.proc
+        same_samples(generate_while(eng, ps, sp, [0], signal.SIGSTOP), reference(tiny_model, w2, 2, ps, sp))
+        assert old.returncode == -signal.SIGKILL
+        st = eng.stats()
+        assert st["rollout/restarts"] == 1 and st["rollout/resyncs"] == 1 and st["rollout/engines_lost"] == 1
+        assert s.version == 2 and tr.builds >= 2  # the next push rebuilds the group with the new process
+        tr.push(iter(w1.items()), [eng], 3)
+        assert s.version == 3
+    finally:
+        tr.close()
+        eng.close()
+
+
+def test_two_engines_both_killed_then_one_hung(tiny_model, tmp_path):
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, 2, fault_tolerant=True), "cpu")
+    tr = DistributedTransport(1 << 20, device="cpu", timeout_s=120)
+    try:
+        ps = prompts(eng, 12)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=9)
+        w1 = trainer_weights(tiny_model, 1)
+        tr.push(iter(w1.items()), [eng], 1)
+        want = reference(tiny_model, w1, 1, ps, sp)
+        eng.stats()
+        olds = [s.proc for s in eng.servers]
+        same_samples(generate_while(eng, ps, sp, [0, 1], signal.SIGKILL), want)
+        for s, old in zip(eng.servers, olds):
+            wait_for(lambda: restarted(s, old), 240, f"{s.name} to come back")
+            assert s.version == 1
+        st = eng.stats()
+        assert st["rollout/restarts"] == 2 and st["rollout/resyncs"] == 2
+
+        victim, other = eng.servers
+        old = victim.proc
+        same_samples(generate_while(eng, ps, sp, [0], signal.SIGSTOP), want)
+        wait_for(lambda: restarted(victim, old), 240, "the hung engine to come back")
+        assert old.returncode == -signal.SIGKILL and victim.version == 1 and other.alive
+        st = eng.stats()
+        assert st["rollout/restarts"] == 1 and st["rollout/retries"] >= 1
+    finally:
+        tr.close()
+        eng.close()
+
+
+def test_without_fault_tolerance_a_death_during_the_sync_or_a_hang_names_the_engine(tiny_model, tmp_path):
+    name = r"engine 0 \(http://127\.0\.0\.1:\d+, log [^)]*engine0\.log\)"
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path / "a", 1, fault_tolerant=False), "cpu")
+    tr = DistributedTransport(1 << 14, device="cpu", timeout_s=120)
+    try:
+        w = trainer_weights(tiny_model, 1)
+        with pytest.raises(EngineDeadError, match=name + " exited with code -9 during the weight sync") as err:
+            tr.push(killing_stream(w, eng.servers[0].proc, len(w) // 2), [eng], 1)
+        assert "\n" not in str(err.value)  # one line, as the CLI prints it
+    finally:
+        tr.close()
+        eng.close()
+
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path / "b", 1, fault_tolerant=False), "cpu")
+    s = eng.servers[0]
+    try:
+        ps = prompts(eng, 8)
+        out: dict = {}
+
+        def run():
+            try:
+                eng.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5))
+            except EngineDeadError as e:
+                out["error"] = e
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        wait_for(lambda: s.outstanding > 0, 60, "engine 0 to get a request")
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        t.join(120)
+        assert not t.is_alive(), "generate did not stop on a hung engine"
+        assert "error" in out
+        assert re.search(name + " failed: .*(marked down|no answer within)", str(out["error"]))
+        assert not s.alive and "rollout/restarts" not in eng.stats()  # nothing restarted without the flag
+    finally:
+        eng.close()
+    assert s.proc.returncode is not None
