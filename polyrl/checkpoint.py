@@ -24,7 +24,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from polyrl.metrics import PROGRESS, notice, redact_secrets
+from polyrl.metrics import notice, redact_secrets, set_phase
 
 MARKER = "COMPLETE"
 CRITIC_DIR = "critic"
@@ -58,7 +58,7 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
     critic: a second backend (PPO's critic), saved the same way under step_N/critic/."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    PROGRESS["phase"] = f"the checkpoint save of step {step}"
+    set_phase(f"the checkpoint save of step {step}")
     loop_state = redact_secrets(loop_state)
     if _rank0():
         _clear_leftovers(root)
@@ -81,7 +81,7 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
             for old in complete_steps(root)[:-keep]:
                 _delete_step(os.path.join(root, f"step_{old:06d}"))
     _barrier()
-    PROGRESS["phase"] = None
+    set_phase(None)
     return final
 
 

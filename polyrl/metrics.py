@@ -24,6 +24,15 @@ PROGRESS: dict = {"step": None, "phase": None}
 _OPEN_LOGGERS: list = []
 
 
+def set_phase(name: str | None) -> None:
+    """The phase running now: shown beside the live progress bar (a long step says where it is) and named by an
+    interrupt's message."""
+    PROGRESS["phase"] = name
+    for lg in _OPEN_LOGGERS:
+        if lg._progress is not None:
+            lg._progress.update(lg._task, phase=name.replace("_", " ") if name else "")
+
+
 class RunStopped(RuntimeError):
     """A step's metrics show the run must not go on (a gate or --max-consecutive-failed-steps); the CLI prints the
     message as one line and exits 1."""
@@ -62,10 +71,10 @@ class Timer:
     def __call__(self, name: str):
         from torch.profiler import record_function
         t0 = time.perf_counter()
-        PROGRESS["phase"] = name
+        set_phase(name)
         with record_function(f"phase/{name}"):
             yield
-        PROGRESS["phase"] = None  # left set when the phase raised: an interrupt's message names it
+        set_phase(None)  # left set when the phase raised: an interrupt's message names it
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -191,8 +200,9 @@ class MetricsLogger:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.console = Console()
             self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                      TextColumn("[dim]{task.fields[phase]}"),
                                       TimeRemainingColumn(), console=self.console, transient=False)
-            self._task = self._progress.add_task("steps", total=total_steps)
+            self._task = self._progress.add_task("steps", total=total_steps, phase="")
             self._progress.start()
         _OPEN_LOGGERS.append(self)
 
