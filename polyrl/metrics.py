@@ -212,7 +212,7 @@ class MetricsLogger:
             return
         with open(self.path) as f:
             lines = [l for l in f if l.strip()]
-        keep = [l for l in lines if json.loads(l).get("step", -1) < step]
+        keep = [l for l, row in zip(lines, read_rows(lines)) if row is not None and row.get("step", -1) < step]
         if len(keep) < len(lines):
             tmp = f"{self.path}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
@@ -341,6 +341,17 @@ PLOTS = [("reward/mean", "reward"), ("response_len/mean", "response length"), ("
          ("eval/accuracy", "held-out accuracy"), ("loss", "loss")]
 
 
+def read_rows(lines) -> list[dict | None]:
+    """metrics.jsonl lines as dicts; None for a line a killed run left half-written (it is never its last word)."""
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append(None)
+    return out
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Write RUN_DIR/curves.png from metrics.jsonl (reward, length, KL, entropy, accuracy, loss)."""
     import matplotlib
@@ -350,7 +361,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics to plot (is {run_dir} a polyrl run directory?)")
-    rows = [json.loads(l) for l in open(path) if l.strip()]
+    rows = [r for r in read_rows(l for l in open(path) if l.strip()) if r is not None]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (key, title) in zip(axes.flat, PLOTS):
         pts = [(r["step"], r[key]) for r in rows if key in r]

@@ -128,3 +128,13 @@ def test_banner_and_closing_line_say_where_things_are(tmp_path, capsys):
     assert line == (f"done: metrics {tmp_path / 'run' / 'metrics.jsonl'} (curves: polyrl plot {tmp_path / 'run'}) | checkpoint "
                     f"{tmp_path / 'ck' / 'step_000003'} (resume: --load {tmp_path / 'ck'}) | HF export {tmp_path / 'hf'}")
     assert line in capsys.readouterr().err
+
+
+def test_a_half_written_row_of_a_killed_run_is_dropped_on_resume_and_skipped_by_plot(tmp_path):
+    from polyrl.metrics import MetricsLogger, plot_run
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')  # killed mid-write
+    plot_run(str(tmp_path))
+    lg = MetricsLogger(str(tmp_path), total_steps=3, quiet=True)  # resumed from the checkpoint of step 2
+    lg.log(3, {"loss": 3.0})
+    assert _logged(tmp_path) == [1, 2, 3]
