@@ -309,10 +309,14 @@ class _ServerTransport:
 
         src = tee()
         t = _Targets(engines)
-        if not t.urls:
+        if not t.urls and kept is None:
             raise WeightSyncError("no live engine server to send weights to")
         total = 0
         for attempt in range(len(t.urls) + 1):
+            if not t.urls:  # every server is restarting: each gets these weights when it is back
+                for _ in src:
+                    pass
+                break
             try:
                 total = self._send(src, t, version)
                 break
@@ -324,10 +328,10 @@ class _ServerTransport:
                     pass
                 log.warning("weight sync v%d: %s lost during the push; sending to the others", version, ", ".join(lost))
                 src, t = iter(kept), _Targets(engines)
-                if not t.urls:  # every server is restarting: each gets these weights when it is back
-                    break
         else:
-            raise WeightSyncError(f"weight sync v{version}: servers kept failing over {len(t.urls) + 1} attempts")
+            raise WeightSyncError(f"weight sync v{version}: a server was lost at every attempt")
+        if not t.urls:
+            total = sum(x.numel() * x.element_size() for _, x in kept)
         if self.check_equal and t.urls:
             check_weights_equal(t.http, t.urls, kept, timeout_s=self.timeout_s)
         if kept is not None:

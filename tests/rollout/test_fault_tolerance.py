@@ -218,3 +218,49 @@ def test_without_fault_tolerance_a_death_during_the_sync_or_a_hang_names_the_eng
     finally:
         eng.close()
     assert s.proc.returncode is not None
+
+
+KILLER = '''
+import os, signal
+def reward(sample):
+    """Kills the run's one engine server (kill -9) at the first reward of step 2: after that step's rollout,
+    before its weight sync. The reward itself: the share of digits in the response."""
+    n = int(open(os.environ["POLYRL_TEST_CALLS"]).read() or 0) if os.path.exists(os.environ["POLYRL_TEST_CALLS"]) else 0
+    with open(os.environ["POLYRL_TEST_CALLS"], "w") as f:
+        f.write(str(n + 1))
+    if n == int(os.environ["POLYRL_TEST_KILL_AT"]):
+        for pid in os.listdir("/proc"):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and os.environ["POLYRL_TEST_MODEL"].encode() in cmd:
+                os.kill(int(pid), signal.SIGKILL)
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+
+
+def test_train_with_one_engine_survives_its_kill_and_samples_from_the_trainer_weights(tmp_path, arith_data, monkeypatch):
+    """`polyrl train --rollout-num-engines 1 --use-fault-tolerance`: the engine killed between a rollout and the
+    weight sync is restarted and gets the weights; every step's rollout logprobs equal the trainer's (the engine
+    holds the trainer's weights at every step), and the run finishes."""
+    import json
+    from conftest import make_model_dir
+    from polyrl.cli import main
+    model = make_model_dir(tmp_path / "m")  # its own path: only this run's server matches the killer
+    rm = tmp_path / "rm.py"
+    rm.write_text(KILLER)
+    monkeypatch.setenv("POLYRL_TEST_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("POLYRL_TEST_KILL_AT", "16")  # rollout batch 4 x 4 samples: the 17th reward is step 2's first
+    monkeypatch.setenv("POLYRL_TEST_MODEL", model)
+    run = tmp_path / "run"
+    assert main(["train", "--hf-checkpoint", model, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:reward",
+                 "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+                 "--lr", "1e-3", "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu", "--run-dir", str(run),
+                 "--rollout-engine", "server", "--rollout-num-engines", "1", "--use-fault-tolerance",
+                 "--rollout-health-check-interval", "0.5", "--rollout-request-timeout", "30"]) == 0
+    rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert sum(r.get("rollout/restarts", 0) for r in rows) == 1
+    for r in rows:  # gloo moves fp32 exactly; the rest is BLAS reduction order (see LOGPROB_TOL)
+        assert r["train_rollout_logprob_abs_diff"] < LOGPROB_TOL, r
