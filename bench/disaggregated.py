@@ -1,8 +1,8 @@
 """Disaggregated rollout: trainer (FSDP) on GPU 0, a `polyrl serve` engine on GPU 1.
 
 Part 1, weight sync from distributed, per model shape:
-  sync     `DistributedTransport.push(backend.export_weights(), [engine], version)`, built as
-           `polyrl train --rollout-engine server` builds it (runtime.build_backend / build_engine /
+  sync     `DistributedTransport.push(backend.export_weights(), engine, version)`, built as
+           `polyrl train --rollout-engine server` builds it (polyrl.assemble: build_backend / build_engine /
            build_transport): FSDP gather, bucketing, `/update_weights_from_distributed` per bucket,
            NCCL broadcast, the server's copy into its engine
   raw      a plain NCCL broadcast of the same buckets (same bytes, same bucket size) between two
@@ -153,7 +153,8 @@ def raw_broadcast(sizes: list[int], repeats: int, device: str, work: str) -> flo
 def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     import torch
 
-    from polyrl import runtime as rt
+    from polyrl import assemble as asm
+    from polyrl.placement import plan_here
     from polyrl.config import Config
     from polyrl.weight_sync import buckets
 
@@ -171,20 +172,20 @@ def sync_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     cfg.rollout.rollout_engine = "server"
     cfg.engines.rollout_num_engines = 1
     cfg.log.run_dir = os.path.join(work, f"run_{shape}")
-    device, _ = rt.setup(cfg)
-    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
-    engine = rt.build_engine(cfg, device)
-    transport = rt.build_transport(cfg, device, engine)
+    device, _ = asm.setup_command(cfg)
+    backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
+    engine = asm.build_engine(cfg, plan_here(cfg))
+    transport = asm.build_transport(cfg, plan_here(cfg))
     try:
         t = time.perf_counter()
-        nbytes = transport.push(backend.export_weights(), [engine], version=1)  # forms the group
+        nbytes = transport.push(backend.export_weights(), engine, version=1)  # forms the group
         first_s = time.perf_counter() - t
         times = []
         for v in range(a.repeats):
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            transport.push(backend.export_weights(), [engine], version=2 + v)
+            transport.push(backend.export_weights(), engine, version=2 + v)
             times.append(time.perf_counter() - t)
         export = []  # the trainer-side part alone: FSDP gather of every parameter into the HF-named stream
         for _ in range(a.repeats):

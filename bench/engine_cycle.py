@@ -2,7 +2,7 @@
 wake (weights), a full weight update, wake (KV cache), generate again (graph capture counted apart).
 
 Random BF16 weights of --shape, ignore-EOS so every sample decodes --new-tokens. `--beside-trainer` (the default) is
-how `polyrl train` runs the engine (runtime.build_engine: it shares the process's caching allocator, sleeps without a
+how `polyrl train` runs the engine (polyrl.assemble.build_engine: it shares the process's caching allocator, sleeps without a
 host copy of the weights); `--own-process` is how `polyrl serve` runs it (memory back to the driver, host copy).
 
   python bench/engine_cycle.py --shape qwen2.5-0.5b --prompts 16 --n 8 --new-tokens 256

@@ -44,7 +44,7 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
 
     from polyrl.algorithms.losses import LossSettings, rl_loss
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 
     model_dir = os.path.join(work, shape)

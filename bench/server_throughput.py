@@ -66,10 +66,10 @@ class Direct:
     def __init__(self, a, model_dir: str):
         import torch
 
-        from polyrl.rollout.embedded import EmbeddedEngine
+        from polyrl.rollout.embedded import make_embedded_engine
         self.a = a
         dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-        self.eng = EmbeddedEngine(model_dir, device=a.device, dtype=dtype, mem_fraction=a.mem_fraction)
+        self.eng = make_embedded_engine(model_dir, device=a.device, dtype=dtype, mem_fraction=a.mem_fraction)
 
     def run(self, prompts: list[list[int]], seeds: list[int]) -> tuple[float, int, int]:
         import torch

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     init_distributed(a.device)
     rows = []
     box = [tempfile.mkdtemp(prefix="polyrl_bench_") if dist.get_rank() == 0 else None]

@@ -2,10 +2,10 @@
 
 For each model shape (random weights from a config, saved with save_pretrained to a temp
 dir), builds the FSDP train backend and the embedded rollout engine exactly as
-`polyrl train` does (`polyrl.runtime.setup / build_backend / build_engine` from a Config)
+`polyrl train` does (`polyrl.assemble: setup_command / build_backend / build_engine` from a Config)
 and times
 
-  push     `InMemoryTransport.push(backend.export_weights(), [engine], version)`: gather each
+  push     `InMemoryTransport.push(backend.export_weights(), engine, version)`: gather each
            full parameter from FSDP, cast to the engine's dtype, copy into the engine's
            parameter (what the RL loop's `time/weight_sync` spends besides offload/wake)
   export   iterating `backend.export_weights()` alone (the gather/cast half of push)
@@ -80,7 +80,8 @@ def _timed(fn, device: str, warmup: int, repeats: int) -> list[float]:
 def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     import torch
 
-    from polyrl import runtime as rt
+    from polyrl import assemble as asm
+    from polyrl.placement import plan_here
     from polyrl.config import Config
     from polyrl.weight_sync import InMemoryTransport
 
@@ -100,10 +101,10 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
     cfg.model.update_weight_buffer_size = a.bucket_mib * 2**20
     cfg.cluster.device = a.device
     cfg.cluster.seed = a.seed
-    device, _ = rt.setup(cfg)
+    device, _ = asm.setup_command(cfg)
     t = time.perf_counter()
-    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
-    engine = rt.build_engine(cfg, device)
+    backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
+    engine = asm.build_engine(cfg, plan_here(cfg))
     setup_s = time.perf_counter() - t
     print(f"{shape}: backend ({type(backend).__name__}) and engine ({type(engine).__name__}) built in {setup_s:.1f}s",
           flush=True)
@@ -112,7 +113,7 @@ def bench_shape(shape: str, a: argparse.Namespace, work: str) -> dict:
 
     def push():
         version[0] += 1
-        return transport.push(backend.export_weights(), [engine], version=version[0])
+        return transport.push(backend.export_weights(), engine, version=version[0])
 
     nbytes = push()
 

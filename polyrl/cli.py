@@ -69,22 +69,26 @@ def _check_backend_available(cfg) -> None:
 
 
 def run_eval(cfg) -> dict:
-    from polyrl import runtime as rt
+    from polyrl import assemble as asm
     from polyrl.checkpoint import load_checkpoint
+    from polyrl.placement import plan_here
     from polyrl.rewards import RewardManager
+    from polyrl.step.rollout import Evaluator, Scorer
 
-    device, d = rt.setup(cfg)
-    engine = rt.build_engine(cfg, device)
+    plan = plan_here(cfg)
+    device, d = asm.setup_command(cfg)
+    engine = asm.build_engine(cfg, plan)
     if cfg.checkpoint.load:
-        backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
+        backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
         load_checkpoint(cfg.checkpoint.load, backend)
-        rt.build_transport(cfg, device, engine).push(backend.export_weights(), [engine], version=0)
-    tok = engine.tokenizer
-    ds = rt.prompt_dataset(cfg, tok, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
-    rewards = RewardManager.from_config(cfg.reward)
-    result = rt.evaluate(cfg, engine, ds, rewards, d)
-    rewards.close()
-    engine.close()
+        asm.build_transport(cfg, plan).push(backend.export_weights(), engine, version=0)
+    ds = asm.prompt_dataset(cfg, engine.tokenizer, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
+    score = Scorer(cfg, RewardManager.from_config(cfg.reward))
+    try:
+        result = Evaluator(cfg, engine, ds, score, d)()
+    finally:
+        score.close()
+        engine.close()
     if d.is_main:
         os.makedirs(cfg.log.run_dir, exist_ok=True)
         with open(os.path.join(cfg.log.run_dir, "eval.json"), "w") as f:
@@ -93,16 +97,17 @@ def run_eval(cfg) -> dict:
 
 
 def run_export(cfg) -> None:
-    from polyrl import runtime as rt
+    from polyrl import assemble as asm
     from polyrl.checkpoint import critic_hf_dir, has_critic, load_checkpoint
 
-    device, _ = rt.setup(cfg)
-    backend = rt.build_backend(cfg, device, total_steps=1, need_ref=False)
-    critic = rt.build_critic(cfg, device, total_steps=1) if has_critic(cfg.checkpoint.load) else None  # PPO's, beside it
+    device, _ = asm.setup_command(cfg)
+    backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
+    critic = asm.build_critic(cfg, device, total_steps=1) if has_critic(cfg.checkpoint.load) else None  # PPO's, beside it
     load_checkpoint(cfg.checkpoint.load, backend, critic=critic)
-    backend.save_hf(cfg.checkpoint.save_hf, rt.load_tokenizer(cfg), adapter=cfg.checkpoint.save_hf_adapter)
+    tok = asm.load_tokenizer(cfg)
+    backend.save_hf(cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)
     if critic is not None:
-        critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), rt.load_tokenizer(cfg))
+        critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), tok)
 
 
 # signal -> (exit status, how the one line names it)

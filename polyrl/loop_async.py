@@ -16,7 +16,7 @@ between engine calls (`polyrl serve` serialises them with generation, as SGLang'
 so each response comes from one version and reports it. In-process engines (embedded) cannot
 change weights under a running generate: their generate and weight update take turns on a lock,
 so training still overlaps generation but the push waits for the running call.
-Rewards are computed on the rollout thread right after generation, so a slow reward function (a
+Rewards are computed on the rollout thread right after generation (the rollout part's collect), so a slow reward function (a
 sandbox, a remote verifier) overlaps training as generation does; `time/reward_overlapped` is its time.
 Dynamic sampling (--dynamic-sampling-filter-path) draws, generates and scores on that thread too, until
 the step is full (`time/rollout_overlapped` then covers every draw's generation and reward).
@@ -29,13 +29,13 @@ drawn in order on the one rollout thread, so the data order does not depend on t
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import threading
+import contextlib
 import time
 
-from polyrl.config import Config, ConfigError
-from polyrl.loop import Run
+from polyrl.assemble import Parts, assemble
+from polyrl.config import Config
+from polyrl.dist import Dist
 from polyrl.metrics import Timer
 from polyrl.types import Sample
 
@@ -44,77 +44,76 @@ class StalenessError(RuntimeError):
     """A sample lags the policy by more than --max-staleness (a scheduling bug, never expected)."""
 
 
-def train(cfg: Config) -> dict:
-    run = Run(cfg, title=f"polyrl train --async (max staleness {cfg.rollout.max_staleness})")
-    r, engine, K = cfg.rollout, run.engine, cfg.rollout.max_staleness
-    if getattr(engine, "colocated", False):
-        run.close()
-        raise ConfigError("--async needs the engines on GPUs of their own: these engine servers share the trainer's GPUs "
-                          "(give them more GPUs with --rollout-num-gpus, or drop --async)")
-    if not getattr(engine, "concurrent_update", False):
-        run.engine_lock = threading.Lock()
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="polyrl-rollout")
-    queued: collections.deque = collections.deque()  # (step, future)
-    # generous: the engine bounds every request, the reward manager every call (sequential calls: one per sample at most);
-    # --rm-timeout 0 (no limit, the user's choice) leaves the wait unbounded too
-    # (dynamic sampling: for each of up to --max-dynamic-sampling-draws draws)
-    draws = r.max_dynamic_sampling_draws if run.sampler is not None else 1
-    per_rank = (r.over_sampling_batch_size or r.rollout_batch_size) * r.n_samples_per_prompt // run.d.world
-    rm_t = cfg.reward.rm_timeout
-    wait_s = draws * (4 * cfg.engines.rollout_request_timeout + per_rank * rm_t) if rm_t else None
+def rollout_wait_s(cfg: Config, parts: Parts) -> float | None:
+    """How long the trainer waits for one step's rollout and reward before it calls them hung: generous, since the engine
+    bounds every request and the reward manager every call (one per sample at most, per dynamic sampling draw);
+    --rm-timeout 0 (no limit, the user's choice) leaves the wait unbounded too."""
+    r, rm_t = cfg.rollout, cfg.reward.rm_timeout
+    draws = r.max_dynamic_sampling_draws if r.dynamic_sampling_filter_path else 1
+    per_rank = (r.over_sampling_batch_size or r.rollout_batch_size) * r.n_samples_per_prompt // parts.d.world
+    return draws * (4 * cfg.engines.rollout_request_timeout + per_rank * rm_t) if rm_t else None
 
-    def generate(step: int) -> tuple[list[Sample], float, dict, float, dict]:
+
+def train(cfg: Config) -> dict:
+    parts = assemble(cfg, title=f"polyrl train --async (max staleness {cfg.rollout.max_staleness})")
+    r, K = cfg.rollout, cfg.rollout.max_staleness
+    rollout, learner, handoff, book = parts.rollout, parts.learner, parts.handoff, parts.book
+    start = parts.begin()
+    wait_s = rollout_wait_s(cfg, parts)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="polyrl-rollout")
+    queued: dict[int, concurrent.futures.Future] = {}
+
+    def collect(step: int) -> tuple[list[Sample], dict, dict, Timer]:
         # drawing, generation and reward (often a sandbox or a remote verifier: I/O, not the trainer's GPU) run here,
         # overlapping training; no collective on the default group runs on this thread (their order must be the same on
         # every rank): dynamic sampling reduces over a group of its own
-        t = time.perf_counter()
-        samples, scored, m = run.rollout(step)
-        t_rm = time.perf_counter()
-        if scored is None:
-            scored = run.score(samples)
-        return samples, t_rm - t, scored, time.perf_counter() - t_rm, m
+        timer = Timer()
+        samples, scored, m = rollout.collect(step, timer)
+        return samples, scored, m, timer
 
     def queue(step: int) -> None:
-        queued.append((step, pool.submit(generate, step)))
+        if step < r.num_rollout:
+            queued[step] = pool.submit(collect, step)
 
     m: dict = {}
     t_run = time.perf_counter()
     try:
-        for s in range(run.start, min(run.start + K, r.num_rollout)):
+        for s in range(start, start + K):
             queue(s)
-        for step in range(run.start, r.num_rollout):
+        for step in range(start, r.num_rollout):
             timer = Timer()
             with timer("wait_rollout"):  # the trainer idles here only when generation fell behind
-                s, fut = queued.popleft()
-                assert s == step
                 try:
-                    samples, rollout_s, scored, reward_s, m = fut.result(timeout=wait_s)
+                    samples, scored, m, gen = queued.pop(step).result(timeout=wait_s)
                 except concurrent.futures.TimeoutError:
                     raise TimeoutError(f"the rollout and reward of step {step + 1} did not finish within {wait_s:.0f} s "
                                        "(4x --rollout-request-timeout + one --rm-timeout per sample, per draw)") from None
-            if step + K < r.num_rollout:
-                queue(step + K)  # generated while this step trains
-            m.update(staleness(run, samples, step, K))
-            with run.profiled(step):  # the trainer's side of the step (generation runs on the rollout thread)
-                run.learn(samples, step, m, timer, scored=scored)
+            queue(step + K)  # generated while this step trains
+            m.update(staleness(parts.d, samples, step, K))
+            with book.profiled(step):  # the trainer's side of the step (generation runs on the rollout thread)
+                learner.update(samples, scored, step, m, timer)
                 with timer("weight_sync"):
-                    run.sync_weights(step + 1)  # under the engine lock: in-process engines wait for a running generate
+                    handoff.sync(step + 1)  # under the engine lock: in-process engines wait for a running generate
             # spent on the rollout thread, overlapping training (time/reward is only the ranks' reduction here)
-            m.update({"time/rollout_overlapped": rollout_s, "time/reward_overlapped": reward_s})
-            run.finish_step(step, samples, m, timer, rollout_s)
-    finally:
+            rollout_s = gen.times.get("rollout", 0.0)
+            m.update({"time/rollout_overlapped": rollout_s, "time/reward_overlapped": gen.times.get("reward", 0.0)})
+            book.finish(step, samples, m, timer, rollout_s)
+    except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
-    run.close()
+        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+            parts.close(finished=False)
+        raise
     pool.shutdown(wait=True)
-    n = r.num_rollout - run.start
+    parts.close()
+    n = r.num_rollout - start
     return {"steps": n, "wall_seconds": time.perf_counter() - t_run, "last": m if n > 0 else {}}
 
 
-def staleness(run: Run, samples: list[Sample], step: int, max_staleness: int) -> dict[str, float]:
+def staleness(d: Dist, samples: list[Sample], step: int, max_staleness: int) -> dict[str, float]:
     """How many versions each sample lags the policy it trains (version `step` trains step `step`)."""
     lags = [step - s.weight_version for s in samples if s.weight_version is not None]
-    n, total, count = run.d.sum([len(lags), sum(lags), len(samples)])
-    (worst,) = run.d.max([max(lags, default=0)])
+    n, total, count = d.sum([len(lags), sum(lags), len(samples)])
+    (worst,) = d.max([max(lags, default=0)])
     if worst > max_staleness:
         raise StalenessError(f"a sample of step {step + 1} was generated by weights {int(worst)} versions old, past "
                              f"--max-staleness {max_staleness}")

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from polyrl import runtime as rt
+from polyrl import assemble as asm
 from polyrl.algorithms.losses import sft_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config
@@ -18,8 +18,8 @@ from polyrl.types import TrainBatch
 
 
 def sft(cfg: Config) -> dict:
-    device, d = rt.setup(cfg)
-    tok = rt.load_tokenizer(cfg)
+    device, d = asm.setup_command(cfg)
+    tok = asm.load_tokenizer(cfg)
     rows = load_sft_records(cfg.data.prompt_data, cfg.data.input_key, cfg.data.response_key)
     examples = []
     for prompt, response, source in rows:
@@ -38,7 +38,7 @@ def sft(cfg: Config) -> dict:
     if per_epoch == 0:
         raise DataError(f"{cfg.data.prompt_data}: {len(examples)} rows is fewer than --global-batch-size {gbs}")
     total = per_epoch * cfg.batch.num_epoch
-    backend = rt.build_backend(cfg, device, total_steps=total, need_ref=False)
+    backend = asm.build_backend(cfg, device, total_steps=total, need_ref=False)
     logger = logger_from_config(cfg, total_steps=total, enabled=d.is_main, title="polyrl sft")
     start = 0
     if cfg.checkpoint.load:

@@ -192,7 +192,7 @@ def test_reward_that_never_returns_times_out_and_the_process_exits(tiny_model, a
     (["--logprob-chunk-size", "0"], "--logprob-chunk-size must be >= 1"),
 ])
 def test_out_of_range_values_exit_2_naming_the_flag(argv, needle, tiny_model, arith_data, capsys, monkeypatch):
-    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before set-up"))
+    monkeypatch.setattr("polyrl.assemble.setup_command", lambda cfg: pytest.fail("validation must stop the run before set-up"))
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
@@ -254,7 +254,7 @@ def test_ref_load_is_checked_like_hf_checkpoint(tiny_model, arith_data, tmp_path
 ])
 def test_custom_reward_is_imported_before_anything_starts(path, needle, tiny_model, arith_data, tmp_path, capsys, monkeypatch):
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
-    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before the process group"))
+    monkeypatch.setattr("polyrl.assemble.setup_command", lambda cfg: pytest.fail("validation must stop the run before the process group"))
     for command in ("train", "eval"):
         assert main([command, "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"],
                      "--custom-rm-path", path.format(tmp=tmp_path)]) == 2

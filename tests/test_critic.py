@@ -57,7 +57,7 @@ def test_ppo_with_critic_logs_critic_metrics_and_resumes_exactly(args, tmp_path)
 
 def _critic_values(model_cfg, batch, load_dir=None):
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, OptimizerConfig
     init_distributed("cpu")
     critic = FSDPBackend(model_cfg, OptimizerConfig(lr=1e-3), BatchConfig(), device="cpu", role="critic")

@@ -82,9 +82,9 @@ class _SleepsLikeAGPU:
 
 def test_rollout_only_generates_and_scores_without_training(args, reward, tmp_path, monkeypatch):
     """Nothing trains, so nothing would wake a colocated engine put to sleep after the rollout: it stays awake."""
-    import polyrl.runtime as rt
-    build, engines = rt.build_engine, []
-    monkeypatch.setattr(rt, "build_engine", lambda cfg, device: engines.append(_SleepsLikeAGPU(build(cfg, device))) or engines[-1])
+    import polyrl.assemble as asm
+    build, engines = asm.build_engine, []
+    monkeypatch.setattr(asm, "build_engine", lambda cfg, plan: engines.append(_SleepsLikeAGPU(build(cfg, plan))) or engines[-1])
     data = tmp_path / "ro" / "r_{rollout_id}.jsonl"
     assert main([*args, *reward, "--run-dir", str(tmp_path / "run"), "--debug-rollout-only",
                  "--save-debug-rollout-data", str(data)]) == 0
@@ -136,6 +136,6 @@ def test_a_missing_or_foreign_file_is_a_clear_error(args, tmp_path, capsys):
     (["--load-debug-rollout-data", "x_{rollout_id}", "--eval-interval", "1"], "drop --eval-interval"),
 ])
 def test_debug_flag_combinations_exit_2_naming_the_flags(extra, needle, args, reward, capsys, monkeypatch):
-    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before set-up"))
+    monkeypatch.setattr("polyrl.assemble.setup_command", lambda cfg: pytest.fail("validation must stop the run before set-up"))
     assert main([*args, *reward, *extra]) == 2
     assert needle in capsys.readouterr().err

@@ -16,7 +16,7 @@ from polyrl import loop
 from polyrl.cli import main
 from polyrl.rewards import merge_reward_metrics
 from polyrl.rewards.filters import nonzero_std
-from polyrl.rollout.dynamic_sampling import DynamicSampler
+from polyrl.rollout.dynamic_sampling import GroupFilter
 from polyrl.types import Sample
 
 # groups of even-labelled prompts all get 1.0 (zero std: nonzero_std drops them), the others 0, 1, 0, 1
@@ -57,7 +57,7 @@ def test_a_filter_must_return_a_bool_and_its_errors_name_the_flag():
                             (lambda g: 1 / 0, RuntimeError, "raised on a group of 2 samples")]:
         sampler = SimpleNamespace(keep_group=fn, path="m:f")
         with pytest.raises(exc, match=re.escape(needle)):
-            DynamicSampler.keep(sampler, group)
+            GroupFilter.__call__(sampler, group)
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_cispo_trains_two_steps(args, tmp_path):
     (["--policy-loss", "cispo", "--eps-clip-c", "3"], "--eps-clip-c (dual clip)"),
 ])
 def test_invalid_values_exit_2_before_anything_starts(args, argv, needle, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("polyrl.runtime.setup", lambda cfg: pytest.fail("validation must stop the run before set-up"))
+    monkeypatch.setattr("polyrl.assemble.setup_command", lambda cfg: pytest.fail("validation must stop the run before set-up"))
     assert main([*args, "--custom-rm-path", f"{tmp_path / 'rm.py'}:group", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err

@@ -231,15 +231,37 @@ def test_colocated_sync_wakes_weights_then_offloads_the_trainer_then_wakes_the_k
     """The order that keeps a colocated sync GPU-to-GPU without holding trainer, engine weights and KV cache at once
     (SGLang's resume_memory_occupation tags): weights back, push from the trainer's GPU copy, trainer off, KV back."""
     import contextlib
-    from types import SimpleNamespace
-    from polyrl.loop import Run
+    from polyrl.step.handoff import Handoff
     calls = []
-    engine = SimpleNamespace(wake=lambda tags=None: calls.append(("wake", tuple(tags))))
-    backend = SimpleNamespace(export_weights=lambda: iter([("w", 1)]), offload=lambda: calls.append(("offload",)))
-    transport = SimpleNamespace(push=lambda it, engines, version: calls.append(("push", list(it), version)))
-    run = SimpleNamespace(engine=engine, backend=backend, transport=transport, engine_lock=contextlib.nullcontext())
-    Run.push_weights(run, 4)
+
+    class Engine:
+        def wake(self, tags=None):
+            calls.append(("wake", tuple(tags)))
+
+        def sleep(self):
+            calls.append(("sleep",))
+
+    class Backend:
+        def export_weights(self):
+            return iter([("w", 1)])
+
+        def offload(self):
+            calls.append(("offload",))
+
+    class Transport:
+        def push(self, stream, engine, version):
+            calls.append(("push", list(stream), version))
+
+    h = Handoff(Backend(), Engine(), Transport(), contextlib.nullcontext(), push_at_start=False)
+    h.sync(4)
     assert calls == [("wake", ("weights",)), ("push", [("w", 1)], 4), ("offload",), ("wake", ("kv_cache",))]
+    calls.clear()
+    h.start(0, resumed=False)  # an engine that loaded the trainer's checkpoint holds its weights already
+    h.to_engine(), h.to_trainer()
+    assert calls == [("offload",), ("sleep",)]
+    calls.clear()
+    Handoff(Backend(), Engine(), Transport(), contextlib.nullcontext(), push_at_start=True).start(0, resumed=False)
+    assert ("push", [("w", 1)], 0) in calls  # external engines: the trainer's weights before the first rollout
 
 
 def test_memory_tags_are_checked():

@@ -11,7 +11,7 @@ import pytest
 
 from polyrl.cli import main
 from polyrl.loop_async import StalenessError, staleness
-from polyrl.runtime import Dist
+from polyrl.dist import Dist
 from polyrl.types import Sample
 
 RECORDER = '''
@@ -85,13 +85,11 @@ def test_resume_draws_the_steps_that_were_queued_but_not_trained(tiny_model, ari
 
 
 def test_a_sample_past_the_bound_stops_the_run():
-    class R:
-        d = Dist(0, 1)
-
+    d = Dist(0, 1)
     s = [Sample([1], [2], [0.0], "stop", weight_version=v) for v in (4, 5, None)]
-    assert staleness(R, s, 5, 1) == {"staleness/mean": 0.5, "staleness/max": 1, "staleness/unknown": 1}
+    assert staleness(d, s, 5, 1) == {"staleness/mean": 0.5, "staleness/max": 1, "staleness/unknown": 1}
     with pytest.raises(StalenessError, match="step 7 .* 2 versions old, past --max-staleness 1"):
-        staleness(R, s, 6, 1)
+        staleness(d, s, 6, 1)
 
 
 def test_max_staleness_without_async_is_a_flag_error(tiny_model, arith_data, capsys):

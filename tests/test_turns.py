@@ -9,11 +9,12 @@ import os
 
 import pytest
 
-from polyrl import runtime as rt
+from polyrl.assemble import prompt_dataset
 from polyrl.cli import main
 from polyrl.config import Config, ConfigError, validate
 from polyrl.rollout.custom import TurnLimitError, generate_with
 from polyrl.rollout.sampling import cut_to_budget, response_budget
+from polyrl.step.rollout import engine_call
 from polyrl.tasks.arithmetic import build_tokenizer
 from polyrl.types import PromptRecord, Sample, SamplingParams
 
@@ -102,7 +103,7 @@ def test_plain_rollout_cuts_to_the_context_budget():
     class Eng(_Engine):
         tokenizer = _Tok()
     items = [([1, 2, 3], PromptRecord("a")), ([1, 2, 3, 4, 5, 6], PromptRecord("b"))]
-    out = rt.rollout(Eng(), items, SamplingParams(max_new_tokens=4, n=1), max_context_len=8)
+    out = engine_call(Eng(), items, SamplingParams(max_new_tokens=4, n=1), max_context_len=8)
     assert [len(s.response_ids) for s in out] == [4, 2] and out[1].response == "7,7"
     assert out[1].finish_reason == "length" and len(out[1].rollout_logprobs) == 2
 
@@ -126,10 +127,10 @@ def test_flag_checks_and_prompt_filter(tiny_model, arith_data):
         validate(_cfg(tiny_model, arith_data["train"], max_turns=0, custom_generate_function_path=f"{EXAMPLE}:generate"))
     # prompts are `ab+cd=` (6 tokens): a budget of 6 leaves no response token, so every prompt is dropped
     cfg = _cfg(tiny_model, arith_data["train"], rollout_max_context_len=7)
-    assert len(rt.prompt_dataset(cfg, build_tokenizer(), arith_data["train"], shuffle=False)) == 256
+    assert len(prompt_dataset(cfg, build_tokenizer(), arith_data["train"], shuffle=False)) == 256
     cfg.rollout.rollout_max_context_len = 6
     with pytest.raises(ValueError, match="longer than --rollout-max-prompt-len=5"):
-        rt.prompt_dataset(cfg, build_tokenizer(), arith_data["train"], shuffle=False)
+        prompt_dataset(cfg, build_tokenizer(), arith_data["train"], shuffle=False)
 
 
 class _Scripted:

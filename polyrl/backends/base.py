@@ -16,6 +16,21 @@ BACKENDS = {
     "megatron": "polyrl.backends.megatron.backend:MegatronBackend",
 }
 
+# What each backend honours (polyrl/capabilities.py maps flags to these; a flag whose capability the chosen backend lacks
+# is refused at start-up). Declared here, not on the classes, so validation reads them without importing megatron-core.
+BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
+    "fsdp": frozenset({
+        "offload",  # offload()/onload() move params, grads and optimizer state off the GPU (--offload-train)
+        "cpu_offload_optimizer",  # FSDP2's CPUOffloadPolicy (--fsdp-cpu-offload)
+        "gradient_checkpointing", "compile", "attn_implementation", "micro_batch_layout",
+        "lora", "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
+    }),
+    "megatron": frozenset({
+        "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider
+        "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
+    }),
+}
+
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
 

@@ -1,36 +1,11 @@
-"""The one place that starts torch.distributed and validates parallel degrees."""
+"""Parallel degrees: validated once, the one owner of mesh construction (polyrl/dist.py starts the process group)."""
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(device: str, backend: str = "auto") -> None:
-    """Join the process group torchrun set up, or make a one-rank group for a plain launch
-    (FSDP2 and DCP always run inside a process group, even alone)."""
-    if dist.is_initialized():
-        return
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    if backend == "nccl":  # small CPU-side reductions (metrics, counts) ride on gloo beside NCCL
-        backend = "cpu:gloo,cuda:nccl"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ:
-        dist.init_process_group(backend=backend)
-    else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 @dataclass
@@ -73,11 +48,3 @@ class ParallelDims:
     def build_dp_mesh(self, device: str):
         from torch.distributed.device_mesh import init_device_mesh
         return init_device_mesh(device, (self.dp,), mesh_dim_names=("dp",))
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1

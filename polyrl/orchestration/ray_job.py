@@ -161,13 +161,14 @@ class EngineRayActor:
 
 
 def plan(cfg: Config) -> tuple[int, int, int]:
-    """(train actors, engine actors, units per engine); engines 0 when colocated."""
-    from polyrl.rollout.http_engine import num_engines
-    y = cfg.ray
-    world = y.actor_num_nodes * y.actor_num_gpus_per_node
-    if y.colocate:
+    """(train actors, engine actors, units per engine) from the placement plan; engines 0 when they share the train
+    actors' devices (the embedded engine inside each actor)."""
+    from polyrl.placement import plan as placement_plan
+    p = placement_plan(cfg, visible_gpus=0, trainer_ranks=cfg.ray.actor_num_gpus_per_node)
+    world = cfg.ray.actor_num_nodes * p.trainer_ranks
+    if p.in_process:
         return world, 0, 0
-    return world, num_engines(cfg), cfg.engines.rollout_num_gpus_per_engine
+    return world, len(p.engine_devices), cfg.engines.rollout_num_gpus_per_engine
 
 
 def train_on_ray(cfg: Config) -> dict:

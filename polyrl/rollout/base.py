@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import importlib
-from typing import Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
 from polyrl.types import Sample, SamplingParams
 
-ENGINES = {  # --rollout-engine (and "external" for --rollout-external) -> class with from_config(cfg, device)
-    "embedded": "polyrl.rollout.embedded:EmbeddedEngine",
+ENGINES = {  # engine kind (polyrl.placement.engine_kind) -> factory(cfg, device) building it
+    "embedded": "polyrl.rollout.embedded:engine_from_config",
     "server": "polyrl.rollout.http_engine:HTTPEngine",
     "sglang": "polyrl.rollout.http_engine:HTTPEngine",
     "external": "polyrl.rollout.http_engine:HTTPEngine",
 }
 
+
+# What each engine kind honours (polyrl/capabilities.py maps flags to these; a flag whose capability the chosen kind
+# lacks is refused at start-up). "none" is --debug-train-only's: no engine, its samples come from files.
+ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
+    "embedded": frozenset({"embedded_settings", "routed_experts", "memory_tags"}),
+    "server": frozenset({"servers", "launch", "embedded_settings", "fault_tolerance", "weight_read_back", "router",
+                         "routed_experts", "memory_tags"}),
+    "sglang": frozenset({"servers", "launch", "sglang_args", "fault_tolerance", "weight_read_back", "router",
+                         "routed_experts", "memory_tags"}),
+    "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags"}),
+    "none": frozenset(),
+}
 
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's /resume_memory_occupation tags the engines honour
 
@@ -31,8 +43,11 @@ def wake_tags(tags: Sequence[str] | None) -> set[str]:
 
 
 class RolloutEngine(Protocol):
+    """What the loops, the transports and the evaluator use of an engine (in process, or servers behind a client)."""
+
     version: int  # the weight version (trainer step) it holds
     concurrent_update: bool  # update_weights may run while a generate is in flight (the async loop relies on it)
+    tokenizer: Any  # the HF tokenizer of its model (custom generate functions and cut responses decode with it)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         """params.n samples per prompt, grouped: samples[i * n + j] answers prompts[i]
@@ -43,7 +58,7 @@ class RolloutEngine(Protocol):
         call the stream's `copy_into(views)` (polyrl.weight_sync.WeightExport) instead of iterating it."""
 
     def sleep(self) -> None:
-        """Give the GPU to the trainer (colocated placement); a no-op where nothing is shared."""
+        """Give the GPU to the trainer (shared devices); a no-op where nothing is shared."""
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """Take the GPU back, all of it (None) or the MEMORY_TAGS named: ("weights",) first lets a weight update land
@@ -56,11 +71,45 @@ class RolloutEngine(Protocol):
         """Stop what the engine started (launched servers, router); idempotent."""
 
 
+class ServedEngine(RolloutEngine, Protocol):
+    """An in-process engine that `polyrl serve` runs: what the server reads beyond RolloutEngine."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_len: int | None  # most tokens a sequence may hold (prompt + response), None: the model config's
+    reports_routed_experts: bool  # generate() fills Sample.routed_experts when asked
+    asleep: bool  # sleep() released its weights: updates land, generation waits for wake()
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """The engine's current copy of one HF-named weight (read-back for --check-weight-update-equal)."""
+
+
+class ServerEngines(RolloutEngine, Protocol):
+    """Engine servers behind one client (polyrl.rollout.http_engine.HTTPEngine): what the server transports use."""
+
+    http: Any  # the HTTP client holding the servers' key
+    membership: int  # changes when a server is restarted: a transport rebuilds its group
+    fault_tolerant: bool
+    shares_devices: bool  # the servers run on the trainer's GPUs (placement plan `shared`)
+
+    def weight_sync_urls(self) -> list[str]:
+        """Servers that must receive the next weights: every live one (restarted ones included)."""
+
+    def weights_pushed(self, version: int, urls: list[str] | None = None) -> None:
+        """Record that these servers (None: all) now hold weights `version`."""
+
+    def lost_during_sync(self, urls: list[str], why: str) -> list[str]:
+        """Servers of `urls` found dead during a push (raises without fault tolerance)."""
+
+    def set_weight_source(self, source, transport) -> None:
+        """How a restarted server gets the current weights: source() -> (stream, version), pushed by transport."""
+
+
 class InProcessEngine:
     """What an engine in the trainer's process has nothing to say about."""
 
     concurrent_update = False  # one model in this process: a weight update must wait for the running generate
-    # True when the trainer runs in this process (runtime.build_engine): sleep() then leaves what it frees in PyTorch's
+    # True when the trainer runs in this process (polyrl.assemble.build_engine): sleep() then leaves what it frees in PyTorch's
     # caching allocator, where the train phase's allocations find it, instead of handing it back to the CUDA driver.
     # Emptying the cache also dropped the trainer's cached blocks, so every train phase paid a few hundred cudaMallocs
     # and every wake re-mapped the KV cache (GRPO 16x8x256 on one H100, bench/RESULTS.md 2026-11-24, fourth session:
@@ -81,9 +130,10 @@ class InProcessEngine:
         pass
 
 
-def load_engine_class(name: str):
+def load_engine_factory(kind: str):
+    """factory(cfg, device) of an engine kind; imported only when chosen (servers need aiohttp, the GPU path Triton)."""
     try:
-        module, cls = ENGINES[name].split(":")
+        module, name = ENGINES[kind].split(":")
     except KeyError:
-        raise ValueError(f"--rollout-engine {name!r} is unknown; choose one of {', '.join(ENGINES)}") from None
-    return getattr(importlib.import_module(module), cls)
+        raise ValueError(f"engine kind {kind!r} is unknown; choose one of {', '.join(ENGINES)}") from None
+    return getattr(importlib.import_module(module), name)

@@ -26,28 +26,8 @@ warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", 
 
 
 class EmbeddedEngine(InProcessEngine):
-    def __new__(cls, hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, **kw):
-        """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged
-        KV cache, continuous batching, CUDA graphs); anything else, and every CPU run, this one."""
-        if cls is EmbeddedEngine and device != "cpu" and gpu_engine:
-            from polyrl.rollout.gpu import GPUEngine, unsupported_reason
-            why = unsupported_reason(hf_checkpoint)
-            if why is None:
-                return GPUEngine(hf_checkpoint, device=device, **{k: v for k, v in kw.items() if k in (
-                    "dtype", "max_batch", "mem_fraction", "cuda_graph")})
-            log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
-                        device, hf_checkpoint, why)
-        return super().__new__(cls)
-
-    @classmethod
-    def from_config(cls, cfg, device: str):
-        from polyrl.runtime import embedded_engine_kwargs
-        return cls(cfg.model.hf_checkpoint, device=device, dtype=cfg.model.dtype(device),
-                   attn_implementation=cfg.model.attn_implementation, **embedded_engine_kwargs(cfg))
-
     def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "sdpa", max_batch: int = 0, gpu_engine: bool = True,
-                 mem_fraction: float = 0.4, cuda_graph: bool = True):  # the last three: GPU path only
+                 attn_implementation: str = "sdpa", max_batch: int = 0):
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
@@ -215,3 +195,32 @@ class EmbeddedEngine(InProcessEngine):
 
 def logits_dim(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
+
+
+def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, mem_fraction: float = 0.4,
+                         cuda_graph: bool = True, **kw) -> InProcessEngine:
+    """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged KV cache,
+    continuous batching, CUDA graphs; gpu_engine, mem_fraction and cuda_graph are its settings); anything else, and
+    every CPU run, the transformers path (EmbeddedEngine)."""
+    if device != "cpu" and gpu_engine:
+        from polyrl.rollout.gpu import GPUEngine, unsupported_reason
+        why = unsupported_reason(hf_checkpoint)
+        if why is None:
+            return GPUEngine(hf_checkpoint, device=device, mem_fraction=mem_fraction, cuda_graph=cuda_graph,
+                             **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
+        log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
+                    device, hf_checkpoint, why)
+    return EmbeddedEngine(hf_checkpoint, device=device, **kw)
+
+
+def embedded_engine_kwargs(cfg) -> dict:
+    """The embedded engine's settings from the config (also what `polyrl serve` runs)."""
+    r = cfg.rollout
+    return dict(max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
+                cuda_graph=r.rollout_cuda_graph)
+
+
+def engine_from_config(cfg, device: str) -> InProcessEngine:
+    """The engine of --rollout-engine embedded (and of `polyrl serve`)."""
+    return make_embedded_engine(cfg.model.hf_checkpoint, device=device, dtype=cfg.model.dtype(device),
+                                attn_implementation=cfg.model.attn_implementation, **embedded_engine_kwargs(cfg))

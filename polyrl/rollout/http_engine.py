@@ -215,10 +215,10 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
                 *(["--config", sglang_config] if sglang_config else []),
                 *(["--enable-return-routed-experts"] if wants_routes(cfg) else []), *extra]
     r = cfg.rollout
-    from polyrl.runtime import weight_sync_mode
+    from polyrl.placement import transport_kind
     # --weight-sync disk: the servers may load from the directory DiskTransport writes in, and nothing else
     allowed = []
-    if weight_sync_mode(cfg) == "disk":
+    if transport_kind(cfg) == "disk":
         from polyrl.weight_sync.distributed import private_weight_dir
         allowed = ["--allowed-weight-dirs", private_weight_dir()]
     max_n = max(64, r.n_samples_per_prompt)  # a request carries one prompt's n samples
@@ -314,7 +314,6 @@ class HTTPEngine:
             self.router_url = self.router.url if self.router else None
 
     def _launch(self, cfg: Config, device: str, n: int, log_dir: str) -> list[Server]:
-        e = cfg.engines
         env = dict(os.environ)
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                   "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):

@@ -21,7 +21,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,14 +29,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from polyrl.dist import free_port
+
 API_KEY_ENV = "POLYRL_API_KEY"
 ROUTER_HINT = "--use-sglang-router needs the sglang-router package: pip install sglang-router (or pip install 'polyrl[sglang]')"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -112,11 +107,11 @@ def launch_router(worker_urls: list[str], *, log_path: str, policy: str = "cache
     log when it exits or is not ready in time (it is stopped then)."""
     if importlib.util.find_spec("sglang_router") is None:
         raise ImportError(ROUTER_HINT)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "polyrl.rollout.router", "--worker-urls", *worker_urls, "--policy", policy,
            "--host", "127.0.0.1", "--port", str(port),
            # its metrics endpoint defaults to 0.0.0.0:29000: loopback, and a port of its own per router
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            "--worker-startup-timeout-secs", str(max(1, int(timeout))), "--worker-startup-check-interval", "1",
            *extra_args]
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}

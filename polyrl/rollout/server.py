@@ -909,8 +909,8 @@ def resolve_api_key(s: ServerConfig) -> str | None:
 
 def serve(cfg: Config) -> int:
     """`polyrl serve`: load the engine, listen, print one line with the address, serve until SIGTERM / SIGINT."""
-    from polyrl.rollout.embedded import EmbeddedEngine
-    from polyrl.runtime import resolve_device
+    from polyrl.dist import resolve_device
+    from polyrl.rollout.embedded import engine_from_config
 
     s = cfg.server
     s.api_key = resolve_api_key(s)  # before the model loads: a refused start costs nothing
@@ -921,8 +921,8 @@ def serve(cfg: Config) -> int:
                               "--allow-unauthenticated-host to let anyone who reaches the port generate")
         log.warning("polyrl serve: --allow-unauthenticated-host: listening on %s WITHOUT an API key; anyone who can "
                     "reach it can generate (weight, memory and control endpoints are refused)", s.host)
-    device = resolve_device(cfg)
-    engine = EmbeddedEngine.from_config(cfg, device)
+    device = resolve_device(cfg.cluster.device)
+    engine = engine_from_config(cfg, device)
     server = EngineServer(engine, s, model_path=cfg.model.hf_checkpoint, seed=cfg.cluster.seed, device=device)
 
     async def main() -> None:

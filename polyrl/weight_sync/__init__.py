@@ -5,9 +5,18 @@ Backends decide which tensors (and their HF names); transports decide how they m
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
+
+
+class WeightTransport(Protocol):
+    """How an HF-named (name, tensor) stream reaches an engine: in process (InMemoryTransport), over a process group
+    (DistributedTransport: NCCL or gloo), or through files (DiskTransport); polyrl/weight_sync/distributed.py."""
+
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
+        """Deliver the whole stream to `engine` (every server behind it), which then holds weights `version`; returns
+        the bytes of the stream. Collective over the trainer's ranks: every rank calls it with its share of the export."""
 
 
 def buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -51,26 +60,30 @@ class WeightExport:
 
 
 class InMemoryTransport:
-    """Colocated: trainer and engine share a process; tensors are copied in place, bucket by bucket."""
+    """Trainer and engine share a process; tensors are copied in place, bucket by bucket."""
 
     def __init__(self, bucket_bytes: int = 512 * 1024**2):
         self.bucket_bytes = bucket_bytes
 
-    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engines: list, version: int) -> int:
-        if len(engines) == 1 and isinstance(stream, WeightExport):  # the engine may take the direct copy
-            engines[0].update_weights(stream, version)
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
+        if isinstance(stream, WeightExport):  # the engine may take the direct copy
+            engine.update_weights(stream, version)
             return stream.nbytes
         total = 0
+
         def flat():
             nonlocal total
             for bucket in buckets(stream, self.bucket_bytes):
                 for name, t in bucket:
                     total += t.numel() * t.element_size()
                     yield name, t
-        if len(engines) == 1:
-            engines[0].update_weights(flat(), version)
-        else:
-            items = list(flat())
-            for e in engines:
-                e.update_weights(iter(items), version)
+        engine.update_weights(flat(), version)
         return total
+
+
+class NoTransport:
+    """--debug-train-only: no engine to send weights to."""
+
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
+        engine.update_weights(iter(()), version)
+        return 0

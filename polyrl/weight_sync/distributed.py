@@ -48,6 +48,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from polyrl.dist import rank as trainer_rank, world_size as trainer_world
 from polyrl.weight_sync import buckets
 
 log = logging.getLogger(__name__)
@@ -205,10 +206,6 @@ def _shutdown(pg) -> None:
         pass
 
 
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _failed(ans: Any) -> bool:
     return isinstance(ans, dict) and ans.get("success") is False
 
@@ -247,7 +244,7 @@ class _Targets:
         self.engines = engines
         self.http = engines[0].http
         self.urls = list(urls) if urls is not None else [u for e in engines for u in e.weight_sync_urls()]
-        self.membership = tuple(getattr(e, "membership", 0) for e in engines)
+        self.membership = tuple(e.membership for e in engines)
 
     def gone(self) -> list[str]:
         """Targets their engine no longer counts as live (its health check found them dead or hung)."""
@@ -264,9 +261,10 @@ class _ServerTransport:
         self._lock = threading.Lock()  # a push and a re-sync of a restarted server never interleave
         self._last: tuple[list[tuple[str, torch.Tensor]], int] | None = None  # host copy of the last push (rank 0)
 
-    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engines: list, version: int) -> int:
-        """Send the stream to every server of `engines`; returns the bytes of the stream (not times the servers)."""
-        rank, world = _rank_world()
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
+        """Send the stream to every server of `engine`; returns the bytes of the stream (not times the servers)."""
+        engines = [engine]
+        rank, world = trainer_rank(), trainer_world()
         outcome: list = [None, None, False]  # error message, urls that got the weights, whether an engine died
         total = 0
         it = iter(stream)  # once: a WeightExport restarts its (collective) export at each iter()

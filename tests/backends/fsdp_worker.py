@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.algorithms.losses import LossSettings, rl_loss
-from polyrl.backends.parallel_dims import init_distributed
+from polyrl.dist import init_distributed
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch

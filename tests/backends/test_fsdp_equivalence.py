@@ -179,7 +179,7 @@ def test_micro_batch_split_does_not_change_the_step(tiny_model, tmp_path):
 
 def _backend(model_dir: str, **batch):
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     init_distributed("cpu")
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir), OptimizerConfig(lr=1e-2), BatchConfig(**batch), device="cpu")
@@ -247,7 +247,7 @@ def test_sharded_export_equals_per_parameter_full_tensors(tiny_model, monkeypatc
     equality: the export only copies fp32 bytes."""
     import polyrl.backends.fsdp.backend as fb
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     from torch.distributed.tensor import DTensor
     monkeypatch.setattr(fb, "EXPORT_CHUNK_BYTES", chunk_bytes)

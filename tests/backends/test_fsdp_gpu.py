@@ -23,7 +23,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 def _backend(model_dir, attn="auto", offload_train=False, compile=None, **batch):
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     init_distributed("cuda")
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, attn_implementation=attn, offload_train=offload_train,
@@ -152,7 +152,7 @@ def test_direct_push_into_the_gpu_engine_equals_the_named_stream(tmp_path, tied)
     ref = torch.empty_like(eng.model.flat)
 
     def check(version):
-        nbytes = InMemoryTransport().push(be.export_weights(), [eng], version)
+        nbytes = InMemoryTransport().push(be.export_weights(), eng, version)
         got = eng.model.flat.clone()
         eng.model.flat.copy_(ref)  # anything: the named load below must rewrite every weight
         eng.model.load(be.export_weights(), strict=True)
@@ -170,7 +170,7 @@ def test_direct_push_into_the_gpu_engine_equals_the_named_stream(tmp_path, tied)
     before = torch.cuda.memory_allocated()
     be.offload()  # the direct copy's cached source views must not keep the parameters' GPU storage alive
     assert before - torch.cuda.memory_allocated() >= 0.9 * param_bytes
-    InMemoryTransport().push(be.export_weights(), [eng], 3)  # sources on the host: the named stream path
+    InMemoryTransport().push(be.export_weights(), eng, 3)  # sources on the host: the named stream path
     be.onload()
     be.train_step(fixed_batch(), loss)
     check(4)

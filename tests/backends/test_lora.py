@@ -32,7 +32,7 @@ LOSS = functools.partial(rl_loss, s=LossSettings())
 
 def backend(model_dir: str, **model):
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     init_distributed("cpu")
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, **model), OptimizerConfig(lr=1e-2), BatchConfig(micro_batch_size=8),
                        device="cpu", total_steps=8, need_ref=True)

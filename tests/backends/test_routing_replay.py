@@ -100,7 +100,7 @@ def test_wrong_route_shape_names_the_layout(tiny_moe):
 
 def _backend(model_dir: str, **model_kw):
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     init_distributed("cpu")
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, **model_kw), OptimizerConfig(lr=1e-2),

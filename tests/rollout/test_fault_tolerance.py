@@ -115,7 +115,7 @@ def test_one_engine_survives_a_kill_a_kill_during_the_sync_and_a_hang(tiny_model
         ps = prompts(eng, 8)
         sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5)
         w1 = trainer_weights(tiny_model, 1)
-        tr.push(iter(w1.items()), [eng], 1)
+        tr.push(iter(w1.items()), eng, 1)
         eng.stats()
 
         # 1. kill -9 mid-rollout: restarted with --hf-checkpoint's weights, re-sent v1, then the requests go to it
@@ -129,7 +129,7 @@ def test_one_engine_survives_a_kill_a_kill_during_the_sync_and_a_hang(tiny_model
         # server gets v2 alone, and the next rollout samples from v2
         w2 = trainer_weights(tiny_model, 2)
         old = s.proc
-        tr.push(killing_stream(w2, old, len(w2) // 2), [eng], 2)
+        tr.push(killing_stream(w2, old, len(w2) // 2), eng, 2)
         assert old.returncode == -signal.SIGKILL and eng.version == 2
         wait_for(lambda: restarted(s, old), 240, "the engine killed during the sync to come back")
         assert s.version == 2
@@ -145,7 +145,7 @@ def test_one_engine_survives_a_kill_a_kill_during_the_sync_and_a_hang(tiny_model
         st = eng.stats()
         assert st["rollout/restarts"] == 1 and st["rollout/resyncs"] == 1 and st["rollout/engines_lost"] == 1
         assert s.version == 2 and tr.builds >= 2  # the next push rebuilds the group with the new process
-        tr.push(iter(w1.items()), [eng], 3)
+        tr.push(iter(w1.items()), eng, 3)
         assert s.version == 3
     finally:
         tr.close()
@@ -159,7 +159,7 @@ def test_two_engines_both_killed_then_one_hung(tiny_model, tmp_path):
         ps = prompts(eng, 12)
         sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=9)
         w1 = trainer_weights(tiny_model, 1)
-        tr.push(iter(w1.items()), [eng], 1)
+        tr.push(iter(w1.items()), eng, 1)
         want = reference(tiny_model, w1, 1, ps, sp)
         eng.stats()
         olds = [s.proc for s in eng.servers]
@@ -189,7 +189,7 @@ def test_without_fault_tolerance_a_death_during_the_sync_or_a_hang_names_the_eng
     try:
         w = trainer_weights(tiny_model, 1)
         with pytest.raises(EngineDeadError, match=name + " exited with code -9 during the weight sync") as err:
-            tr.push(killing_stream(w, eng.servers[0].proc, len(w) // 2), [eng], 1)
+            tr.push(killing_stream(w, eng.servers[0].proc, len(w) // 2), eng, 1)
         assert "\n" not in str(err.value)  # one line, as the CLI prints it
     finally:
         tr.close()
@@ -264,3 +264,26 @@ def test_train_with_one_engine_survives_its_kill_and_samples_from_the_trainer_we
     assert sum(r.get("rollout/restarts", 0) for r in rows) == 1
     for r in rows:  # gloo moves fp32 exactly; the rest is BLAS reduction order (see LOGPROB_TOL)
         assert r["train_rollout_logprob_abs_diff"] < LOGPROB_TOL, r
+
+
+def test_two_engines_one_killed_during_the_sync(tiny_model, tmp_path):
+    """The other server gets the whole push; the killed one comes back with it; both sample from it."""
+    eng = HTTPEngine(engine_cfg(tiny_model, tmp_path, 2, fault_tolerant=True), "cpu")
+    tr = DistributedTransport(1 << 14, device="cpu", timeout_s=120)
+    try:
+        w1 = trainer_weights(tiny_model, 1)
+        victim, other = eng.servers
+        old = victim.proc
+        tr.push(killing_stream(w1, old, len(w1) // 2), eng, 1)
+        assert old.returncode == -signal.SIGKILL and other.version == 1
+        wait_for(lambda: restarted(victim, old), 240, "the engine killed during the sync to come back")
+        assert victim.version == 1
+        ps = prompts(eng, 8)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5)
+        same_samples(eng.generate(ps, sp), reference(tiny_model, w1, 1, ps, sp))
+        st = eng.stats()
+        assert st["rollout/restarts"] == 1 and st["rollout/resyncs"] == 1
+        assert all(s.outstanding == 0 for s in eng.servers)
+    finally:
+        tr.close()
+        eng.close()

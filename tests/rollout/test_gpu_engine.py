@@ -343,7 +343,7 @@ def test_garbage_in_unwritten_cache_slots_never_reaches_the_output(qwen2_dir):
 
 
 def test_sleep_beside_an_in_process_trainer_keeps_memory_cached_and_no_host_copy(qwen2_dir):
-    """shares_allocator (set by runtime.build_engine): sleep frees the engine's tensors but leaves the memory in the
+    """shares_allocator (set by polyrl.assemble.build_engine): sleep frees the engine's tensors but leaves the memory in the
     caching allocator, so a trainer allocation of that size is served without going to the driver; the weights are
     not copied to the host (the trainer pushes them all after the wake, as in the RL loop); the wake gets its buffers
     back from the cache at the same addresses, so the captured CUDA graphs are replayed, not captured again."""
@@ -453,13 +453,13 @@ def test_wake_in_two_parts_weights_then_kv_cache(qwen2_dir):
 
 
 def test_embedded_engine_picks_the_gpu_path_on_cuda(qwen2_dir):
-    from polyrl.rollout.embedded import EmbeddedEngine
+    from polyrl.rollout.embedded import EmbeddedEngine, make_embedded_engine
     from polyrl.rollout.gpu import GPUEngine
-    e = EmbeddedEngine(qwen2_dir, device="cuda", dtype=BF16, mem_fraction=0.05)
+    e = make_embedded_engine(qwen2_dir, device="cuda", dtype=BF16, mem_fraction=0.05)
     assert isinstance(e, GPUEngine)
     del e
     _free()
-    assert type(EmbeddedEngine(qwen2_dir, device="cuda", dtype=BF16, gpu_engine=False)) is EmbeddedEngine
+    assert type(make_embedded_engine(qwen2_dir, device="cuda", dtype=BF16, gpu_engine=False)) is EmbeddedEngine
 
 
 def test_moe_grouped_experts_match_the_reference_and_capture_in_a_graph():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from polyrl.config import ServerConfig
-from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.rollout.embedded import EmbeddedEngine, make_embedded_engine
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient
 from polyrl.rollout.server import ServerThread
 from polyrl.types import SamplingParams
@@ -377,9 +377,9 @@ def test_weight_update_group_endpoints(srv):
     old = srv.engine.get_weight(name)
     tr = DistributedTransport(1 << 20, device="cpu", timeout_s=60)
     try:
-        tr.push(iter([(name, old * 2)]), [Eng()], 11)
+        tr.push(iter([(name, old * 2)]), Eng(), 11)
         assert torch.equal(srv.engine.get_weight(name), old * 2) and call(srv, "/get_weight_version")["weight_version"] == "11"
-        tr.push(iter([(name, old)]), [Eng()], 12)
+        tr.push(iter([(name, old)]), Eng(), 12)
         assert torch.equal(srv.engine.get_weight(name), old) and tr.builds == 1
     finally:
         tr.close()  # POSTs /destroy_weights_update_group
@@ -467,7 +467,7 @@ def test_gpu_path_batched_requests_equal_direct_generate_and_memory_release(tmp_
     from conftest import make_model_dir
     from polyrl.rollout.gpu import GPUEngine
     model = make_model_dir(tmp_path / "m", hidden=128, layers=2)
-    eng = EmbeddedEngine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
+    eng = make_embedded_engine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
     assert isinstance(eng, GPUEngine)
     st = ServerThread(eng, ServerConfig(port=0), model_path=model)
     http = HTTPClient()

@@ -144,7 +144,7 @@ def test_launched_servers_and_router_get_a_random_key_that_no_command_line_log_o
         assert len(out) == 2
         # --weight-sync disk: the servers load what the transport writes in this user's directory, nothing else
         w = {"model.norm.weight": torch.full_like(EmbeddedEngine(tiny_model).get_weight("model.norm.weight"), 0.5)}
-        DiskTransport(1 << 20, check_equal=True).push(iter(w.items()), [eng], 1)
+        DiskTransport(1 << 20, check_equal=True).push(iter(w.items()), eng, 1)
         assert stat.S_IMODE(os.stat(private_weight_dir()).st_mode) == 0o700
         outside = tmp_path / "elsewhere"
         outside.mkdir()

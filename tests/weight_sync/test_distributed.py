@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.rollout.embedded import EmbeddedEngine, make_embedded_engine
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import (DiskTransport, DistributedTransport, WeightSyncError, check_weights_equal,
@@ -73,7 +73,7 @@ def test_disk_transport(tiny_model, pair):
     tmp_path = pair[0].weights_dir
     try:
         w = trainer_weights(tiny_model, 5)
-        DiskTransport(1 << 16, check_equal=True, dir=str(tmp_path)).push(iter(w.items()), [eng], 5)
+        DiskTransport(1 << 16, check_equal=True, dir=str(tmp_path)).push(iter(w.items()), eng, 5)
         for p in pair:
             assert torch.equal(read_back(eng.http, p.url, "model.embed_tokens.weight"), w["model.embed_tokens.weight"])
         assert not list(tmp_path.glob("polyrl_weights_*"))  # the directory is gone
@@ -87,13 +87,13 @@ def test_a_refused_bucket_fails_fast_naming_the_server(tiny_model, pair):
     tr = DistributedTransport(1 << 20, device="cpu", timeout_s=120)
     try:
         w = trainer_weights(tiny_model, 1)
-        tr.push(iter(w.items()), [eng], 1)
+        tr.push(iter(w.items()), eng, 1)
         bad = {"model.norm.weight": torch.zeros(3)}  # the server refuses the shape before the broadcast
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=rf"{a.url}.*model.norm.weight: shape \[3\]"):
-            tr.push(iter(bad.items()), [eng], 2)
+            tr.push(iter(bad.items()), eng, 2)
         assert time.monotonic() - t0 < 30  # not the 120 s timeout
-        tr.push(iter(w.items()), [eng], 3)  # the group is rebuilt and works again
+        tr.push(iter(w.items()), eng, 3)  # the group is rebuilt and works again
         assert tr.builds == 2
         check_weights_equal(eng.http, [a.url], list(w.items()))
         with pytest.raises(WeightSyncError, match="model.norm.weight on .* differs"):
@@ -112,12 +112,12 @@ def test_flattened_and_per_tensor_buckets_arrive_bit_identical(tiny_model, pair,
     tr = DistributedTransport(1 << 30, device="cpu", timeout_s=60, flatten=flatten)  # one bucket
     try:
         w = trainer_weights(tiny_model, 7)
-        tr.push(iter(w.items()), [eng], 7)
+        tr.push(iter(w.items()), eng, 7)
         for name, t in w.items():
             assert torch.equal(read_back(eng.http, a.url, name), t)
         # a bf16 tensor among fp32 ones: per tensor; the server casts into its fp32 weights
         mixed = dict(w, **{"model.norm.weight": w["model.norm.weight"].to(torch.bfloat16)})
-        tr.push(iter(mixed.items()), [eng], 8)
+        tr.push(iter(mixed.items()), eng, 8)
         assert torch.equal(read_back(eng.http, a.url, "model.norm.weight"), mixed["model.norm.weight"].float())
         assert torch.equal(read_back(eng.http, a.url, "model.embed_tokens.weight"), w["model.embed_tokens.weight"])
         assert tr.builds == 1
@@ -143,7 +143,7 @@ def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, pai
     try:
         for step in (1, 2, 3):
             w = trainer_weights(tiny_model, step)
-            nbytes = tr.push(iter(w.items()), [eng], step)
+            nbytes = tr.push(iter(w.items()), eng, step)
             assert nbytes == sum(t.numel() * t.element_size() for t in w.values())
             for url in eng.urls:
                 for name, t in w.items():
@@ -169,7 +169,7 @@ def test_three_pushes_bit_identical_then_rebuilt_after_a_restart(tiny_model, pai
             eng.membership += 1
             w = trainer_weights(tiny_model, 4)
             tr.check_equal = True  # and the read-back check passes through the sha256 extension
-            tr.push(iter(w.items()), [eng], 4)
+            tr.push(iter(w.items()), eng, 4)
             assert tr.builds == 2
             for name, t in w.items():
                 assert torch.equal(read_back(eng.http, b2.url, name), t)
@@ -195,12 +195,12 @@ def test_nccl_push_into_a_server_on_another_gpu(tmp_path):
         torch.cuda.set_device(0)
         for step in (1, 2):
             w = {n: t.to("cuda", torch.bfloat16) for n, t in trainer_weights(model, step).items()}
-            tr.push(iter(w.items()), [eng], step)
+            tr.push(iter(w.items()), eng, step)
             check_weights_equal(eng.http, [srv.url], [(n, t.cpu()) for n, t in w.items()])
             for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
                 assert torch.equal(read_back(eng.http, srv.url, name), w[name].cpu())
         assert tr.builds == 1
-        ref = EmbeddedEngine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
+        ref = make_embedded_engine(model, device="cuda", dtype=torch.bfloat16, mem_fraction=0.2)
         ref.update_weights(iter(w.items()), 2)
         sp = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, prompt_seeds=[11, 12])
         want = [s.response_ids for s in ref.generate([[5, 6, 7], [8, 9]], sp)]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from polyrl.algorithms.losses import LossSettings, rl_loss, sft_loss  # noqa: E402
-from polyrl.backends.parallel_dims import init_distributed  # noqa: E402
+from polyrl.dist import init_distributed  # noqa: E402
 from polyrl.config import BatchConfig, MegatronConfig, ModelConfig, OptimizerConfig  # noqa: E402
 from polyrl.types import TrainBatch  # noqa: E402
 

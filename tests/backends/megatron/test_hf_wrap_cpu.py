@@ -200,7 +200,7 @@ def test_fsdp_backend_uses_padded_rows_for_recurrent_layers(qwen3_next):
     such models out as padded rows (and refuses --micro-batch-layout packed by name); its log-probs
     then equal a per-sequence HF forward."""
     from polyrl.backends.fsdp.backend import FSDPBackend
-    from polyrl.backends.parallel_dims import init_distributed
+    from polyrl.dist import init_distributed
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     from polyrl.types import TrainBatch
 

@@ -1,0 +1,139 @@
+"""No flag silently ignored: which capability each flag needs, and the start-up check that refuses a flag the chosen
+backend (--train-backend) or engine kind (--rollout-engine / --rollout-external) would not honour.
+
+Backends and engines declare what they honour in `polyrl.backends.base.BACKEND_CAPABILITIES` and
+`polyrl.rollout.base.ENGINE_CAPABILITIES`. Every config field is either honoured by every kind (UNIVERSAL, or a
+section that only one command or one placement reads and validates itself: SELF_CHECKED_SECTIONS) or listed in NEEDS;
+tests/test_capabilities.py walks every field and every kind and fails when one is neither honoured nor refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from polyrl.backends.base import BACKEND_CAPABILITIES
+from polyrl.config import Config, ConfigError, _flag
+from polyrl.placement import engine_kind
+from polyrl.rollout.base import ENGINE_CAPABILITIES
+
+
+@dataclass(frozen=True)
+class Need:
+    who: str  # "backend" | "engine"
+    capability: str
+    given: Callable[[Any, Any], bool] | None = None  # (value, default) -> the flag asks for something; default: value != default
+    unless: Callable[[Config], bool] | None = None  # the flag is honoured another way in this config (e.g. by Ray)
+
+
+def _on(v, default) -> bool:  # a tri-state flag (None = auto) asks for the feature only when forced on
+    return v is True
+
+
+NEEDS: dict[str, Need] = {
+    # model / backend
+    "offload_train": Need("backend", "offload"),
+    "fsdp_cpu_offload": Need("backend", "cpu_offload_optimizer"),
+    "gradient_checkpointing": Need("backend", "gradient_checkpointing"),
+    "compile": Need("backend", "compile", given=_on),
+    "attn_implementation": Need("backend", "attn_implementation"),
+    "micro_batch_layout": Need("backend", "micro_batch_layout"),
+    "lora_rank": Need("backend", "lora"),
+    "lora_alpha": Need("backend", "lora"),
+    "lora_target_modules": Need("backend", "lora"),
+    "lora_dropout": Need("backend", "lora"),
+    "save_hf_adapter": Need("backend", "lora"),
+    # rollout engines
+    "rollout_batch_generate": Need("engine", "embedded_settings"),
+    "rollout_gpu_engine": Need("engine", "embedded_settings"),
+    "rollout_mem_fraction": Need("engine", "embedded_settings"),
+    "rollout_cuda_graph": Need("engine", "embedded_settings"),
+    "rollout_num_engines": Need("engine", "launch"),
+    "rollout_num_gpus": Need("engine", "launch"),
+    "rollout_num_gpus_per_engine": Need("engine", "launch"),
+    "rollout_engine_log_dir": Need("engine", "launch"),
+    # Ray waits on its placement group with this timeout whatever the engine
+    "rollout_engine_startup_timeout": Need("engine", "launch", unless=lambda c: c.ray.use_ray),
+    "rollout_health_check_interval": Need("engine", "servers"),
+    "api_key": Need("engine", "servers"),
+    "use_fault_tolerance": Need("engine", "fault_tolerance"),
+    "check_weight_update_equal": Need("engine", "weight_read_back"),
+    "use_sglang_router": Need("engine", "router"),
+    "sglang_router_policy": Need("engine", "router"),
+    "sglang_args": Need("engine", "sglang_args"),
+}
+# every field of --train-backend megatron's own section
+NEEDS.update({f.name: Need("backend", "megatron_parallelism") for f in dataclasses.fields(Config().megatron)})
+
+# sections read by one command or one placement, each validated where it is read: `server` by `polyrl serve` (its
+# parser takes only those), `ray` by config._validate_ray (its flags without --use-ray are refused there), `debug` by
+# config._validate_debug.
+SELF_CHECKED_SECTIONS = ("server", "ray", "debug")
+
+# fields every backend and engine kind honours (the loop, the data, rewards, algorithms, optimizer, logging, checkpoints)
+UNIVERSAL_SECTIONS = ("data", "algorithm", "reward", "optimizer", "checkpoint", "log")
+UNIVERSAL_FIELDS = {
+    "cluster": {"train_backend", "seed", "device", "dist_backend"},
+    "rollout": {"rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+                "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids", "rollout_seed", "num_rollout",
+                "eval_temperature", "rollout_engine", "async_training", "max_staleness", "dynamic_sampling_filter_path",
+                "over_sampling_batch_size", "max_dynamic_sampling_draws", "custom_generate_function_path",
+                "custom_generate_concurrency", "max_turns", "rollout_max_context_len"},
+    "engines": {"rollout_external", "rollout_external_engine_addrs", "weight_sync", "rollout_request_timeout"},
+    "batch": {"global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "num_epoch"},
+    "model": {"hf_checkpoint", "ref_load", "opd_teacher_load", "critic_load", "fp16", "bf16", "fp32",
+              "update_weight_buffer_size", "logprob_chunk_size", "use_routing_replay", "use_rollout_routing_replay",
+              "return_routed_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type"},
+}
+
+ENGINE_COMMANDS = ("train", "eval")  # the commands that build a rollout engine
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _kind_flags(cfg: Config, who: str) -> tuple[str, frozenset[str], str]:
+    if who == "backend":
+        name = cfg.cluster.train_backend
+        return name, BACKEND_CAPABILITIES[name], f"--train-backend {name}"
+    kind = engine_kind(cfg)
+    shown = {"external": "--rollout-external", "none": "--debug-train-only (no engine)"}.get(kind, f"--rollout-engine {kind}")
+    return kind, ENGINE_CAPABILITIES[kind], shown
+
+
+def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
+    """Raise ConfigError for the first flag that `cfg` sets and the chosen backend or engine kind would ignore."""
+    for sname in ("cluster", "rollout", "engines", "batch", "model", "checkpoint", "megatron"):
+        sec = getattr(cfg, sname)
+        for f in dataclasses.fields(sec):
+            need = NEEDS.get(f.name)
+            if need is None or (need.who == "engine" and command not in ENGINE_COMMANDS):
+                continue
+            value, default = getattr(sec, f.name), _default(f)
+            asked = need.given(value, default) if need.given else value != default
+            if not asked or (need.unless is not None and need.unless(cfg)):
+                continue
+            kind, caps, shown = _kind_flags(cfg, need.who)
+            if need.capability not in caps:
+                who = [k for k, c in (BACKEND_CAPABILITIES if need.who == "backend" else ENGINE_CAPABILITIES).items()
+                       if need.capability in c]
+                raise ConfigError(f"{_flag(f)} is not honoured by {shown} (it applies to: {', '.join(who)}); drop it"
+                                  f"{_HINTS.get((f.name, kind), '')}")
+    e = cfg.engines
+    if command in ENGINE_COMMANDS and e.sglang_router_policy != "cache_aware" and not e.use_sglang_router:
+        raise ConfigError(f"--sglang-router-policy {e.sglang_router_policy} configures the sglang-router: add "
+                          "--use-sglang-router, or drop it (without the router polyrl spreads requests itself)")
+
+
+_HINTS = {
+    ("offload_train", "megatron"): " (the Megatron backend keeps its state on the GPU between steps)",
+    ("fsdp_cpu_offload", "megatron"): " (it is FSDP2's CPUOffloadPolicy)",
+    ("gradient_checkpointing", "megatron"): "; Megatron's activation recompute is --recompute-granularity full|selective",
+    ("compile", "megatron"): " (the Megatron backend does not torch.compile)",
+    ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
+    ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
+    ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
+    ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
+}

@@ -1,0 +1,116 @@
+"""Ranks, reductions, ports and the process group: the one copy every part uses."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host` ("" = every interface); the caller binds it soon after."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def init_distributed(device: str, backend: str = "auto") -> None:
+    """Join the process group torchrun set up, or make a one-rank group for a plain launch
+    (FSDP2 and DCP always run inside a process group, even alone)."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl":  # small CPU-side reductions (metrics, counts) ride on gloo beside NCCL
+        backend = "cpu:gloo,cuda:nccl"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+@dataclass
+class Dist:
+    """This rank's place in the job and the reductions the step parts run over it."""
+
+    rank: int
+    world: int
+    group: Any = None  # the process group of the reductions (None: the default group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share (groups of one prompt stay on one rank)."""
+        if len(items) % self.world:
+            raise ValueError(f"{len(items)} items do not split evenly over {self.world} ranks; make --rollout-batch-size "
+                             f"(and --global-batch-size for sft) a multiple of the number of ranks")
+        per = len(items) // self.world
+        return items[self.rank * per:(self.rank + 1) * per]
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def own_group(self) -> "Dist":
+        """The same ranks on a gloo group of their own: for reductions on a thread other than the one that runs the
+        default group's collectives (their order must be the same on every rank)."""
+        return Dist(self.rank, self.world, group=dist.new_group(backend="gloo")) if self.world > 1 else self
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
+
+
+def resolve_device(device: str) -> str:
+    """--device: auto means CUDA when one is visible."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(device: str, backend: str, seed: int) -> tuple[str, Dist]:
+    """The process group, seeds and CPU threads of a command; returns (device, this rank's Dist)."""
+    device = resolve_device(device)
+    init_distributed(device, backend)
+    seed_everything(seed)
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    return device, Dist(dist.get_rank(), dist.get_world_size())

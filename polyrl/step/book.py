@@ -1,0 +1,77 @@
+"""The book: a step's metrics, the held-out eval, the log line and the checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+from polyrl.checkpoint import save_checkpoint
+from polyrl.config import Config
+from polyrl.dist import Dist
+from polyrl.metrics import MetricsLogger, Timer
+from polyrl.rollout.base import RolloutEngine
+from polyrl.step.cursor import PromptCursor
+from polyrl.types import Sample
+
+
+class Book:
+    def __init__(self, cfg: Config, d: Dist, logger: MetricsLogger, cursor: PromptCursor, engine: RolloutEngine,
+                 evaluate: Callable[[], dict] | None, save: Callable[[int, dict], None] | None, device: str):
+        """evaluate: the held-out eval (None without --eval-prompt-data and --eval-interval); save(step, loop_state):
+        a checkpoint (None without --save)."""
+        self.cfg, self.d, self.logger, self.cursor, self.engine = cfg, d, logger, cursor, engine
+        self.evaluate, self.save, self.device = evaluate, save, device
+        self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
+
+    def start(self, step: int) -> None:
+        """Before the first step of a run from scratch: the eval curve starts from the initial policy."""
+        if self.evaluate is not None and step == 0:
+            self.logger.log(0, self.evaluate())
+        self._t_step = time.perf_counter()
+
+    def profiled(self, step: int):
+        """A context for step `step` (0-based): torch.profiler around it when --profile-step names it."""
+        if self.cfg.log.profile_step != step + 1:
+            return contextlib.nullcontext()
+        from polyrl.metrics import step_profiler
+        return step_profiler(self.cfg.log.run_dir, step + 1, self.device, enabled=self.d.is_main)
+
+    def finish(self, step: int, samples: list[Sample], m: dict, timer: Timer, rollout_s: float | None = None) -> None:
+        """Step metrics, eval, log, checkpoint; `step` is 0-based, the policy is now at version step + 1.
+        rollout_s: the generation time of these samples (default: the timer's rollout phase)."""
+        cfg, d = self.cfg, self.d
+        if rollout_s is None:
+            rollout_s = timer.times.get("rollout", 0.0)
+        data_state = self.cursor.position_before(step + 1)  # where a resume draws the next step's prompts
+        n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
+                                        sum(s.finish_reason == "length" for s in samples)])
+        m.update(self.engine.stats())
+        m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.cursor.num_dropped,
+                  "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9)})
+        last = step + 1 == cfg.rollout.num_rollout
+        if self.evaluate is not None and ((step + 1) % cfg.log.eval_interval == 0 or last):
+            with timer("eval"):
+                m.update(self.evaluate())
+        now = time.perf_counter()
+        m.update({f"time/{k}": v for k, v in timer.times.items()})
+        m["time/step"], self._t_step = now - self._t_step, now
+        # what no phase accounts for (metrics reduction, logging, Python between phases, the previous step's save)
+        m["time/other"] = m["time/step"] - sum(timer.times.values())
+        self.logger.log(step + 1, m)
+        ck = cfg.checkpoint
+        if self.save is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
+            self.save(step + 1, data_state)
+
+
+def checkpoint_saver(cfg: Config, backend, critic=None) -> Callable[[int, dict], None] | None:
+    """save(step, data position) for --save: the backend (and critic), the loop state and the config."""
+    ck = cfg.checkpoint
+    if not ck.save:
+        return None
+
+    def save(step: int, data_state: dict) -> None:
+        save_checkpoint(ck.save, step, backend, {"step": step, "data": data_state, "config": dataclasses.asdict(cfg)},
+                        keep=ck.max_ckpt_to_keep, critic=critic)
+    return save
