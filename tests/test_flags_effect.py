@@ -1,0 +1,153 @@
+"""Rollout and algorithm flags checked for their effect through `polyrl train` on CPU (tiny model, in process):
+--rollout-stop and --rollout-stop-token-ids (each response ends at the first stop), --rollout-seed (same seed same
+samples, another seed other samples), --disable-grpo-std-normalization (the advantages the loss saw) and
+--update-weight-buffer-size (the buckets each weight push is cut into). The samples of a step are read back from
+--save-debug-rollout-data; sampling draws each token from (seed, position) per response, so a response does not
+depend on when the others in its batch stopped."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+
+from polyrl.cli import main
+
+REWARD = '''
+def digits(sample):
+    """partial credit so advantages are non-zero on an untrained model"""
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+
+
+@pytest.fixture
+def base(tiny_model, arith_data, tmp_path):
+    rm = tmp_path / "rm.py"
+    rm.write_text(REWARD)
+    return ["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:digits",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
+            "--device", "cpu", "--quiet", "--seed", "3"]
+
+
+def rollout(base: list[str], tmp_path, name: str, *extra: str, steps: int = 1, train: bool = False) -> list[list[dict]]:
+    """Each step's samples (as dicts) of a run; generation and scoring only unless `train`."""
+    saved = str(tmp_path / name / "rollouts" / "{rollout_id}.jsonl")
+    argv = [*base, "--num-rollout", str(steps), "--run-dir", str(tmp_path / name), "--save-debug-rollout-data", saved,
+            *extra, *([] if train else ["--debug-rollout-only"])]
+    assert main(argv) == 0
+    return [[json.loads(line) for line in open(saved.format(rollout_id=k))][1:] for k in range(steps)]
+
+
+def tokens(step: list[dict]) -> list[list[int]]:
+    return [s["response_ids"] for s in step]
+
+
+def test_rollout_stop_strings_and_token_ids_end_each_response_at_the_first_stop(base, tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    (free,) = rollout(base, tmp_path, "free")
+    # the token that most responses carry before their last position: the stop to test with
+    counts = collections.Counter(t for ids in tokens(free) for t in set(ids[:-1]))
+    stop_id, n = counts.most_common(1)[0]
+    stop_text = tok.decode([stop_id])
+    assert n >= 4 and stop_text.strip(), (stop_id, stop_text, n)  # the stop cuts several responses
+
+    def cut(ids: list[int], hit) -> tuple[list[int], str | None]:
+        for i in range(len(ids)):
+            if hit(ids, i):
+                return ids[:i + 1], "stop"  # the stop itself is kept, as SGLang does
+        return ids, None
+
+    by_id = cut_runs = 0
+    (got,) = rollout(base, tmp_path, "stop_ids", "--rollout-stop-token-ids", str(stop_id))
+    for a, b in zip(free, got):
+        want, reason = cut(a["response_ids"], lambda ids, i: ids[i] == stop_id)
+        assert b["response_ids"] == want, (a["response_ids"], b["response_ids"])
+        assert b["finish_reason"] == (reason or a["finish_reason"])
+        by_id += reason is not None
+    # a stop string is matched in the decoded text (the tail of the response), wherever the tokens split it
+    (got,) = rollout(base, tmp_path, "stop_text", "--rollout-stop", stop_text)
+    for a, b in zip(free, got):
+        want, reason = cut(a["response_ids"], lambda ids, i: stop_text in tok.decode(ids[max(0, i - 15):i + 1],
+                                                                                      skip_special_tokens=True))
+        assert b["response_ids"] == want and b["response"].endswith(stop_text) == (reason is not None), b
+        cut_runs += reason is not None
+    assert by_id >= 4 and cut_runs >= 4
+
+
+def test_rollout_seed_same_seed_same_samples_other_seed_other_samples(base, tmp_path):
+    (a,) = rollout(base, tmp_path, "a", "--rollout-seed", "7")
+    (b,) = rollout(base, tmp_path, "b", "--rollout-seed", "7")
+    (c,) = rollout(base, tmp_path, "c", "--rollout-seed", "8")
+    assert tokens(a) == tokens(b)
+    assert [s["rollout_logprobs"] for s in a] == [s["rollout_logprobs"] for s in b]
+    assert [s["prompt_ids"] for s in a] == [s["prompt_ids"] for s in c]  # --seed draws the prompts, not --rollout-seed
+    # 16 responses of 12 tokens sampled at temperature 1 from a near-uniform model: another seed changes nearly all
+    assert sum(x != y for x, y in zip(tokens(a), tokens(c))) >= 12
+
+
+def _token_mean_adv(samples: list[dict], normalize_std: bool) -> float:
+    """Token mean of GRPO's per-sequence advantages (groups of 4): (r - mean) / (unbiased std + 1e-6), or r - mean."""
+    total = 0.0
+    for g in range(0, len(samples), 4):
+        group = samples[g:g + 4]
+        r = [s["reward"] for s in group]
+        mean = sum(r) / 4
+        std = (sum((x - mean) ** 2 for x in r) / 3) ** 0.5
+        total += sum(((x - mean) / (std + 1e-6) if normalize_std else x - mean) * len(s["response_ids"])
+                     for x, s in zip(r, group))
+    return total / sum(len(s["response_ids"]) for s in samples)
+
+
+def test_disable_grpo_std_normalization_reaches_the_advantages(base, tmp_path):
+    """On a step's single optimizer step the ratio is exactly 1, so pg_loss = -(token mean of the advantages): with the
+    flag the group's std no longer divides them (fp32 sums of 16 terms: 1e-5)."""
+    for flag, normalize in (([], True), (["--disable-grpo-std-normalization"], False)):
+        name = "off" if flag else "on"
+        (samples,) = rollout(base, tmp_path, name, "--lr", "1e-3", *flag, train=True)
+        row = json.loads(open(tmp_path / name / "metrics.jsonl").readline())
+        assert len({s["reward"] for s in samples}) > 1
+        other = -_token_mean_adv(samples, not normalize)
+        assert row["pg_loss"] == pytest.approx(-_token_mean_adv(samples, normalize), abs=1e-5)
+        assert abs(row["pg_loss"] - other) > 1e-3, (row["pg_loss"], other)  # the two settings are told apart
+
+
+@pytest.mark.slow
+def test_update_weight_buffer_size_sets_the_buckets_of_each_push(base, tmp_path, monkeypatch, tiny_model):
+    """Through an engine server (the distributed transport cuts the HF-named stream into buckets): every push sends the
+    whole model in buckets of at most the size, a tensor larger than it alone."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import polyrl.weight_sync.distributed as wsd
+    seen: list[tuple[int, list[int]]] = []  # per push: (bucket bytes, bytes in each bucket)
+    real = wsd.buckets
+
+    def recording(stream, bucket_bytes):
+        sizes: list[int] = []
+        seen.append((bucket_bytes, sizes))
+        for bucket in real(stream, bucket_bytes):
+            sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+            yield bucket
+
+    monkeypatch.setattr(wsd, "buckets", recording)
+    weights = {}
+    for f in os.listdir(tiny_model):
+        if f.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(tiny_model, f)))
+    weights.pop("lm_head.weight", None)  # tied to the embedding: sent once, under the embedding's name
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    largest = max(t.numel() * t.element_size() for t in weights.values())
+    pushes = {}
+    for size in (1 << 30, largest, 1):
+        seen.clear()
+        rollout(base, tmp_path, f"b{size}", "--update-weight-buffer-size", str(size), "--rollout-engine", "server",
+                train=True)
+        assert seen and all(b == size and sum(s) == total for b, s in seen), (size, seen)  # every push, whole model
+        pushes[size] = seen[-1][1]
+    assert len(pushes[1 << 30]) == 1  # the whole tiny model in one bucket
+    assert len(pushes[1]) == len(weights)  # one tensor per bucket
+    # buckets of the largest tensor's size: several tensors share one, none holds more than that size
+    assert 1 < len(pushes[largest]) < len(weights) and max(pushes[largest]) <= largest
