@@ -57,6 +57,7 @@ NEEDS: dict[str, Need] = {
     "rollout_engine_startup_timeout": Need("engine", "launch", unless=lambda c: c.ray.use_ray),
     "rollout_health_check_interval": Need("engine", "servers"),
     "api_key": Need("engine", "servers"),
+    "api_key_file": Need("engine", "servers"),
     "use_fault_tolerance": Need("engine", "fault_tolerance"),
     "check_weight_update_equal": Need("engine", "weight_read_back"),
     "use_sglang_router": Need("engine", "router"),

@@ -19,7 +19,7 @@ import torch
 
 from polyrl.config import Config
 from polyrl.rollout.embedded import EmbeddedEngine
-from polyrl.rollout.http_engine import EngineDeadError, HTTPEngine, plan_gpus
+from polyrl.rollout.http_engine import EngineDeadError, HTTPEngine
 from polyrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -232,13 +232,6 @@ def test_no_orphan_servers_when_the_trainer_is_killed(tmp_path, arith_data):
         trainer.kill()
         for pid in _servers_of(model):
             os.kill(pid, signal.SIGKILL)
-
-
-def test_plan_gpus_disaggregates_when_there_is_room():
-    assert plan_gpus(1, 1, trainer_gpus=1, visible=2) == ([[1]], False)
-    assert plan_gpus(2, 2, trainer_gpus=4, visible=8) == ([[4, 5], [6, 7]], False)
-    assert plan_gpus(2, 1, trainer_gpus=1, visible=1) == ([[0], [0]], True)
-    assert plan_gpus(4, 1, trainer_gpus=2, visible=3) == ([[0], [1], [0], [1]], True)
 
 
 RECORDER = '''
