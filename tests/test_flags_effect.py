@@ -151,3 +151,42 @@ def test_update_weight_buffer_size_sets_the_buckets_of_each_push(base, tmp_path,
     assert len(pushes[1]) == len(weights)  # one tensor per bucket
     # buckets of the largest tensor's size: several tensors share one, none holds more than that size
     assert 1 < len(pushes[largest]) < len(weights) and max(pushes[largest]) <= largest
+
+
+BOUNDED = '''
+import asyncio, os
+state = {"in_flight": 0, "max": 0}
+async def generate(record, sp, engine, tok):
+    state["in_flight"] += 1
+    state["max"] = max(state["max"], state["in_flight"])
+    # hold each call until the bound is reached (at most ~2 s: the step's last calls may be fewer), so an unbounded
+    # caller, which starts all 16 calls at once, shows more in flight than the bound
+    for _ in range(200):
+        if state["in_flight"] >= int(os.environ["POLYRL_TEST_BOUND"]):
+            break
+        await asyncio.sleep(0.01)
+    (s,) = await engine.generate(record.prompt_ids, sp)
+    state["in_flight"] -= 1
+    with open(os.environ["POLYRL_TEST_MAX"], "w") as f:
+        f.write(str(state["max"]))
+    return s
+'''
+
+
+def test_custom_generate_concurrency_bounds_the_calls_in_flight(base, tmp_path, monkeypatch):
+    fn = tmp_path / "bounded.py"
+    fn.write_text(BOUNDED)
+    monkeypatch.setenv("POLYRL_TEST_BOUND", "3")
+    monkeypatch.setenv("POLYRL_TEST_MAX", str(tmp_path / "max.txt"))
+    (samples,) = rollout(base, tmp_path, "bounded", "--custom-generate-function-path", f"{fn}:generate",
+                         "--custom-generate-concurrency", "3")
+    assert len(samples) == 16 and (tmp_path / "max.txt").read_text() == "3"
+
+
+@pytest.mark.slow
+def test_rollout_engine_log_dir_receives_the_engine_servers_logs(base, tmp_path):
+    logs = tmp_path / "engine_logs"
+    rollout(base, tmp_path, "logged", "--rollout-engine", "server", "--rollout-engine-log-dir", str(logs))
+    written = [p for p in logs.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert written, f"nothing written under {logs}"
+    assert not (tmp_path / "logged" / "engines").exists()  # the default place, RUN_DIR/engines, is not used
