@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from polyrl import loop
 from polyrl.cli import main
 from polyrl.rewards import merge_reward_metrics
 from polyrl.rewards.filters import nonzero_std
 from polyrl.rollout.dynamic_sampling import GroupFilter
+from polyrl.step.learner import Learner
 from polyrl.types import Sample
 
 # groups of even-labelled prompts all get 1.0 (zero std: nonzero_std drops them), the others 0, 1, 0, 1
@@ -71,13 +71,13 @@ def args(tiny_model, arith_data, tmp_path, monkeypatch):
 
 
 def trained_steps(monkeypatch) -> list[list[Sample]]:
-    """The samples each step trains on, recorded from Run.learn."""
-    seen, learn = [], loop.Run.learn
+    """The samples each step trains on, recorded from the learner."""
+    seen, update = [], Learner.update
 
     def record(self, samples, *a, **k):
         seen.append(list(samples))
-        return learn(self, samples, *a, **k)
-    monkeypatch.setattr(loop.Run, "learn", record)
+        return update(self, samples, *a, **k)
+    monkeypatch.setattr(Learner, "update", record)
     return seen
 
 

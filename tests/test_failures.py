@@ -260,7 +260,7 @@ def test_serve_on_a_port_in_use_names_port_and_flag_before_loading(tiny_model, c
 
     def never(*a, **kw):
         raise AssertionError("the model was loaded although the port is taken")
-    monkeypatch.setattr(embedded.EmbeddedEngine, "from_config", classmethod(never))
+    monkeypatch.setattr(embedded, "engine_from_config", never)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -299,7 +299,7 @@ def test_the_api_key_is_in_no_file_of_the_run_dir_or_the_checkpoint(tiny_model, 
     secret = "sk-polyrl-test-4f1d9c"
     run, ck = tmp_path / "run", tmp_path / "ck"
     assert main(_base(tiny_model, arith_data["train"], run, "--rm-type", "arithmetic", "--num-rollout", "1",
-                      "--save", str(ck), "--api-key", secret)) == 0
+                      "--save", str(ck), "--rollout-engine", "server", "--api-key", secret)) == 0
     files = [os.path.join(d, f) for root in (run, ck) for d, _, fs in os.walk(root) for f in fs]
     assert any(f.endswith("loop_state.json") for f in files) and any(f.endswith("metrics.jsonl") for f in files)
     for f in files:
