@@ -22,8 +22,8 @@ import re
 import shutil
 
 import torch
-import torch.distributed as dist
 
+from polyrl.dist import barrier, is_main, rank as trainer_rank
 from polyrl.metrics import notice, redact_secrets, set_phase
 
 MARKER = "COMPLETE"
@@ -44,15 +44,6 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None, critic=None) -> str:
     """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps.
     critic: a second backend (PPO's critic), saved the same way under step_N/critic/."""
@@ -60,17 +51,17 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
     tmp = final + ".tmp"
     set_phase(f"the checkpoint save of step {step}")
     loop_state = redact_secrets(loop_state)
-    if _rank0():
+    if is_main():
         _clear_leftovers(root)
         os.makedirs(tmp)
         if critic is not None:
             os.makedirs(os.path.join(tmp, CRITIC_DIR))
-    _barrier()
+    barrier()
     backend.save(tmp)
     if critic is not None:
         critic.save(os.path.join(tmp, CRITIC_DIR))
-    _barrier()
-    if _rank0():
+    barrier()
+    if is_main():
         _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
         _atomic_write(os.path.join(tmp, MARKER), str(step))
         if os.path.exists(final):
@@ -80,7 +71,7 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
         if keep is not None:
             for old in complete_steps(root)[:-keep]:
                 _delete_step(os.path.join(root, f"step_{old:06d}"))
-    _barrier()
+    barrier()
     set_phase(None)
     return final
 
@@ -150,7 +141,7 @@ def has_critic(path: str) -> bool:
 def load_extras(path: str, rank: int | None = None) -> dict:
     """A backend's extra_rank{rank}.pt under `path` (rank 0's when a resume runs on more ranks than saved): tensors and
     plain values only (weights_only=True: a pickle that would run code is refused), errors naming the file."""
-    rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+    rank = trainer_rank() if rank is None else rank
     f = os.path.join(path, f"extra_rank{rank}.pt")
     if not os.path.exists(f):
         f = os.path.join(path, "extra_rank0.pt")

@@ -109,6 +109,9 @@ class InProcessEngine:
     """What an engine in the trainer's process has nothing to say about."""
 
     concurrent_update = False  # one model in this process: a weight update must wait for the running generate
+    max_len: int | None = None  # the GPU path's position limit; None: the model config's max_position_embeddings
+    asleep = False  # the GPU path after sleep(): weights released until wake()
+    reports_routed_experts = False  # MoE engines that record routes override this
     # True when the trainer runs in this process (polyrl.assemble.build_engine): sleep() then leaves what it frees in PyTorch's
     # caching allocator, where the train phase's allocations find it, instead of handing it back to the CUDA driver.
     # Emptying the cache also dropped the trainer's cached blocks, so every train phase paid a few hundred cudaMallocs

@@ -73,14 +73,14 @@ class EngineHandle:
 
     def __init__(self, engine, threads: int):
         self._engine = engine
-        self._lock = None if getattr(engine, "concurrent_update", False) else asyncio.Lock()
+        self._lock = None if engine.concurrent_update else asyncio.Lock()
         # engine calls block: they run on threads of our own, which a timed-out step leaves behind instead of
         # waiting for them as asyncio.run does for its default executor
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="polyrl-custom-generate")
 
     @property
     def version(self) -> int | None:
-        return getattr(self._engine, "version", None)
+        return self._engine.version
 
     async def generate(self, token_ids: list[int], params: SamplingParams) -> list[Sample]:
         """params.n samples continuing `token_ids`, each with response_ids, rollout_logprobs, finish_reason."""

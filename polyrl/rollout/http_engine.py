@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.config import Config
-from polyrl.dist import free_port
+from polyrl.dist import free_port, rank as trainer_rank
 from polyrl.placement import num_engines, plan_here
 from polyrl.rollout.base import wake_tags
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
@@ -252,7 +252,7 @@ class HTTPEngine:
         self.split_samples = self.kind != "server"
         self.api_key = engines_api_key(cfg, launched=not e.rollout_external)
         self.http = HTTPClient(self.api_key)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = trainer_rank()
         self.version = 0
         self.membership = 0  # changes when a server is restarted: the weight transport rebuilds its group
         self.shares_devices = False

@@ -221,7 +221,7 @@ class EngineServer:
         self.hf_config = hf = AutoConfig.from_pretrained(model_path)
         self.vocab_size = hf.vocab_size
         # the context: the GPU path's positions, else the model's; max_new_tokens is cut to what a prompt leaves of it
-        self.max_len = getattr(engine, "max_len", None) or getattr(hf.get_text_config(), "max_position_embeddings", None)
+        self.max_len = engine.max_len or getattr(hf.get_text_config(), "max_position_embeddings", None)
         self.cancellable = isinstance(engine, EmbeddedEngine)  # the transformers path stops a row between decode steps
         self.allowed_dirs = [os.path.realpath(d) for d in cfg.allowed_weight_dirs]
         self.weight_shapes = engine.weight_shapes()
@@ -231,7 +231,7 @@ class EngineServer:
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._engine = Worker("polyrl-engine")
         self._comm = Worker("polyrl-weight-sync")  # rendezvous and receives wait here, not on the engine
-        self.receiver = WeightReceiver(getattr(engine, "device", torch.device("cpu")))
+        self.receiver = WeightReceiver(engine.device)
         self._pending: list[Item] = []
         self._running: list[Item] = []
         self._inflight = 0  # samples (prompts x n) of /generate requests queued or running
@@ -351,7 +351,7 @@ class EngineServer:
         lps = lp if isinstance(lp, list) else [lp] * B
         text_lp = _field(body, "return_text_in_logprobs", lambda v: isinstance(v, bool), "a bool", False)
         routed = _field(body, "return_routed_experts", lambda v: isinstance(v, bool), "a bool", False)
-        if routed and not getattr(self.engine, "reports_routed_experts", False):
+        if routed and not self.engine.reports_routed_experts:
             raise bad("'return_routed_experts': the served model has no MoE router")
         if body.get("routed_experts_start_len") not in (None, 0):
             raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")
@@ -609,7 +609,7 @@ class EngineServer:
         c = self.cfg
         return self._json({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "host": c.host, "port": self.port,
-            "device": self.device, "dtype": dtype_name(getattr(self.engine, "dtype", torch.float32)),
+            "device": self.device, "dtype": dtype_name(self.engine.dtype),
             "tp_size": 1, "dp_size": 1, "max_running_requests": c.max_running_requests, "weight_version": self.weight_version,
             "api_key_set": bool(c.api_key), "batch_wait_ms": c.batch_wait_ms, "max_request_bytes": c.max_request_bytes,
             "internal_states": [{"queued": len(self._pending), "running": len(self._running), "paused": self._paused,
@@ -664,7 +664,7 @@ class EngineServer:
     async def resume_memory(self, request):
         tags = self._tags(await self._body(request))
         await self._engine.run(self.engine.wake, tags)
-        self._asleep = bool(getattr(self.engine, "asleep", False))  # weights alone: updates land, generation waits
+        self._asleep = self.engine.asleep  # weights alone: updates land, generation waits
         self._work.set()
         return self._json(None)
 
