@@ -190,3 +190,18 @@ def test_rollout_engine_log_dir_receives_the_engine_servers_logs(base, tmp_path)
     written = [p for p in logs.rglob("*") if p.is_file() and p.stat().st_size > 0]
     assert written, f"nothing written under {logs}"
     assert not (tmp_path / "logged" / "engines").exists()  # the default place, RUN_DIR/engines, is not used
+
+
+@pytest.mark.slow
+def test_weight_sync_disk_delivers_every_step_to_the_engine_server(base, tmp_path):
+    """--weight-sync disk over three steps with read-back (--check-weight-update-equal): each step's samples come from
+    the weights pushed after the step before (the version the server reports), and the server's log-probs of them equal
+    the trainer's (fp32 CPU on both sides: 1e-4, as for the in-process engine). lr 1e-2 moves the policy each step by
+    far more than that, so weights that stayed behind would show."""
+    steps = rollout(base, tmp_path, "disk", "--rollout-engine", "server", "--weight-sync", "disk",
+                    "--check-weight-update-equal", "--lr", "1e-2", steps=3, train=True)
+    assert [sorted({s["weight_version"] for s in step}) for step in steps] == [[0], [1], [2]]
+    rows = [json.loads(line) for line in open(tmp_path / "disk" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), [r["train_rollout_logprob_abs_diff"] for r in rows]
+    assert rows[-1]["loss"] != rows[0]["loss"]
