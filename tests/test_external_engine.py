@@ -1,0 +1,42 @@
+"""--rollout-external: a long-lived server that another run updated still samples the first rollout of a new run from
+that run's trainer weights (the trainer pushes them before the first rollout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from serve_procs import serving  # noqa: E402
+
+from polyrl.cli import main  # noqa: E402
+
+
+REWARD = '''
+def digits(sample):
+    """partial credit: non-zero advantages on an untrained model, so the first run's weights really move"""
+    return sum(c.isdigit() for c in sample.response) / 4.0
+'''
+
+
+def test_two_runs_against_one_server_each_sample_from_their_own_trainer(tiny_model, arith_data, tmp_path):
+    rm = tmp_path / "rm.py"
+    rm.write_text(REWARD)
+    with serving(tiny_model, tmp_path, 1) as (srv,):
+        def run(name: str, steps: int) -> list[dict]:
+            run_dir = tmp_path / name
+            assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:digits",
+                         "--rollout-external", "--rollout-external-engine-addrs", srv.url, "--rollout-batch-size", "2",
+                         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--lr", "1e-2",
+                         "--num-rollout", str(steps), "--seed", "3", "--quiet", "--device", "cpu",
+                         "--run-dir", str(run_dir)]) == 0
+            return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+        first = run("first", 2)  # leaves the server at the first run's step-2 weights (lr 1e-2 moves them)
+        second = run("second", 1)
+    assert first[0]["grad_norm"] > 0 and first[1]["grad_norm"] > 0
+    # FP32 on CPU: the server's and the trainer's log-probs of the same weights agree to rounding (the embedded engine's
+    # bound in tests/test_loop.py); the first run's trained weights would differ by far more than that
+    for rows in (first, second):
+        assert rows[0]["train_rollout_logprob_abs_diff_max"] < 1e-4, rows[0]
