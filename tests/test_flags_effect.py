@@ -205,3 +205,23 @@ def test_weight_sync_disk_delivers_every_step_to_the_engine_server(base, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), [r["train_rollout_logprob_abs_diff"] for r in rows]
     assert rows[-1]["loss"] != rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_sglang_router_policy_reaches_the_router(base, tmp_path, monkeypatch):
+    """--sglang-router-policy is the router's --policy (--help: "sglang-router --policy"): the router process is started
+    with it, and the step's samples come back through it."""
+    import polyrl.rollout.router as router
+    started: list[list[str]] = []
+    real = router.spawn
+
+    def recording(cmd, **kw):
+        started.append(list(cmd))
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(router, "spawn", recording)
+    (samples,) = rollout(base, tmp_path, "routed", "--rollout-engine", "server", "--rollout-num-engines", "2",
+                         "--use-sglang-router", "--sglang-router-policy", "round_robin")
+    cmds = [c for c in started if "polyrl.rollout.router" in c]
+    assert len(cmds) == 1 and cmds[0][cmds[0].index("--policy") + 1] == "round_robin", started
+    assert len(samples) == 16
