@@ -1,9 +1,11 @@
-"""Rollout and algorithm flags checked for their effect through `polyrl train` on CPU (tiny model, in process):
+"""Rollout, algorithm and engine flags checked for their effect through `polyrl train` on CPU (tiny model, in process):
 --rollout-stop and --rollout-stop-token-ids (each response ends at the first stop), --rollout-seed (same seed same
-samples, another seed other samples), --disable-grpo-std-normalization (the advantages the loss saw) and
---update-weight-buffer-size (the buckets each weight push is cut into). The samples of a step are read back from
---save-debug-rollout-data; sampling draws each token from (seed, position) per response, so a response does not
-depend on when the others in its batch stopped."""
+samples, another seed other samples), --disable-grpo-std-normalization (the advantages the loss saw),
+--update-weight-buffer-size (the buckets each weight push is cut into), --custom-generate-concurrency (calls in
+flight), --rollout-engine-log-dir (where server logs go), --weight-sync disk (every step reaches the server) and
+--sglang-router-policy (the router's policy). The samples of a step are read back from --save-debug-rollout-data;
+sampling draws each token from (seed, position) per response, so a response does not depend on when the others in
+its batch stopped."""
 
 from __future__ import annotations
 
