@@ -764,10 +764,13 @@ def validate(cfg: Config, command: str = "train") -> None:
         _validate_turns(cfg)
     if command == "train":
         _validate_ray(cfg)
-    if c.device == "cuda":
+    if c.device == "cuda" or c.dist_backend == "nccl":
         import torch
-        if not torch.cuda.is_available():
+        if c.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+        if c.dist_backend == "nccl" and (c.device == "cpu" or not torch.cuda.is_available()):
+            raise ConfigError("--dist-backend nccl needs CUDA devices, and this run computes on the CPU: use "
+                              "--dist-backend gloo (or auto)")
     _validate_resources(cfg, command)
     _validate_outputs(cfg, command)
     from polyrl.capabilities import refuse_unhonoured  # imports the backend/engine tables, which import this module

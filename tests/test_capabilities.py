@@ -116,3 +116,10 @@ def test_the_cli_refuses_an_ignored_flag_at_start_up(tiny_model, arith_data, mon
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
                  "--check-weight-update-equal", "--device", "cpu"]) == 2
     assert "--check-weight-update-equal is not honoured by --rollout-engine embedded" in capsys.readouterr().err
+
+
+def test_nccl_on_a_cpu_run_is_a_flag_error(tiny_model, arith_data, capsys):
+    from polyrl.cli import main
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--device", "cpu", "--dist-backend", "nccl"]) == 2
+    assert "--dist-backend nccl needs CUDA devices" in capsys.readouterr().err

@@ -77,10 +77,10 @@ def test_lr_schedule_each_step_against_the_formula(tiny_model, warmup, style, mi
     kw = dict(lr=1e-2, warmup=warmup, style=style, min_lr=min_lr, decay_steps=decay_steps, total_steps=8)
     rec = Recorded(tiny_model, total_steps=8, lr=1e-2, lr_warmup_steps=warmup, lr_decay_style=style, min_lr=min_lr,
                    lr_decay_steps=decay_steps)
-    for _ in range(8):
-        rec.step()
+    logged = [rec.step()["lr"] for _ in range(8)]
     want = [expected_lr(k, **kw) for k in range(8)]
     assert rec.lrs == pytest.approx(want, rel=1e-12), (rec.lrs, want)
+    assert logged == rec.lrs  # the metric is the rate the step applied, not the next step's
     assert len(set(round(x, 12) for x in want)) > 2  # the schedule moves in each case (not a constant LR passing)
 
 

@@ -437,7 +437,8 @@ class FSDPBackend:
         if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
             self.skipped_steps += 1
             log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
-        else:
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler moves on after it)
+        if not skipped:
             self.optimizer.step()
             self.scheduler.step()  # a skipped step does not advance the schedule either
         self.optimizer.zero_grad(set_to_none=True)
@@ -452,7 +453,7 @@ class FSDPBackend:
                 dist.all_reduce(top, op=dist.ReduceOp.MAX)
                 vec[peak] = top
         out = {"loss": float(vec[0]), **{k: float(v) for k, v in zip(keys, vec[1:].tolist())}}
-        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_step=float(skipped))
+        out.update(grad_norm=grad_norm, lr=lr, skipped_step=float(skipped))
         if self.routing is not None:
             self.routing.end()
             world = dist.get_world_size()

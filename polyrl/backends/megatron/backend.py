@@ -420,7 +420,8 @@ class MegatronBackend:
         if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
             self.skipped_steps += 1
             log.warning("non-finite loss or grad norm (%s); optimizer step skipped", grad_norm)
-        else:
+        lr = self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step)  # the rate this step applies
+        if not skipped:
             self._set_lr()
             self.optimizer.step()
             self.sched_step += 1  # a skipped step does not advance the schedule either
@@ -428,8 +429,7 @@ class MegatronBackend:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = {"loss": loss_total, **total}
-        out.update(grad_norm=grad_norm, lr=self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step),
-                   skipped_step=float(skipped))
+        out.update(grad_norm=grad_norm, lr=lr, skipped_step=float(skipped))
         if self.routing is not None:
             from polyrl.backends.routing_replay import routes_nbytes
             out.update(self.routing.drain_metrics())
