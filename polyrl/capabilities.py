@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from polyrl.backends.base import BACKEND_CAPABILITIES
 from polyrl.config import Config, ConfigError, _flag
-from polyrl.placement import engine_kind
+from polyrl.placement import engine_kind, plan_here
 from polyrl.rollout.base import ENGINE_CAPABILITIES
 
 
@@ -102,6 +102,14 @@ def _kind_flags(cfg: Config, who: str) -> tuple[str, frozenset[str], str]:
     kind = engine_kind(cfg)
     shown = {"external": "--rollout-external", "none": "--debug-train-only (no engine)"}.get(kind, f"--rollout-engine {kind}")
     return kind, ENGINE_CAPABILITIES[kind], shown
+
+
+def check_setup(cfg: Config, command: str) -> None:
+    """After config.validate: no flag the chosen kinds would ignore, and a layout that can exist (the placement plan,
+    computed before any model is built)."""
+    refuse_unhonoured(cfg, command)
+    if command in ENGINE_COMMANDS:
+        plan_here(cfg)
 
 
 def refuse_unhonoured(cfg: Config, command: str = "train") -> None:

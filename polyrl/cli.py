@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
         validate(cfg, args.command)
+        from polyrl.capabilities import check_setup  # the backend and engine tables (they import torch)
+        check_setup(cfg, args.command)
         if args.command == "export-hf" and not (cfg.checkpoint.load and cfg.checkpoint.save_hf):
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
         check_run_dir(cfg, args.command)

@@ -10,8 +10,10 @@ import re
 
 import pytest
 
+from polyrl.capabilities import refuse_unhonoured
 from polyrl.cli import build_parser
 from polyrl.config import config_from_args, validate
+from polyrl.placement import plan
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 CONFIGS = sorted(glob.glob(os.path.join(EXAMPLES, "*", "config.yaml")))
@@ -38,5 +40,8 @@ def test_recipe_validates(path, tiny_model, arith_data, monkeypatch):
     if cfg.data.eval_prompt_data:
         cfg.data.eval_prompt_data = arith_data["eval"]
     validate(cfg, "train")
+    refuse_unhonoured(cfg, "train")  # no flag of a recipe is one its backend or engine would ignore
+    if cfg.cluster.device != "cuda":  # a GPU recipe's layout needs its GPUs: placement is checked on CPU recipes only
+        plan(cfg, visible_gpus=0, trainer_ranks=world)
     assert cfg.model.hf_checkpoint == tiny_model  # the flag overrides the file
     assert cfg.rollout.num_rollout > 1 and (cfg.reward.rm_type or cfg.reward.custom_rm_path)  # the file's settings arrived

@@ -1,5 +1,5 @@
 """The embedded engine's GPU path (paged KV cache, continuous batching, CUDA graphs).
-`polyrl.rollout.embedded.EmbeddedEngine` picks it on CUDA for supported architectures."""
+`polyrl.rollout.embedded.make_embedded_engine` picks it on CUDA for supported architectures."""
 
 from polyrl.rollout.gpu.engine import GPUEngine, unsupported_reason
 
