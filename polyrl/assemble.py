@@ -29,7 +29,7 @@ from polyrl.step.cursor import PromptCursor
 from polyrl.step.handoff import FrozenHandoff, Handoff
 from polyrl.step.learner import Learner, ScoringLearner, minibatches_per_step, needs_reference
 from polyrl.step.rollout import EngineRollout, Evaluator, FileRollout, Scorer
-from polyrl.weight_sync import InMemoryTransport, NoTransport, WeightTransport
+from polyrl.weight_sync import FP8Transport, InMemoryTransport, NoTransport, WeightTransport
 
 
 def build_backend(cfg: Config, device: str, *, total_steps: int, need_ref: bool, need_teacher: bool = False) -> TrainBackend:
@@ -66,7 +66,15 @@ def build_engine(cfg: Config, plan: Plan) -> RolloutEngine:
 
 
 def build_transport(cfg: Config, plan: Plan) -> WeightTransport:
-    """How the HF-named stream reaches the engine, as the plan says. Servers that share the trainer's GPUs take the
+    """How the HF-named stream reaches the engine, as the plan says; --rollout-quantization fp8 quantizes it on the way."""
+    t = _plain_transport(cfg, plan)
+    if cfg.rollout.rollout_quantization == "fp8" and plan.transport != "none":
+        return FP8Transport(t, in_process=plan.transport == "tensor")
+    return t
+
+
+def _plain_transport(cfg: Config, plan: Plan) -> WeightTransport:
+    """The transport the plan names. Servers that share the trainer's GPUs take the
     group over gloo: NCCL refuses two ranks on one GPU."""
     bucket, e = cfg.model.update_weight_buffer_size, cfg.engines
     if plan.transport == "none":
@@ -88,11 +96,14 @@ def load_tokenizer(cfg: Config):
 
 def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> PromptDataset:
     d, ctx = cfg.data, cfg.rollout.rollout_max_context_len
-    records = load_records(spec, d.input_key, d.label_key, d.metadata_key)
+    from polyrl.multimodal import VisionProcessor, parse_multimodal_keys
+    keys = parse_multimodal_keys(d.multimodal_keys)
+    records = load_records(spec, d.input_key, d.label_key, d.metadata_key, multimodal_keys=keys)
     # a prompt must leave room for one response token in the context budget (slime's rule too)
     max_prompt_len = min((x for x in (d.rollout_max_prompt_len, ctx - 1 if ctx else None) if x is not None), default=None)
-    return PromptDataset(records, tokenizer, max_prompt_len=max_prompt_len,
-                         apply_chat_template=d.apply_chat_template, shuffle=shuffle, seed=cfg.cluster.seed)
+    processor = VisionProcessor.from_pretrained(cfg.model.hf_checkpoint, tokenizer) if keys else None
+    return PromptDataset(records, tokenizer, max_prompt_len=max_prompt_len, apply_chat_template=d.apply_chat_template,
+                         shuffle=shuffle, seed=cfg.cluster.seed, processor=processor)
 
 
 def setup_command(cfg: Config) -> tuple[str, Dist]:
@@ -183,9 +194,11 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
         rollout = EngineRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
                                 saver=files if g.save_debug_rollout_data else None)
     learner = ScoringLearner(d) if g.debug_rollout_only else Learner(cfg, backend, d, critic)
-    # external servers may hold weights another run pushed: they get the trainer's before the first rollout
+    # external servers may hold weights another run pushed, and an engine that loaded the checkpoint holds it unquantized
+    # (--rollout-quantization): they get the trainer's weights before the first rollout
     handoff_cls = FrozenHandoff if (g.debug_rollout_only or g.train_only) else Handoff
-    handoff = handoff_cls(backend, engine, transport, engine_lock, push_at_start=plan.engine == "external")
+    handoff = handoff_cls(backend, engine, transport, engine_lock,
+                          push_at_start=plan.engine == "external" or r.rollout_quantization != "none")
     logger = logger_from_config(cfg, total_steps=r.num_rollout, enabled=d.is_main, title=title)
     evaluate = None
     if cfg.data.eval_prompt_data and cfg.log.eval_interval:

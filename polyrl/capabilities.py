@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from polyrl.backends.base import BACKEND_CAPABILITIES
+from polyrl.backends.true_on_policy import refuse_unsupported as refuse_for_true_on_policy
 from polyrl.config import Config, ConfigError, _flag
 from polyrl.placement import engine_kind, plan_here
 from polyrl.rollout.base import ENGINE_CAPABILITIES
@@ -44,11 +45,16 @@ NEEDS: dict[str, Need] = {
     "lora_target_modules": Need("backend", "lora"),
     "lora_dropout": Need("backend", "lora"),
     "save_hf_adapter": Need("backend", "lora"),
+    # the engine kind, the device and the settings it cannot keep exact: polyrl.backends.true_on_policy
+    "true_on_policy": Need("backend", "true_on_policy"),
+    "multimodal_keys": Need("backend", "images"),
+    "freeze_vision_tower": Need("backend", "images"),
     # rollout engines
     "rollout_batch_generate": Need("engine", "embedded_settings"),
     "rollout_gpu_engine": Need("engine", "embedded_settings"),
     "rollout_mem_fraction": Need("engine", "embedded_settings"),
     "rollout_cuda_graph": Need("engine", "embedded_settings"),
+    "rollout_quantization": Need("engine", "fp8_rollout"),
     "rollout_num_engines": Need("engine", "launch"),
     "rollout_num_gpus": Need("engine", "launch"),
     "rollout_num_gpus_per_engine": Need("engine", "launch"),
@@ -108,13 +114,14 @@ def check_setup(cfg: Config, command: str) -> None:
     """After config.validate: no flag the chosen kinds would ignore, and a layout that can exist (the placement plan,
     computed before any model is built)."""
     refuse_unhonoured(cfg, command)
+    refuse_for_true_on_policy(cfg, command)
     if command in ENGINE_COMMANDS:
         plan_here(cfg)
 
 
 def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
     """Raise ConfigError for the first flag that `cfg` sets and the chosen backend or engine kind would ignore."""
-    for sname in ("cluster", "rollout", "engines", "batch", "model", "checkpoint", "megatron"):
+    for sname in ("cluster", "data", "rollout", "engines", "batch", "model", "checkpoint", "megatron"):
         sec = getattr(cfg, sname)
         for f in dataclasses.fields(sec):
             need = NEEDS.get(f.name)
@@ -137,12 +144,18 @@ def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
 
 
 _HINTS = {
-    ("offload_train", "megatron"): " (the Megatron backend keeps its state on the GPU between steps)",
-    ("fsdp_cpu_offload", "megatron"): " (it is FSDP2's CPUOffloadPolicy)",
-    ("gradient_checkpointing", "megatron"): "; Megatron's activation recompute is --recompute-granularity full|selective",
+    ("fsdp_cpu_offload", "megatron"): " (it is FSDP2's CPUOffloadPolicy); megatron's optimizer CPU offload is "
+                                      "--optimizer-cpu-offload (megatron-core's hybrid-device optimizer)",
     ("compile", "megatron"): " (the Megatron backend does not torch.compile)",
+    ("multimodal_keys", "megatron"): " or use --train-backend fsdp (Megatron's HF-wrapped vision tower is not built yet)",
+    ("freeze_vision_tower", "megatron"): " or use --train-backend fsdp (image prompts train on FSDP only)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
+    ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
     ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
+    ("rollout_quantization", "sglang"): " or use --rollout-engine server: SGLang loads block-FP8 weights only when launched "
+                                        "on an FP8 checkpoint (docs/low-precision.md)",
+    ("rollout_quantization", "external"): " unless every server loads block-FP8 weights: an SGLang server launched on a "
+                                          "BF16 checkpoint would not read the scales (docs/low-precision.md)",
 }

@@ -67,6 +67,9 @@ class DataConfig:
     rollout_max_prompt_len: int | None = opt(None, "drop (and count) prompts longer than this many tokens")
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded)")
     eval_prompt_data: str | None = opt(None, "held-out prompts for --eval-interval and polyrl eval")
+    multimodal_keys: str | None = opt(None, "image prompts: JSON map modality -> column, e.g. '{\"image\": \"images\"}' (a "
+                                            "column of image paths relative to the data file, data URLs or base64; see "
+                                            "docs/multimodal.md)")
 
 
 @dataclass
@@ -91,6 +94,12 @@ class RolloutConfig:
     rollout_mem_fraction: float = opt(0.4, "share of GPU memory the embedded GPU engine holds (weights + KV cache + "
                                            "workspace); the KV cache gets what is left")
     rollout_cuda_graph: bool = opt(True, "embedded GPU engine: decode steps replay CUDA graphs captured per batch size")
+    rollout_quantization: str = opt("none", "weights the engines sample from: none (the trainer's, in the engine's dtype) | "
+                                            "fp8 (every linear weight sent as FP8 E4M3 with 128x128 block scales, SGLang's "
+                                            "block-FP8 names; embeddings, norms, LM head and routers as they are); the "
+                                            "embedded engine and polyrl serve dequantize, so they sample from the "
+                                            "FP8-rounded model. Rollout log-probs then come from another model than the "
+                                            "trainer's: add --use-tis (docs/low-precision.md)", ("none", "fp8"))
     async_training: bool = opt(False, "asynchronous training (polyrl/loop_async.py): the rollout of later steps runs on the "
                                       "engines while the trainer trains; weights go to the engines after every step",
                                flag="--async")
@@ -321,7 +330,11 @@ class ModelConfig:
     critic_load: str | None = opt(None, "--advantage-estimator gae: the critic's initial weights, an HF directory (a "
                                         "critic exported by --save-hf, with its value head, or any causal LM of the actor's "
                                         "architecture: a fresh value head; default: --hf-checkpoint)")
-    gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer")
+    gradient_checkpointing: bool = opt(False, "activation checkpointing per decoder layer (--train-backend megatron: full "
+                                              "recompute of every layer, --recompute-granularity full "
+                                              "--recompute-method uniform --recompute-num-layers 1)")
+    freeze_vision_tower: bool = opt(False, "vision-language models: train the language model only (the vision tower's "
+                                           "weights stay as loaded)")
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
     compile: bool | None = opt(None, "torch.compile each decoder layer and the log-prob chunk (FSDP backend); default: on "
                                      "for CUDA (1.7x the train phase at the 1.5B shape, and it fits 16k-token micro-batches "
@@ -331,6 +344,10 @@ class ModelConfig:
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
+    true_on_policy: bool = opt(False, "the engine and the trainer score every token with one function (each sequence "
+                                      "alone, one unpadded row), so train_rollout_logprob_abs_diff is exactly 0 and the "
+                                      "rollout's log-probs serve as the old policy's; CPU, FP32, FSDP backend, embedded or "
+                                      "server engine (docs/true-on-policy.md)")
     fsdp_cpu_offload: bool = opt(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU")
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
@@ -451,6 +468,9 @@ class MegatronConfig:
     custom_model_provider_path: str | None = opt(None, "'module:function' or 'file.py:function' building the megatron model; "
                                                  "called as fn(config, hf_config, pre_process, post_process, vp_stage)")
     use_megatron_fsdp: bool = opt(False, "megatron-core FSDP (ZeRO-3 optim_grads_params by default) instead of DDP")
+    optimizer_cpu_offload: bool = opt(False, "megatron-core's hybrid-device optimizer: fp32 main params and Adam state on "
+                                             "the CPU, the Adam step there (needs the distributed optimizer, not "
+                                             "--use-megatron-fsdp)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
 
@@ -747,6 +767,19 @@ def validate(cfg: Config, command: str = "train") -> None:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
     _validate_remote_rm(rw)
     _validate_logging(cfg.log, command)
+    if cfg.data.multimodal_keys:
+        from polyrl.multimodal import parse_multimodal_keys
+        try:
+            parse_multimodal_keys(cfg.data.multimodal_keys)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        dbg = cfg.debug
+        # saved rollouts are JSON lines without the pixel inputs; a generate function drives turns the engine
+        # renders as text
+        for flag, on in (("--save-debug-rollout-data", dbg.save_debug_rollout_data), ("--debug-train-only", dbg.train_only),
+                         ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path)):
+            if on:
+                raise ConfigError(f"--multimodal-keys: {flag} does not carry images yet; drop one of them")
     if command == "train":
         _validate_debug(cfg)
         _validate_rl_extras(cfg)
@@ -759,6 +792,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     _validate_lora(cfg)
     if c.train_backend == "megatron":
         _validate_megatron(cfg.megatron)
+        if cfg.model.gradient_checkpointing and cfg.megatron.recompute_granularity is not None:
+            raise ConfigError("--gradient-checkpointing is megatron's --recompute-granularity full --recompute-method "
+                              "uniform --recompute-num-layers 1: give either, not both")
     if command in ("train", "eval"):
         _validate_engines(cfg)
         _validate_turns(cfg)
@@ -1066,6 +1102,9 @@ def _validate_megatron(m: MegatronConfig) -> None:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if m.recompute_method is not None and m.recompute_granularity != "full":
         raise ConfigError("--recompute-method applies to --recompute-granularity full")
+    if m.optimizer_cpu_offload and (m.use_megatron_fsdp or not m.use_distributed_optimizer):
+        raise ConfigError("--optimizer-cpu-offload needs megatron's distributed optimizer (--use-distributed-optimizer) "
+                          "and not --use-megatron-fsdp")
     for item in m.override_ddp_config:
         if "=" not in item:
             raise ConfigError(f"--override-ddp-config {item!r}: expected key=value")

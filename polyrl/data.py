@@ -91,13 +91,49 @@ def _check_prompt(prompt: Any, source: str) -> Any:
     return prompt
 
 
+def _row_images(row: dict, source: str, spec: str, multimodal_keys: dict | None) -> list[str] | None:
+    """The row's images (--multimodal-keys), each checked readable: paths made absolute, data URLs as given."""
+    column = (multimodal_keys or {}).get("image")
+    if column is None:
+        return None
+    from polyrl.multimodal import ImageError, load_image, resolve_image_ref
+
+    refs = _get(row, column, source, "--multimodal-keys")
+    refs = [refs] if isinstance(refs, str) else refs
+    if not isinstance(refs, list):
+        raise DataError(f"{source}: {column!r} must be a list of image paths / data URLs, got {type(refs).__name__}")
+    base = str(Path(parse_data_spec(spec)[0]).parent)
+    out = []
+    for k, ref in enumerate(refs):
+        try:
+            out.append(resolve_image_ref(ref, base))
+            load_image(out[-1])  # a missing or unreadable image fails here, with its row, not mid-run
+        except ImageError as e:
+            raise DataError(f"{source}: {column}[{k}]: {e}") from None
+    return out
+
+
+def _check_image_slots(prompt: Any, images: list[str] | None, source: str) -> None:
+    if images is None:
+        return
+    from polyrl.multimodal import ImageError, place_images
+    try:
+        place_images(prompt, len(images))
+    except ImageError as e:
+        raise DataError(f"{source}: {e}") from None
+
+
 def load_records(
-    spec: str, input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata"
+    spec: str, input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata",
+    multimodal_keys: dict | None = None,
 ) -> list[PromptRecord]:
-    """Read prompt rows from a jsonl/parquet spec. A row without the label key gets label None."""
+    """Read prompt rows from a jsonl/parquet spec. A row without the label key gets label None. With multimodal_keys
+    ({"image": column}) each record carries its images (PromptRecord.images)."""
     records = []
     for source, row in _read_rows(spec):
         prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
+        images = _row_images(row, source, spec, multimodal_keys)
+        _check_image_slots(prompt, images, source)
         metadata = row.get(metadata_key) if metadata_key else None
         if isinstance(metadata, str):  # parquet files often store metadata as a JSON string
             try:
@@ -108,7 +144,7 @@ def load_records(
             raise DataError(f"{source}: {metadata_key!r} must be an object, got {type(metadata).__name__}; "
                             "fix the row or pass --metadata-key to name another column")
         label = row.get(label_key) if label_key else None
-        records.append(PromptRecord(prompt=prompt, label=label, metadata=metadata or {}, source=source))
+        records.append(PromptRecord(prompt=prompt, label=label, metadata=metadata or {}, source=source, images=images))
     return records
 
 
@@ -138,6 +174,14 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict], apply_chat_template:
     return ids
 
 
+def encode_image_prompt(processor: Any, prompt: str | list[dict], images: list) -> list[int]:
+    """Token ids of a prompt with images (image tokens expanded); the chat template renders the image parts."""
+    if processor is None:
+        raise DataError("the row has images but the model has no image processor (--hf-checkpoint is not a "
+                        "vision-language model with a preprocessor_config.json)")
+    return processor.encode(prompt, images)[0]
+
+
 class PromptDataset:
     """Tokenized prompts served in batches that cycle over epochs.
 
@@ -154,14 +198,17 @@ class PromptDataset:
         apply_chat_template: bool = False,
         shuffle: bool = True,
         seed: int = 0,
+        processor: Any = None,
     ):
+        """processor: a polyrl.multimodal.VisionProcessor, for records with images (their ids hold the image tokens)."""
         self.shuffle, self.seed = shuffle, seed
         self.items: list[tuple[list[int], PromptRecord]] = []
         lengths = []
         for record in records:
             try:
-                ids = encode_prompt(tokenizer, record.prompt, apply_chat_template)
-            except DataError as e:
+                ids = encode_prompt(tokenizer, record.prompt, apply_chat_template) if record.images is None else \
+                    encode_image_prompt(processor, record.prompt, record.images)
+            except (DataError, ValueError) as e:
                 raise DataError(f"{record.source}: {e}") from e
             lengths.append(len(ids))
             if max_prompt_len is None or len(ids) <= max_prompt_len:
@@ -217,14 +264,23 @@ def _is_conversation(prompt: Any) -> bool:
 
 
 def load_sft_records(
-    spec: str, input_key: str = "prompt", response_key: str = "response"
-) -> list[tuple[str | list[dict], str | None, str]]:
+    spec: str, input_key: str = "prompt", response_key: str = "response", multimodal_keys: dict | None = None,
+) -> list[tuple]:
     """(prompt, response, source) triples for supervised fine-tuning. A row whose --input-key holds chat messages
     with assistant turns and which has no --response-key column is a conversation: response None, and the loss
-    covers every assistant turn (build_conversation_example)."""
+    covers every assistant turn (build_conversation_example). With multimodal_keys: (prompt, response, source,
+    images) for prompt/response rows (image conversations are not supported)."""
     out = []
     for source, row in _read_rows(spec):
         prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
+        if multimodal_keys:
+            images = _row_images(row, source, spec, multimodal_keys)
+            _check_image_slots(prompt, images, source)
+            response = _get(row, response_key, source, "--response-key")
+            if not isinstance(response, str):
+                raise DataError(f"{source}: response {response_key!r} must be a string, got {type(response).__name__}")
+            out.append((prompt, response, source, images))
+            continue
         if response_key not in row and _is_conversation(prompt):
             out.append((prompt, None, source))
             continue

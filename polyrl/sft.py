@@ -13,6 +13,7 @@ from polyrl.algorithms.losses import sft_loss
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
+from polyrl.multimodal import VisionProcessor, build_image_sft_example, parse_multimodal_keys
 from polyrl.metrics import Timer, logger_from_config, notice
 from polyrl.types import TrainBatch
 
@@ -20,17 +21,23 @@ from polyrl.types import TrainBatch
 def sft(cfg: Config) -> dict:
     device, d = asm.setup_command(cfg)
     tok = asm.load_tokenizer(cfg)
-    rows = load_sft_records(cfg.data.prompt_data, cfg.data.input_key, cfg.data.response_key)
+    keys = parse_multimodal_keys(cfg.data.multimodal_keys)
+    rows = load_sft_records(cfg.data.prompt_data, cfg.data.input_key, cfg.data.response_key, multimodal_keys=keys)
+    processor = VisionProcessor.from_pretrained(cfg.model.hf_checkpoint, tok) if keys else None
     examples = []
-    for prompt, response, source in rows:
+    for prompt, response, source, *images in rows:
+        mm = None
         try:
-            ids, mask = build_sft_example(tok, prompt, response, cfg.data.apply_chat_template)
-        except DataError as e:
+            if images and images[0] is not None:  # an image prompt: the processor renders it, its pixels go along
+                ids, mask, mm = build_image_sft_example(processor, prompt, response, images[0])
+            else:
+                ids, mask = build_sft_example(tok, prompt, response, cfg.data.apply_chat_template)
+        except (DataError, ValueError) as e:
             raise DataError(f"{source}: {e}") from None
         if not any(mask):
             raise DataError(f"{source}: empty response; nothing to train on")
         start = mask.index(1)
-        examples.append((torch.tensor(ids), start, torch.tensor(mask[start:], dtype=torch.float32)))
+        examples.append((torch.tensor(ids), start, torch.tensor(mask[start:], dtype=torch.float32), mm))
     gbs = cfg.batch.global_batch_size or min(32, len(examples))
     if gbs % d.world:
         raise DataError(f"--global-batch-size {gbs} is not divisible by the {d.world} ranks")
@@ -51,8 +58,10 @@ def sft(cfg: Config) -> dict:
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.cluster.seed + epoch)).tolist()
         idx = d.shard(order[k * gbs:(k + 1) * gbs])
+        mms = [examples[i][3] for i in idx]
         batch = TrainBatch([examples[i][0] for i in idx], [examples[i][1] for i in idx],
-                           {"loss_mask": [examples[i][2] for i in idx]})
+                           {"loss_mask": [examples[i][2] for i in idx]},
+                           multimodal=mms if any(m is not None for m in mms) else None)
         timer = Timer()
         with timer("train"):
             m = backend.train_step(batch, sft_loss)

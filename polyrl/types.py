@@ -45,6 +45,9 @@ class Sample:
     # MoE: the engine's top-k experts of every forwarded token (--return-routed-experts), a small-int tensor
     # [prompt + response tokens - 1, num_hidden_layers, k] (SGLang's `routed_experts`; -1 in layers without experts)
     routed_experts: Any = None
+    # image prompts: what the trainer recomputes log-probs with, {"pixel_values": [patches, D], "image_grid_thw":
+    # [images, 3]} (polyrl.multimodal); the n samples of one prompt share the tensors
+    multimodal: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +62,7 @@ class PromptRecord:
     label: Any = None
     metadata: dict = field(default_factory=dict)
     source: str = ""  # "file:line", for error messages
+    images: list[str] | None = None  # --multimodal-keys: absolute paths or data URLs, filling the image parts in order
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TrainBatch:
     old_logprobs, ref_logprobs, rollout_logprobs, ...).
     MoE routes, one [L_i - 1, num_hidden_layers, k] tensor per sample (None: not carried):
     rollout_routed_experts from the engine (R3), recorded_routed_experts from the actor's log-prob pass (R2).
+    multimodal[i]: sample i's pixel inputs (Sample.multimodal) or None; None for a text-only batch.
     """
 
     input_ids: list  # list[torch.Tensor]
@@ -77,6 +82,7 @@ class TrainBatch:
     token_fields: dict = field(default_factory=dict)  # str -> list[torch.Tensor]
     rollout_routed_experts: list | None = None
     recorded_routed_experts: list | None = None
+    multimodal: list | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -91,5 +97,6 @@ class TrainBatch:
             [self.prompt_lens[i] for i in idx],
             {k: [v[i] for i in idx] for k, v in self.token_fields.items()},
             *([r[i] for i in idx] if r is not None else None for r in (self.rollout_routed_experts,
-                                                                        self.recorded_routed_experts)),
+                                                                        self.recorded_routed_experts,
+                                                                        self.multimodal)),
         )

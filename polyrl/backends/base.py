@@ -24,9 +24,13 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "cpu_offload_optimizer",  # FSDP2's CPUOffloadPolicy (--fsdp-cpu-offload)
         "gradient_checkpointing", "compile", "attn_implementation", "micro_batch_layout",
         "lora", "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
+        "images",  # vision-language HF models: pixel inputs and multimodal RoPE in the log-prob forward
+        "true_on_policy",  # per-sequence forwards through polyrl.backends.true_on_policy (CPU, FP32)
     }),
     "megatron": frozenset({
-        "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider
+        "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider, optimizer CPU offload
+        "offload",  # offload()/onload() empty weights, main params, grad buffers and Adam state to pinned host memory
+        "gradient_checkpointing",  # megatron's full recompute of every layer
         "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
     }),
 }

@@ -20,12 +20,17 @@ ENGINES = {  # engine kind (polyrl.placement.engine_kind) -> factory(cfg, device
 # What each engine kind honours (polyrl/capabilities.py maps flags to these; a flag whose capability the chosen kind
 # lacks is refused at start-up). "none" is --debug-train-only's: no engine, its samples come from files.
 ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
-    "embedded": frozenset({"embedded_settings", "routed_experts", "memory_tags"}),
+    # "fp8_rollout": loads the block-FP8 weight stream of --rollout-quantization fp8 (dequantized: it samples from the
+    # FP8-rounded weights with its own matmuls; polyrl.weight_sync.quantize)
+    # "images": generate(..., images=) takes image prompts (SGLang's image_data over HTTP)
+    # "true_on_policy": reports log-probs from polyrl.backends.true_on_policy's scoring function (--true-on-policy)
+    "embedded": frozenset({"embedded_settings", "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
     "server": frozenset({"servers", "launch", "embedded_settings", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags"}),
+                         "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
     "sglang": frozenset({"servers", "launch", "sglang_args", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags"}),
-    "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags"}),
+                         "routed_experts", "memory_tags", "images"}),
+    "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
+                           "images"}),
     "none": frozenset(),
 }
 

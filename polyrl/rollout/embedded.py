@@ -9,8 +9,9 @@ import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache
 
+from polyrl import multimodal
 from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import decode_all
 from polyrl.rollout.gpu import ops
@@ -27,11 +28,21 @@ warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", 
 
 class EmbeddedEngine(InProcessEngine):
     def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "sdpa", max_batch: int = 0):
+                 attn_implementation: str = "sdpa", max_batch: int = 0, true_on_policy: bool = False):
+        """true_on_policy: report each finished sample's log-probs from polyrl.backends.true_on_policy's scoring
+        function, the trainer's (the sampler itself draws from the KV-cache decode's logits)."""
+        self.true_on_policy = true_on_policy
+        self._sampler_diff = None  # true_on_policy: the largest |decode log-prob - scored log-prob| since stats()
+        if true_on_policy:
+            from polyrl.backends.true_on_policy import pin_threads
+            pin_threads()
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        # vision-language checkpoints: the HF class with the vision tower, and the processor that makes pixel inputs
+        self.processor = multimodal.VisionProcessor.from_pretrained(hf_checkpoint, self.tokenizer)
+        auto = AutoModelForImageTextToText if self.processor is not None else AutoModelForCausalLM
+        self.model = auto.from_pretrained(
             hf_checkpoint, dtype=dtype, attn_implementation=attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
         ).to(self.device).eval()
         self.model.requires_grad_(False)
@@ -53,26 +64,59 @@ class EmbeddedEngine(InProcessEngine):
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 should_stop: Callable[[int], bool] | None = None) -> list[Sample]:
+                 should_stop: Callable[[int], bool] | None = None, images: list[list | None] | None = None) -> list[Sample]:
         """should_stop(prompt index): asked between decode steps; True drops that prompt's rows (finish reason
-        "abort", the tokens so far kept), so an aborted or expired server request stops costing compute."""
+        "abort", the tokens so far kept), so an aborted or expired server request stops costing compute.
+        images[i]: prompt i's images (paths, data URLs or PIL images; None: text only), whose expanded image tokens the
+        prompt holds; its samples carry the pixel inputs (Sample.multimodal)."""
+        mms = self._pixel_inputs(prompts, images)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         # (prompt index, prompt, sample seed): each sample draws from its own counter-based stream (the GPU path's
         # scheme), so a sample does not depend on the batch it ran in, nor on which server ran it
         flat = [(i, p, sample_seed(params, base, i, j)) for i, p in enumerate(prompts) for j in range(params.n)]
         step = self.max_batch or len(flat)
+        if self.true_on_policy and not params.greedy and (0 < params.top_k < logits_dim(self.model) or params.top_p < 1.0):
+            raise ValueError("--true-on-policy: top-p / top-k sampling draws from a renormalised distribution, not the "
+                             "one the trainer scores; send top_p 1 and top_k -1")
         out: list[Sample] = []
         try:
             for s in range(0, len(flat), step):
-                out.extend(self._generate_batch(flat[s:s + step], params, should_stop))
+                batch = self._generate_batch(flat[s:s + step], params, should_stop, mms)
+                out.extend(self._score(batch, params) if self.true_on_policy else batch)
         finally:
             if self.routing is not None:  # a failed request must not leave its route recording armed
                 self.routing.end()
         return out
 
+    def _pixel_inputs(self, prompts: list[list[int]], images: list[list | None] | None) -> list[dict | None]:
+        if images is None or all(x is None for x in images):
+            return [None] * len(prompts)
+        if self.processor is None:
+            raise ValueError("image prompts: this engine's model is not a vision-language model")
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
+        out = []
+        for ids, imgs in zip(prompts, images):
+            mm = self.processor.pixel_inputs(imgs) if imgs else None
+            if mm is not None or self.processor.image_token_id in ids:
+                self.processor.check(ids, mm["image_grid_thw"] if mm is not None else torch.zeros(0, 3, dtype=torch.long))
+            out.append(mm)
+        return out
+
+    def _vision_prefill(self, flat, ids: torch.Tensor, mms: list[dict | None]) -> tuple[dict, torch.Tensor]:
+        """The prefill's pixel inputs and multimodal RoPE positions [3, B, P] (left padding at 0)."""
+        mms = [mms[g] for g, _, _ in flat]
+        B, P = ids.shape
+        pos3 = torch.zeros(3, B, P, dtype=torch.long, device=self.device)
+        for r, (_, p, _) in enumerate(flat):
+            grid = mms[r]["image_grid_thw"] if mms[r] is not None else None
+            pos3[:, r, P - len(p):] = multimodal.mrope_positions(self.model, ids[r, P - len(p):], grid,
+                                                                 self.processor.image_token_id)
+        return multimodal.concat_inputs(mms, self.device), pos3
+
     @torch.no_grad()
     def _generate_batch(self, flat: list[tuple[int, list[int], int]], sp: SamplingParams,
-                        should_stop: Callable[[int], bool] | None = None) -> list[Sample]:
+                        should_stop: Callable[[int], bool] | None = None, mms: list | None = None) -> list[Sample]:
         B = len(flat)
         lens = [len(p) for _, p, _ in flat]
         P = max(lens)
@@ -98,20 +142,29 @@ class EmbeddedEngine(InProcessEngine):
         routes: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if sp.return_routed_experts else None
 
         cache = DynamicCache()
+        vision, pixels = self.processor is not None, {}
+        if vision:  # Qwen-VL: 3D positions over the image tokens, text positions after them continue from the largest
+            pixels, pos = self._vision_prefill(flat, ids, mms)
         if routes is not None:
             self.routing.begin_at([r * P + torch.arange(P - lens[r], P) for r in range(B)], B * P, self.device,
                                   record=True, count=False)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                            use_cache=True).logits[:, -1]
+                            use_cache=True, **pixels).logits[:, -1]
         if routes is not None:
             for r, x in enumerate(self.routing.recorded(drop_last=False)):
                 routes[r].append(x)
         rows = torch.arange(B)  # live row -> original row
-        next_pos = pos[:, -1] + 1
+        # the next position is one past the row's largest: text after images continues from there (Qwen's rope deltas)
+        next_pos = (pos.amax(dim=(0, 2)) if vision else pos[:, -1]) + 1
         responses: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
+        # image / video pads are placeholders, never text: a sampled one would take the place of an image feature in the
+        # trainer's forward (transformers scatters image features into every pad of the sequence)
+        never = (torch.tensor(self.processor.placeholder_ids, device=self.device) if vision else None)
         for t in range(sp.max_new_tokens):
+            if never is not None:
+                logits = logits.index_fill(1, never, float("-inf"))
             thresh = (ops.filter_thresholds(logits, inv_temp, sp.top_k, sp.top_p) if filtered
                       else torch.full_like(inv_temp, float("-inf")))
             tok, lp = ops.sample(logits, inv_temp, noise, thresh, seeds, counters)
@@ -142,7 +195,8 @@ class EmbeddedEngine(InProcessEngine):
             if routes is not None:
                 self.routing.begin_at(list(torch.arange(len(rows))[:, None]), len(rows), self.device, record=True,
                                       count=False)
-            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+            step_pos = next_pos[None, :, None].expand(3, -1, -1) if vision else next_pos[:, None]
+            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=step_pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             if routes is not None:
                 for r, x in zip(rows.tolist(), self.routing.recorded(drop_last=False)):
@@ -152,9 +206,31 @@ class EmbeddedEngine(InProcessEngine):
         texts = decode_all(self.tokenizer, responses)
         return [
             Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
-                   group_index=g, response=texts[r], routed_experts=torch.cat(routes[r]) if routes is not None else None)
+                   group_index=g, response=texts[r], routed_experts=torch.cat(routes[r]) if routes is not None else None,
+                   multimodal=mms[g] if mms is not None else None)
             for r, (g, p, _) in enumerate(flat)
         ]
+
+    @torch.no_grad()
+    def _score(self, samples: list[Sample], sp: SamplingParams) -> list[Sample]:
+        """--true-on-policy: each sample's rollout log-probs from the scoring function the trainer runs."""
+        from polyrl.backends.true_on_policy import sequence_logprobs
+        for s in samples:
+            ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long, device=self.device)
+            logp = sequence_logprobs(self.model, ids, len(s.prompt_ids), temperature=0.0 if sp.greedy else sp.temperature)[0]
+            decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            worst = float((logp.cpu() - decoded).abs().max()) if decoded.numel() else 0.0
+            self._sampler_diff = max(self._sampler_diff or 0.0, worst)
+            s.rollout_logprobs = logp.tolist()
+        return samples
+
+    def stats(self) -> dict[str, float]:
+        """--true-on-policy: rollout/sampler_logprob_abs_diff_max, how far the sampler's (KV-cache decode) log-probs of
+        the sampled tokens were from the reported ones since the last call: the sampler's distance from exact."""
+        if self._sampler_diff is None:
+            return {}
+        out, self._sampler_diff = {"rollout/sampler_logprob_abs_diff_max": self._sampler_diff}, None
+        return out
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
         tail = self.tokenizer.decode(response[-16:], skip_special_tokens=True)  # a stop string ends in the tail
@@ -202,6 +278,8 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
     """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged KV cache,
     continuous batching, CUDA graphs; gpu_engine, mem_fraction and cuda_graph are its settings); anything else, and
     every CPU run, the transformers path (EmbeddedEngine)."""
+    if kw.get("true_on_policy") and device != "cpu":
+        raise ValueError("--true-on-policy: the embedded engine implements it on CPU only so far (docs/true-on-policy.md)")
     if device != "cpu" and gpu_engine:
         from polyrl.rollout.gpu import GPUEngine, unsupported_reason
         why = unsupported_reason(hf_checkpoint)
@@ -217,7 +295,7 @@ def embedded_engine_kwargs(cfg) -> dict:
     """The embedded engine's settings from the config (also what `polyrl serve` runs)."""
     r = cfg.rollout
     return dict(max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
-                cuda_graph=r.rollout_cuda_graph)
+                cuda_graph=r.rollout_cuda_graph, true_on_policy=cfg.model.true_on_policy)
 
 
 def engine_from_config(cfg, device: str) -> InProcessEngine:

@@ -57,7 +57,8 @@ def to_train_batch(samples: list[Sample]) -> TrainBatch:
     return TrainBatch(ids, [len(s.prompt_ids) for s in samples], {
         "loss_mask": mask,
         "rollout_logprobs": flat((s.rollout_logprobs for s in samples), torch.float32, rlens),
-    }, rollout_routed_experts=routes if samples and all(r is not None for r in routes) else None)
+    }, rollout_routed_experts=routes if samples and all(r is not None for r in routes) else None,
+        multimodal=[s.multimodal for s in samples] if any(s.multimodal is not None for s in samples) else None)
 
 
 def reduce_reward_metrics(scored: dict, d: Dist) -> dict[str, float]:
@@ -104,7 +105,12 @@ class Learner:
         batch = to_train_batch(samples)
         # later minibatches are off-policy: keep the pre-update logprobs (OPD's student logprobs are these too)
         if self.n_minibatches > 1 or self.kl_in_reward or self.opd:
-            batch.token_fields["old_logprobs"] = backend.compute_logprobs(batch, temperature=T)
+            # --true-on-policy: the engine scored the samples with the trainer's function on these very weights, so
+            # its log-probs are the pre-update ones bit for bit and the forward over the whole batch is skipped
+            from_rollout = self.cfg.model.true_on_policy
+            batch.token_fields["old_logprobs"] = (batch.token_fields["rollout_logprobs"] if from_rollout
+                                                  else backend.compute_logprobs(batch, temperature=T))
+            m["old_logprobs_from_rollout"] = float(from_rollout)
         if self.need_ref:
             batch.token_fields["ref_logprobs"] = backend.compute_logprobs(batch, model="ref", temperature=T)
         if self.opd:

@@ -38,7 +38,9 @@ def engine_call(engine: RolloutEngine, items: list, params: SamplingParams, max_
     """One engine call for every prompt of `items`; samples past --rollout-max-context-len are cut to it (engines
     take one max_new_tokens for the whole call, so a long prompt's sample may have generated past its budget)."""
     version = engine.version  # in-process engines: no update can land during their generate
-    samples = engine.generate([ids for ids, _ in items], params)
+    images = [rec.images for _, rec in items]  # image prompts (--multimodal-keys): the engine makes the pixel inputs
+    samples = engine.generate([ids for ids, _ in items], params,
+                              **({"images": images} if any(x is not None for x in images) else {}))
     for s in samples:
         if cut_to_budget(s, params.max_new_tokens, max_context_len):
             s.response = engine.tokenizer.decode(s.response_ids, skip_special_tokens=True)

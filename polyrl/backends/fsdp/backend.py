@@ -16,13 +16,15 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
+from polyrl import multimodal
 from polyrl.backends.parallel_dims import ParallelDims
+from polyrl.backends.true_on_policy import pin_threads, sequences_logprobs
 from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -48,7 +50,11 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
-                with_entropy: bool = False, **attn_kwargs):
+                with_entropy: bool = False, sequences: list | None = None, **attn_kwargs):
+        """sequences (--true-on-policy): [(ids [L_i], P_i)] each scored alone by the engine's function, in place of the
+        laid-out micro-batch (the other tensors are then None)."""
+        if sequences is not None:
+            return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy)
         hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
@@ -193,6 +199,12 @@ class FSDPBackend:
         # (a resume reads it from its directory again)
         self.teacher_model = self._build(model_cfg.opd_teacher_load, train=False) if need_teacher else None
         self.routing = self._attach_routing()
+        self.exact = model_cfg.true_on_policy and role == "actor"  # the critic's values are not compared with anything
+        if self.exact:
+            if self.device.type != "cpu" or self.dtype != torch.float32 or self.peft is not None or self.routing is not None:
+                raise ValueError("--true-on-policy: the FSDP backend implements it for dense models on CPU in FP32, "
+                                 "without LoRA")
+            pin_threads()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
                                            eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay,
@@ -210,7 +222,8 @@ class FSDPBackend:
         they are one Parameter in the root FSDP group). value: the critic (a causal LM's body, or a saved critic)."""
         config = AutoConfig.from_pretrained(path)
         attn = self.attn_impl
-        cls = AutoModelForCausalLM
+        # vision-language checkpoints (Qwen2.5-VL, Qwen3-VL): the HF class with the vision tower
+        cls = AutoModelForImageTextToText if multimodal.is_vision_language(config) else AutoModelForCausalLM
         if value:
             cls, config.num_labels = AutoModelForTokenClassification, 1
         lora = train and not value and self.mcfg.lora_rank > 0  # the critic (PPO's value model) trains in full
@@ -226,6 +239,8 @@ class FSDPBackend:
             buffers = {n: b for n, b in src.named_buffers()}
         with torch.device("meta"):
             lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        if self.mcfg.freeze_vision_tower:
+            vision_tower(lm).requires_grad_(False)  # before FSDP: its units then hold no trainable parameter
         if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
@@ -340,6 +355,10 @@ class FSDPBackend:
 
     def _forward(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float, with_entropy: bool,
                  record: bool = False):
+        """(micro-batch, log-probs [R], entropy [R] | None, sample of each token [R], tail): tail is None, or (with
+        --true-on-policy on several ranks) a zero the loss adds so that padding forwards take part in the backward."""
+        if self.exact and isinstance(model, PolicyModel):
+            return self._forward_exact(model, batch, idx, temperature, with_entropy)
         if not idx:  # this rank has no samples for this micro-batch: run a 2-token dummy for the collectives
             mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1])
         else:
@@ -347,8 +366,32 @@ class FSDPBackend:
         self._begin_routing(model, mb, bool(idx), record=record)
         ids, pos, mask, gidx, tgt, seq, varlen = pack(mb.input_ids, mb.prompt_lens, self.attn_impl, self.device, self.dtype,
                                                       self.layout)
+        if mb.multimodal is not None:  # image prompts: pixel inputs and per-sample multimodal RoPE positions
+            lm = model.lm
+            pos = multimodal.train_position_ids(lm, mb.input_ids, mb.multimodal, lm.config.image_token_id, pos, self.layout)
+            varlen = {**varlen, **multimodal.concat_inputs(mb.multimodal, self.device)}
         logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
-        return mb, logp, ent, seq
+        return mb, logp, ent, seq, None
+
+    def _forward_exact(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float,
+                       with_entropy: bool):
+        """--true-on-policy: every sample of the micro-batch as its own row through the engine's scoring function. Each
+        per-sample forward is a round of FSDP collectives, so every rank runs as many as the fullest rank, padding
+        with 2-token dummies whose log-probs join the loss times 0."""
+        dummy = (torch.zeros(2, dtype=torch.long), 1)
+        mb = batch.select(idx) if idx else TrainBatch([dummy[0]], [dummy[1]])
+        seqs = list(zip(mb.input_ids, mb.prompt_lens))
+        if dist.get_world_size() > 1:
+            k = torch.tensor(len(seqs))
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+            seqs += [dummy] * (int(k) - len(seqs))
+        logp, ent = model(None, None, None, None, None, temperature, with_entropy,
+                          sequences=[(ids.to(self.device), p) for ids, p in seqs])
+        lens = mb.response_lens
+        n = sum(lens)
+        tail = 0.0 * logp[n:].sum() if logp.numel() > n else None
+        seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(self.device)
+        return mb, logp[:n], ent[:n] if ent is not None else None, seq, tail
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
@@ -367,7 +410,7 @@ class FSDPBackend:
                       and batch.recorded_routed_experts is None)
             routes: list = [None] * len(batch)
             for idx in self._micro_batches(batch):
-                _, logp, _, _ = self._forward(m, batch, idx, temperature, False, record=record)
+                _, logp, *_ = self._forward(m, batch, idx, temperature, False, record=record)
                 if idx:
                     order += idx
                     parts.append(logp.float())
@@ -406,7 +449,7 @@ class FSDPBackend:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         plans = self._micro_batches(batch)
         for idx in plans:
-            mb, logp, ent, seq = self._forward(self.model, batch, idx, temperature, with_entropy)
+            mb, logp, ent, seq, tail = self._forward(self.model, batch, idx, temperature, with_entropy)
             if idx:
                 keys = list(mb.token_fields)
                 fields = dict(zip(keys, to_device([torch.cat(mb.token_fields[k]) for k in keys], self.device)))
@@ -414,6 +457,8 @@ class FSDPBackend:
                 fields = {k: torch.zeros(1, device=self.device) for k in batch.token_fields}
             fields["seq_ids"] = seq
             loss, metrics = loss_fn(logp, ent, fields, num_tokens=num_tokens, num_seqs=num_seqs)
+            if tail is not None:
+                loss = loss + tail
             aux = self.routing.take_aux_loss() if self.routing is not None else None
             if aux is not None:  # a per-token mean over this micro-batch, weighted to a mean over all ranks' tokens
                 loss = loss + aux * (sum(int(x.numel()) for x in mb.input_ids) / routed_tokens)
@@ -579,6 +624,9 @@ class FSDPBackend:
                 self.model.lm.save_pretrained(tmp, state_dict=sd)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            processor = multimodal.VisionProcessor.from_pretrained(self.mcfg.hf_checkpoint, tokenizer)
+            if processor is not None:  # a vision-language model is loaded back with its image processor
+                processor.save_pretrained(tmp)
             _replace_dir(tmp, path)
         dist.barrier()
 
@@ -654,6 +702,14 @@ class FSDPBackend:
         torch.cuda.synchronize()
         if to == "cpu":
             torch.cuda.empty_cache()
+
+
+def vision_tower(lm: nn.Module) -> nn.Module:
+    """The vision encoder of a Qwen-VL HF model (`model.visual`)."""
+    base = getattr(lm, lm.base_model_prefix)
+    if not hasattr(base, "visual"):
+        raise ValueError(f"--freeze-vision-tower: {type(lm).__name__} has no vision tower (not a vision-language model)")
+    return base.visual
 
 
 @torch.no_grad()
