@@ -90,9 +90,9 @@ def test_each_capability_flag_is_refused_exactly_where_the_kind_lacks_it(backend
 
 
 def test_known_refusals_name_flag_and_kind():
-    c = configured("megatron", "embedded", "model", "gradient_checkpointing", True)
-    with pytest.raises(ConfigError, match="--gradient-checkpointing is not honoured by --train-backend megatron .*"
-                                          "--recompute-granularity"):
+    c = configured("megatron", "embedded", "model", "fsdp_cpu_offload", True)
+    with pytest.raises(ConfigError, match="--fsdp-cpu-offload is not honoured by --train-backend megatron .*"
+                                          "--optimizer-cpu-offload"):
         refuse_unhonoured(c)
     c = configured("fsdp", "embedded", "engines", "use_fault_tolerance", True)
     with pytest.raises(ConfigError, match="--use-fault-tolerance is not honoured by --rollout-engine embedded"):

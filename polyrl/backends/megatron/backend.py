@@ -10,6 +10,7 @@ rank back the results for its own samples.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -100,7 +101,10 @@ class MegatronBackend:
                         "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")
         path = (model_cfg.critic_load or model_cfg.hf_checkpoint) if role == "critic" else model_cfg.hf_checkpoint
         self.model = self._build(path, train=True)
-        self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer)
+        self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer,
+                                            cpu_offload=mg.optimizer_cpu_offload)
+        self._offloader = None  # --offload-train: offload.StorageOffloader, made at the first offload()
+        self.offloaded_bytes: dict[str, int] = {}  # what the last offload() moved or released, per kind
         self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
         # --opd-teacher-load: kept like the reference model (resident, frozen, not in checkpoints: a resume reads its
         # directory again), but of any size: its own HF and transformer configs, RoPE tables and vocabulary
@@ -325,6 +329,7 @@ class MegatronBackend:
     # ---- TrainBackend ---------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
+        self.onload()  # (a no-op unless offloaded)
         m = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
         if m is None:
             raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
@@ -377,6 +382,7 @@ class MegatronBackend:
         return self.compute_logprobs(batch)  # the critic's output processor gives values where the actor's gives log-probs
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        self.onload()
         for c in self.model:
             c.train()
         glob, _ = self._gather_batch(batch, with_fields=True)
@@ -547,17 +553,19 @@ class MegatronBackend:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (the in-memory names of the HF model, like FSDP), gathered over
         TP / EP and broadcast over PP one parameter at a time."""
-        yield from self._export(self.model, self._fused_experts)
+        with self._resident():
+            yield from self._export(self.model, self._fused_experts)
 
     @torch.no_grad()
     def sync_ref_from_actor(self) -> None:
         if self.ref_model is None:
             return
         mm = self.mm
-        for a, r in zip(self.model, self.ref_model):
-            rp = mm.bridge_tensors(mm.unwrap(r))
-            for n, p in self._named_params(a).items():
-                rp[n].copy_(self._local_tensor(p))
+        with self._resident():
+            for a, r in zip(self.model, self.ref_model):
+                rp = mm.bridge_tensors(mm.unwrap(r))
+                for n, p in self._named_params(a).items():
+                    rp[n].copy_(self._local_tensor(p))
 
     def save_hf(self, path: str, tokenizer=None, *, adapter: bool = False) -> None:
         if adapter:
@@ -616,6 +624,10 @@ class MegatronBackend:
         return sd
 
     def save(self, path: str) -> None:
+        with self._resident():
+            self._save(path)
+
+    def _save(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
         os.makedirs(ckpt, exist_ok=True)
         if self.ddp_config.use_megatron_fsdp:
@@ -637,6 +649,10 @@ class MegatronBackend:
         dist.barrier()
 
     def load(self, path: str) -> None:
+        with self._resident():
+            self._load(path)
+
+    def _load(self, path: str) -> None:
         ckpt = os.path.join(path, "dcp")
         if not self.ddp_config.use_megatron_fsdp:
             # megatron's DistributedOptimizer.state_dict() needs Adam state (torch AdamW, no Apex/TE,
@@ -679,11 +695,33 @@ class MegatronBackend:
 
     # ---- colocation ---------------------------------------------------------------------
     def offload(self) -> None:
-        """Colocated engines share the GPU; tiny to mid models fit beside them, so the Megatron
-        backend keeps its state resident (offload is a no-op here, see bench/RESULTS.md)."""
+        """--offload-train: free the GPU for a colocated engine. Weights, fp32 main parameters, Adam state and the frozen
+        models (reference, teacher) go to pinned host memory (non-blocking copies), the gradient buffers (zero between
+        steps) are released; every storage is emptied in place, so megatron's views into its buffers stay valid
+        (polyrl/backends/megatron/offload.py). A no-op without --offload-train or when already offloaded."""
+        if not self.mcfg.offload_train:
+            return
+        from polyrl.backends.megatron.offload import StorageOffloader, megatron_state
+        if self._offloader is None:
+            self._offloader = StorageOffloader()
+        self.offloaded_bytes = self._offloader.offload(
+            megatron_state(self.model, self.optimizer, [self.ref_model, self.teacher_model]))
 
     def onload(self) -> None:
-        pass
+        if self._offloader is not None:
+            self._offloader.onload()
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Checkpoints and exports read the state: bring it back for them and leave it as it was."""
+        away = self._offloader is not None and self._offloader.offloaded
+        if away:
+            self.onload()
+        try:
+            yield
+        finally:
+            if away:
+                self.offload()
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

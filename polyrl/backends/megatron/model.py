@@ -240,9 +240,18 @@ def virtual_pipeline_size(num_layers: int, pp: int, layers_per_vstage: int | Non
     return v if v > 1 else None
 
 
+def recompute_settings(mg, model_cfg=None) -> tuple[str | None, str | None, int | None]:
+    """(granularity, method, num_layers): --gradient-checkpointing (FSDP's per-decoder-layer checkpointing) is
+    megatron's full recompute of every layer; otherwise the --recompute-* flags as given."""
+    if model_cfg is not None and model_cfg.gradient_checkpointing and mg.recompute_granularity is None:
+        return "full", "uniform", 1
+    return mg.recompute_granularity, mg.recompute_method, mg.recompute_num_layers
+
+
 def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype: torch.dtype,
                        model_cfg=None) -> TransformerConfig:
     kw = bridge.config_to_mcore_kwargs(hf_config)
+    granularity, method, num_layers = recompute_settings(mg, model_cfg)
     if model_cfg is not None and "num_moe_experts" in kw:  # MoE flags (polyrl/backends/megatron/routing.py)
         m = model_cfg
         if m.moe_aux_loss_coeff:  # else the bridge's choice from the HF config (output_router_logits)
@@ -250,8 +259,9 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         if m.moe_z_loss_coeff:
             kw["moe_z_loss_coeff"] = m.moe_z_loss_coeff
         if m.use_routing_replay or m.use_rollout_routing_replay:
-            if mg.recompute_granularity == "full":
-                raise ValueError("--use-routing-replay / --use-rollout-routing-replay with --recompute-granularity full: "
+            if granularity == "full":
+                raise ValueError("--use-routing-replay / --use-rollout-routing-replay with --recompute-granularity full "
+                                 "(or --gradient-checkpointing): "
                                  "the recomputed router would need megatron's backward replay queue, which polyrl does "
                                  "not drive; use selective recompute or none")
             kw["moe_enable_routing_replay"] = True
@@ -291,8 +301,7 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         # through separate sends / receives; the plain 1F1B schedule batches them
         overlap_p2p_comm=bool(vpp), batch_p2p_comm=not vpp,
         transformer_impl="local", perform_initialization=False,  # every weight comes from the HF checkpoint
-        recompute_granularity=mg.recompute_granularity, recompute_method=mg.recompute_method,
-        recompute_num_layers=mg.recompute_num_layers,
+        recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers,
     )
 
 
@@ -480,12 +489,23 @@ def wrap_chunks(chunks: list[GPTModel], config: TransformerConfig, dcfg: Distrib
     return out
 
 
-def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool):
+def optimizer_offload_kwargs(cpu_offload: bool) -> dict:
+    """--optimizer-cpu-offload as Megatron-LM sets it up: the hybrid-device optimizer with every parameter's fp32
+    master copy and Adam state on the CPU (offload fraction 1), through the precision-aware path so the distributed
+    optimizer keeps no fp32 main parameters of its own on the GPU (megatron-core needs no Transformer Engine for it
+    when the optimizer is CPU-offloaded)."""
+    if not cpu_offload:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+                overlap_cpu_optimizer_d2h_h2d=False)
+
+
+def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool, cpu_offload: bool = False):
     cfg = McoreOptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-        use_distributed_optimizer=use_distributed)
+        use_distributed_optimizer=use_distributed, **optimizer_offload_kwargs(cpu_offload))
     opt = get_megatron_optimizer(cfg, model)
     for c in model:
         unwrap(c).config.grad_scale_func = opt.scale_loss

@@ -1,0 +1,200 @@
+"""--offload-train for the Megatron backend: every GPU storage of the trainer's state is emptied in place
+(`untyped_storage().resize_(0)`) and refilled later, so the views megatron keeps into it (param.data and
+param.main_grad into the DDP buffers, the distributed optimizer's shards, bucket views, Adam state keyed by
+parameter) stay valid without being found one by one.
+
+Storages that hold values (weights, FP32 main parameters, Adam moments, module buffers) are copied to pinned host
+memory first and back on onload; the DDP gradient buffers are zero between steps (train_step ends with
+zero_grad_buffer), so they are released and re-materialised as zeros. Pure torch: tested on CPU
+(tests/backends/megatron/test_offload_cpu.py); `megatron_state` names megatron's tensors by duck typing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+ARENA_BYTES = 256 * 2**20  # pinned host arenas: a power of two, so the caching host allocator's rounding wastes none
+ALIGN = 512  # bytes; each slot in an arena starts aligned (copy kernels and DMA like aligned addresses)
+
+
+@dataclass
+class Slot:
+    """One GPU storage of the state: `kind` names what it holds (weights, main_params, optimizer, grads)."""
+    storage: torch.UntypedStorage
+    nbytes: int
+    kind: str
+    keep: bool  # copy the bytes to the host and back; False: release and refill with zeros
+    flat: torch.Tensor = field(repr=False, default=None)  # uint8 view of the whole storage
+    host: torch.Tensor | None = field(repr=False, default=None)  # its pinned host copy (keep only)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard (Megatron-FSDP)
+
+
+def plan_slots(groups: Iterable[tuple[str, bool, Iterable[torch.Tensor | None]]], device_type: str = "cuda") -> list[Slot]:
+    """(kind, keep, tensors) groups -> one Slot per distinct non-empty storage on `device_type`, in first-seen order.
+    A storage reached from several groups keeps its first kind, and is copied when any of them asks to keep it (a
+    tensor that aliases weights and gradients at once is never zeroed)."""
+    slots: dict[int, Slot] = {}
+    for kind, keep, tensors in groups:
+        for t in tensors:
+            if t is None or not torch.is_tensor(t):
+                continue
+            t = _local(t)
+            if t.device.type != device_type:
+                continue
+            st = t.untyped_storage()
+            if st.nbytes() == 0:  # already freed (Megatron-FSDP's gathered buffers between uses)
+                continue
+            key = st.data_ptr()
+            if key in slots:
+                slots[key].keep = slots[key].keep or keep
+            else:
+                slots[key] = Slot(st, st.nbytes(), kind, keep)
+    return list(slots.values())
+
+
+def summarize(slots: list[Slot]) -> dict[str, int]:
+    """Bytes per kind, and in total."""
+    out: dict[str, int] = {}
+    for s in slots:
+        out[s.kind] = out.get(s.kind, 0) + s.nbytes
+    out["total"] = sum(s.nbytes for s in slots)
+    return out
+
+
+def arena_layout(sizes: list[int], arena_bytes: int = ARENA_BYTES, align: int = ALIGN) -> list[tuple[int, int]]:
+    """(arena index, byte offset) per size: first fit into arenas of `arena_bytes`, each slot aligned to `align`;
+    a size above `arena_bytes` gets an arena of its own."""
+    out, fill = [], []  # fill[i]: bytes used in arena i (-1: a dedicated arena)
+    for n in sizes:
+        if n > arena_bytes:
+            out.append((len(fill), 0))
+            fill.append(-1)
+            continue
+        for i, used in enumerate(fill):
+            start = -(-used // align) * align
+            if used >= 0 and start + n <= arena_bytes:
+                out.append((i, start))
+                fill[i] = start + n
+                break
+        else:
+            out.append((len(fill), 0))
+            fill.append(n)
+    return out
+
+
+class StorageOffloader:
+    """offload(groups) empties every storage `plan_slots` finds (after a non-blocking copy into pinned host arenas
+    where it keeps values); onload() refills them (non-blocking copies back, zeros for the released ones). The host
+    arenas are allocated once and reused while the layout is unchanged (one host copy of the state)."""
+
+    def __init__(self, device_type: str = "cuda", pin: bool = True):
+        self.device_type, self.pin = device_type, pin
+        self.slots: list[Slot] = []
+        self._arenas: list[torch.Tensor] = []
+        self._layout_key: tuple | None = None
+        self.offloaded = False
+
+    def _host_views(self, keep: list[Slot]) -> None:
+        sizes = [s.nbytes for s in keep]
+        layout = arena_layout(sizes)
+        key = tuple(sizes)
+        if key != self._layout_key:
+            n = max((i for i, _ in layout), default=-1) + 1
+            cap = [0] * n
+            for (i, off), size in zip(layout, sizes):
+                cap[i] = max(cap[i], off + size)
+            # one small state gets an arena of its own size; packed arenas get the full power-of-two size
+            self._arenas = [torch.empty(c if (c > ARENA_BYTES or n == 1) else ARENA_BYTES, dtype=torch.uint8,
+                                        pin_memory=self.pin) for c in cap]
+            self._layout_key = key
+        for s, (i, off) in zip(keep, layout):
+            s.host = self._arenas[i][off:off + s.nbytes]
+
+    def offload(self, groups: Iterable[tuple[str, bool, Iterable[torch.Tensor | None]]]) -> dict[str, int]:
+        """Empty the state's storages; returns the bytes per kind (summarize). A second call before onload does nothing."""
+        if self.offloaded:
+            return summarize(self.slots)
+        self.slots = plan_slots(groups, self.device_type)
+        keep = [s for s in self.slots if s.keep]
+        self._host_views(keep)
+        for s in self.slots:
+            s.flat = torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage, 0, (s.nbytes,))
+        for s in keep:
+            s.host.copy_(s.flat, non_blocking=True)
+        if self.device_type == "cuda":
+            # the host copies must land before the device memory is handed to another process (empty_cache)
+            torch.cuda.synchronize()
+        for s in self.slots:
+            s.storage.resize_(0)
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
+        self.offloaded = True
+        return summarize(self.slots)
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        for s in self.slots:
+            s.storage.resize_(s.nbytes)
+            if s.keep:
+                s.flat.copy_(s.host, non_blocking=True)
+            else:
+                s.flat.zero_()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()  # Megatron-FSDP gathers weights on side streams that do not wait on this one
+        for s in self.slots:
+            s.flat = None
+        self.offloaded = False
+
+
+def _module_tensors(modules: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    for m in modules:
+        yield from m.parameters()
+        yield from m.buffers()
+
+
+def _fsdp_buffers(chunk, names: tuple[str, ...]) -> Iterator[torch.Tensor]:
+    pgb = getattr(chunk, "param_and_grad_buffer", None)
+    for group in getattr(pgb, "parameter_groups", None) or []:
+        for n in names:
+            buf = getattr(group, n, None)
+            if buf is not None and getattr(buf, "data", None) is not None:
+                yield buf.data
+
+
+def megatron_state(model: list, optimizer, frozen: list[list] = ()) -> list[tuple[str, bool, list]]:
+    """The (kind, keep, tensors) groups of a Megatron backend: the trained chunks (DDP or Megatron-FSDP) and their
+    gradient buffers, megatron's optimizer (main parameters, Adam state), and frozen models (reference, teacher)."""
+    from polyrl.backends.megatron.compat import inner_optimizers
+    weights = list(_module_tensors(model))
+    for c in model:  # Megatron-FSDP: the weight buffers the sharded parameters view
+        weights += list(_fsdp_buffers(c, ("model_weight_buffer", "transpose_weight_buffer")))
+    grads, kept_grads = [], []
+    for c in model:
+        for buf in list(getattr(c, "buffers", []) or []) + list(getattr(c, "expert_parallel_buffers", []) or []):
+            grads.append(getattr(buf, "grad_data", None))
+        grads += [getattr(p, "main_grad", None) for p in c.parameters()]
+        kept_grads += list(_fsdp_buffers(c, ("main_grad_buffer",)))  # its own lifecycle: keep its values
+    mains, opt_state = [], []
+    members = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    for opt in members:
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups", "shard_fp32_groups"):
+            for g in getattr(opt, attr, None) or []:
+                mains += list(g)
+    for inner in inner_optimizers(optimizer):
+        for g in inner.param_groups:
+            mains += list(g["params"])
+            grads += [p.grad for p in g["params"]]
+        for st in inner.state.values():
+            opt_state += [v for v in st.values() if torch.is_tensor(v)]
+    for c in model:
+        mains += list(_fsdp_buffers(c, ("main_weight_buffer",)))
+    frozen_t = [t for chunks in frozen if chunks for t in _module_tensors(chunks)]
+    return [("weights", True, weights), ("main_params", True, mains), ("optimizer", True, opt_state),
+            ("grads", True, kept_grads), ("grads", False, grads), ("frozen_models", True, frozen_t)]

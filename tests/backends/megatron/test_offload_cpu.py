@@ -1,0 +1,56 @@
+"""The Megatron backend's storage offload (polyrl/backends/megatron/offload.py) on CPU tensors: views into a shared
+buffer (megatron's param.data / main_grad into its DDP buffers) see their values again after a round trip, released
+storages come back as zeros, and the plan counts each storage once."""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.backends.megatron.offload import StorageOffloader, arena_layout, plan_slots, summarize
+
+
+def _state():
+    buf = torch.arange(24, dtype=torch.float32)  # a DDP param buffer: params are views of it
+    w1, w2 = buf[:8].view(2, 4), buf[8:].view(4, 4)
+    grad = torch.zeros(24)  # the grad buffer, zero between steps
+    g1 = grad[:8].view(2, 4)
+    adam = {"exp_avg": torch.randn(24), "step": torch.tensor(3.0)}
+    return buf, w1, w2, grad, g1, adam
+
+
+def test_plan_dedups_storages_and_keep_wins():
+    buf, w1, w2, grad, g1, adam = _state()
+    slots = plan_slots([("weights", True, [w1, w2, None]), ("grads", False, [grad, g1, w1]),
+                        ("optimizer", True, list(adam.values()))], device_type="cpu")
+    assert [s.kind for s in slots] == ["weights", "grads", "optimizer", "optimizer"]
+    assert [s.keep for s in slots] == [True, False, True, True]  # w1 seen as a grad too: still copied
+    sizes = summarize(slots)
+    assert sizes == {"weights": 96, "grads": 96, "optimizer": 96 + 4, "total": 292}
+
+
+def test_round_trip_restores_views_and_zeroes_released():
+    buf, w1, w2, grad, g1, adam = _state()
+    before = [t.clone() for t in (w1, w2, adam["exp_avg"], adam["step"])]
+    off = StorageOffloader(device_type="cpu", pin=False)
+    sizes = off.offload([("weights", True, [w1, w2]), ("grads", False, [g1]), ("optimizer", True, list(adam.values()))])
+    assert sizes["total"] == 96 + 96 + 100
+    assert buf.untyped_storage().nbytes() == 0 and grad.untyped_storage().nbytes() == 0
+    assert off.offload([("weights", True, [w1])]) == sizes  # already offloaded: nothing more happens
+    off.onload()
+    after = [w1, w2, adam["exp_avg"], adam["step"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert torch.equal(buf, torch.arange(24, dtype=torch.float32))  # the buffer the views share, whole again
+    assert torch.equal(grad, torch.zeros(24))
+    w1.add_(1)  # still views of the one buffer
+    assert float(buf[0]) == 1.0
+    off.onload()  # not offloaded: nothing happens
+    # a second round trip with the same layout reuses the host arenas
+    arenas = off._arenas
+    off.offload([("weights", True, [w1, w2]), ("optimizer", True, list(adam.values()))])
+    off.onload()
+    assert off._arenas is arenas and float(buf[0]) == 1.0
+
+
+def test_arena_layout_packs_aligned_and_gives_large_ones_their_own():
+    lay = arena_layout([100, 600, 300, 2000], arena_bytes=1024, align=512)
+    assert lay == [(0, 0), (1, 0), (0, 512), (2, 0)]  # 600 does not fit after 100 (aligned to 512): a new arena
