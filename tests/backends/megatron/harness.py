@@ -567,6 +567,242 @@ def mode_replay(a) -> None:
          ok=m.get("moe/topk_mismatch_frac", 1.0) <= (0.02 if FP32 else 0.2))
 
 
+# ---------------------------------------------------------------------------------------------
+# --offload-train, --gradient-checkpointing, --optimizer-cpu-offload, --custom-model-provider-path
+
+
+def build_medium_llama(out: str) -> str:
+    """A Llama of ~21M parameters (hidden 512, 4 layers, vocab 8192): big enough that what stays on the GPU after an
+    offload (RoPE tables, megatron's small buffers) is measured against a state of ~0.35 GB, small enough to build in
+    seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
+    d = os.path.join(out, "medium_llama")
+    model.save_pretrained(d)
+    return d
+
+
+def _backend(model_dir: str, *, layout: str = "tp=1", **model_flags):
+    from polyrl.backends.megatron.backend import MegatronBackend
+    mg = parse_layout(layout)
+    for k in [k for k in model_flags if hasattr(mg, k)]:
+        setattr(mg, k, model_flags.pop(k))
+    return MegatronBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, **model_flags),
+                           OptimizerConfig(lr=1e-3, clip_grad=1.0), BatchConfig(micro_batch_size=3), device="cuda",
+                           total_steps=10, megatron_cfg=mg)
+
+
+def _curve(be, steps: int, vocab: int, between=None) -> tuple[list, list, dict]:
+    """`steps` RL steps on one fixed batch (a log-prob pass, then the update), `between()` after each; the losses,
+    grad norms and the exported weights at the end."""
+    batch = fixed_batch(vocab=vocab)
+    losses, norms = [], []
+    for _ in range(steps):
+        batch.token_fields["old_logprobs"] = be.compute_logprobs(batch)
+        m = be.train_step(batch, RL, with_entropy=True)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+        if between is not None:
+            between()
+    return losses, norms, {k: v.detach().cpu().clone() for k, v in be.export_weights()}
+
+
+def _mem() -> dict:
+    torch.cuda.synchronize()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def mode_offload(a) -> None:
+    """--offload-train on one GPU, FP32 and BF16, TP1: (1) after offload() at most 5% of the model-state bytes stay
+    allocated (allocated / reserved before and after, the round trip's GB/s); (2) 3 steps with offload / onload after
+    every step give bit-identical losses, grad norms and exported weights to 3 steps without (deterministic kernels:
+    dense attention, torch's deterministic algorithms; should the two differ, a second run without offload tells
+    nondeterminism from an offload error)."""
+    import gc
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    init_distributed("cuda")
+    from polyrl.backends.megatron import model as mm
+    mm.VarlenCoreAttention.impl = "dense"  # flash varlen's backward may accumulate in any order
+    model_dir = build_medium_llama(a.arg1)
+    global FP32
+    for fp32 in (True, False):
+        FP32 = fp32
+        be = _backend(model_dir)
+        ref = _curve(be, 3, 8192)
+        be = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = _mem()
+        be = _backend(model_dir, offload_train=True)
+        timing: dict = {}
+
+        def between():
+            before = _mem()
+            t0 = time.perf_counter()
+            be.offload()
+            t1 = time.perf_counter()
+            after = _mem()
+            # what the engine would do with the freed memory: fill it, so nothing can rely on its old contents
+            junk = torch.full((be.offloaded_bytes["total"] // 4,), float("nan"), device="cuda")
+            del junk
+            t1b = time.perf_counter()
+            be.onload()
+            t2 = time.perf_counter()
+            if not timing:  # the first round trip is the measured one
+                timing.update(before=before, after=after, offload_s=t1 - t0, onload_s=t2 - t1b)
+
+        got = _curve(be, 3, 8192, between)
+        sizes = dict(be.offloaded_bytes)
+        kept = sum(s.nbytes for s in be._offloader.slots if s.keep)
+        remaining = timing["after"]["allocated"] - base["allocated"]
+        n_params = sum(p.numel() for c in be.model for p in c.parameters())
+        same = (ref[0] == got[0], ref[1] == got[1],
+                sorted(ref[2]) == sorted(got[2]) and all(torch.equal(ref[2][k], got[2][k]) for k in ref[2]))
+        control = None
+        if not all(same):
+            be = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            again = _curve(_backend(model_dir), 3, 8192)
+            control = dict(losses_equal=again[0] == ref[0], norms_equal=again[1] == ref[1])
+        emit(check="offload_memory", fp32=fp32, params=n_params, state_bytes=sizes, baseline=base,
+             before_offload=timing["before"], after_offload=timing["after"], remaining_bytes=remaining,
+             remaining_frac=remaining / sizes["total"], copied_bytes=kept,
+             offload_gbps=kept / timing["offload_s"] / 1e9, onload_gbps=kept / timing["onload_s"] / 1e9,
+             round_trip_gbps=2 * kept / (timing["offload_s"] + timing["onload_s"]) / 1e9,
+             ok=remaining / sizes["total"] <= 0.05)
+        emit(check="offload_bit_identical", fp32=fp32, losses=ref[0], losses_offload=got[0], grad_norms=ref[1],
+             grad_norms_offload=got[1], losses_equal=same[0], norms_equal=same[1], weights_equal=same[2],
+             control_without_offload=control, ok=all(same))
+        be = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def mode_recompute(a) -> None:
+    """--gradient-checkpointing on megatron is full recompute of every layer: the config says so, and in FP32 one
+    step's loss and grad norm equal the step without it (recompute reruns the same forward kernels on the same
+    inputs)."""
+    init_distributed("cuda")
+    global FP32
+    FP32 = True
+    out = {}
+    for gc_on in (False, True):
+        be = _backend(a.model, gradient_checkpointing=gc_on)
+        cfg = (be.config.recompute_granularity, be.config.recompute_method, be.config.recompute_num_layers)
+        m = be.train_step(fixed_batch(), RL, with_entropy=True)
+        out[gc_on] = (cfg, m["loss"], m["grad_norm"])
+        del be
+        torch.cuda.empty_cache()
+    rel = abs(out[True][2] - out[False][2]) / out[False][2]
+    emit(check="gradient_checkpointing_is_full_recompute", config=out[True][0], loss=[out[False][1], out[True][1]],
+         grad_norm=[out[False][2], out[True][2]], rel=rel,
+         ok=out[True][0] == ("full", "uniform", 1) and out[False][0][0] is None and rel <= 1e-6)
+
+
+def mode_optimizer_cpu_offload(a) -> None:
+    """--optimizer-cpu-offload (BF16): megatron-core's hybrid-device optimizer keeps the fp32 master weights and Adam
+    state on the CPU. Step 1 runs on the same weights as the GPU optimizer's run (equal loss and grad norm); later
+    steps follow a CPU AdamW against the GPU one, both in fp32 on the same grads, then rounded to bf16 weights: one
+    bf16 ulp (2^-8 relative) of a weight moves the loss by far less than 1%, so 1e-2 relative bounds them; a missing
+    update (the CPU copy not written back) leaves the loss at step 1's and fails the decrease check. The GPU memory
+    after a step is lower by at least the fp32 main params and moments the GPU run keeps (12 bytes a parameter)."""
+    init_distributed("cuda")
+    global FP32
+    FP32 = False
+    res = {}
+    for off in (False, True):
+        base = _mem()["allocated"]
+        be = _backend(a.model, optimizer_cpu_offload=off)
+        losses, norms, _ = _curve(be, 3, 250)
+        n_params = sum(p.numel() for c in be.model for p in c.parameters())
+        res[off] = (losses, norms, _mem()["allocated"] - base, n_params)
+        del be
+        torch.cuda.empty_cache()
+    (l0, g0, m0, n), (l1, g1, m1, _) = res[False], res[True]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(l0, l1))
+    emit(check="optimizer_cpu_offload", losses_gpu_opt=l0, losses_cpu_opt=l1, grad_norms_gpu_opt=g0,
+         grad_norms_cpu_opt=g1, max_rel=rel, allocated_gpu_opt=m0, allocated_cpu_opt=m1, params=n,
+         ok=l0[0] == l1[0] and rel <= 1e-2 and l1[-1] < l1[0] and m0 - m1 >= 12 * n * 0.9)
+
+
+PROVIDER = """
+import torch
+
+ALPHA = 0.5
+
+
+def provider(config, hf_config, pre_process, post_process, vp_stage):
+    \"\"\"The default GPTModel plus an extra scaled residual around the final norm: norm(x) + ALPHA * x.\"\"\"
+    from megatron.core.models.gpt import GPTModel
+    from polyrl.backends.megatron import bridge, model as mm
+    m = GPTModel(config=config, transformer_layer_spec=mm.layer_spec(config, vp_stage, hf_config), pre_process=pre_process,
+                 post_process=post_process, parallel_output=True, vp_stage=vp_stage,
+                 **bridge.gpt_model_kwargs(hf_config, config.tensor_model_parallel_size))
+    if post_process:
+        m.provider_hook_calls = 0
+
+        def residual(mod, args, out):
+            m.provider_hook_calls += 1
+            return out + ALPHA * args[0]
+        m.decoder.final_layernorm.register_forward_hook(residual)
+    return m
+"""
+
+
+def _hf_logprobs(model_dir: str, batch: TrainBatch, alpha: float) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    if alpha:
+        hf.model.norm.register_forward_hook(lambda mod, args, out: out + alpha * args[0])
+    out = []
+    with torch.no_grad():
+        for ids, p in zip(batch.input_ids, batch.prompt_lens):
+            logits = hf(input_ids=ids[None].cuda()).logits[0].float()
+            out.append(torch.log_softmax(logits[p - 1:-1], -1).gather(1, ids[p:, None].cuda())[:, 0].cpu())
+    return out
+
+
+def mode_provider(a) -> None:
+    """--custom-model-provider-path in FP32: a provider adding a scaled residual around the final norm. The backend's
+    log-probs equal the HF model with the same residual (FP32 tolerances) and not the plain one; a train step runs
+    the provider's forward (its hook counts calls) and its grad norm differs from the plain model's."""
+    init_distributed("cuda")
+    global FP32
+    FP32 = True
+    path = os.path.join(a.arg1, "provider.py")
+    with open(path, "w") as f:
+        f.write(PROVIDER)
+    batch = fixed_batch()
+    want, plain = _hf_logprobs(a.model, batch, 0.5), _hf_logprobs(a.model, batch, 0.0)
+    be = _backend(a.model, custom_model_provider_path=f"{path}:provider")
+    from polyrl.backends.megatron.model import unwrap
+    logp = be.compute_logprobs(batch)
+    d = torch.cat([(x - y).abs() for x, y in zip(logp, want)])
+    d_plain = torch.cat([(x - y).abs() for x, y in zip(logp, plain)])
+    head = unwrap(be.model[0])
+    calls0 = head.provider_hook_calls
+    m = be.train_step(batch, RL, with_entropy=True)
+    calls = head.provider_hook_calls - calls0
+    del be
+    torch.cuda.empty_cache()
+    m_plain = _backend(a.model).train_step(batch, RL, with_entropy=True)
+    tol = FP32_LOGP_TOL
+    emit(check="custom_model_provider", mean_abs_vs_provider_hf=float(d.mean()), max_abs_vs_provider_hf=float(d.max()),
+         mean_abs_vs_plain_hf=float(d_plain.mean()), hook_calls_in_train_step=calls, grad_norm=m["grad_norm"],
+         grad_norm_plain=m_plain["grad_norm"],
+         ok=float(d.mean()) <= tol["mean"] and float(d.max()) <= tol["max"] and float(d_plain.mean()) > 1e-2
+         and calls > 0 and abs(m["grad_norm"] - m_plain["grad_norm"]) > 1e-3 * m_plain["grad_norm"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -608,6 +844,14 @@ def main() -> None:
         mode_hf_wrap(a)
     elif a.mode == "replay":
         mode_replay(a)
+    elif a.mode == "offload":
+        mode_offload(a)
+    elif a.mode == "recompute":
+        mode_recompute(a)
+    elif a.mode == "optimizer-cpu-offload":
+        mode_optimizer_cpu_offload(a)
+    elif a.mode == "provider":
+        mode_provider(a)
     else:
         raise SystemExit(f"unknown mode {a.mode}")
     if dist.is_initialized():
