@@ -273,3 +273,50 @@ def test_fsdp_checkpoint_resume_equals_uninterrupted(qwen25_vl, tmp_path):
     b.train_step(b2, _loss)
     for (n, p), (_, q) in zip(a.model.lm.named_parameters(), b.model.lm.named_parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+
+
+# ---- polyrl serve + the HTTP engine -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_serve_takes_sglang_image_data_and_the_http_engine_sends_it(qwen25_vl, tmp_path):
+    """One `polyrl serve` process on loopback: the HTTP engine's samples of image prompts (input_ids with expanded pads
+    + image_data data URLs) equal the embedded engine's (same seeds, same FP32 model: log-probs within 1e-4, BLAS
+    order only), carry the pixel inputs, and malformed image_data gets a 400 naming the problem."""
+    import urllib.error
+    import urllib.request
+
+    from polyrl.rollout.embedded import EmbeddedEngine
+    from polyrl.rollout.http_engine import HTTPEngine
+    from tests.rollout.test_http_engine import engine_cfg, same_samples
+
+    ref = EmbeddedEngine(qwen25_vl)
+    imgs = boards(3, seed=4)
+    ps = [ref.processor.encode(PROMPT, [x])[0] for x in imgs]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=9)
+    want = ref.generate(ps, sp, images=[[x] for x in imgs])
+    eng = HTTPEngine(engine_cfg(qwen25_vl, tmp_path, n=1), "cpu")
+    try:
+        got = eng.generate(ps, sp, images=[[x] for x in imgs])
+        same_samples(got, want)
+        assert all(torch.equal(g.multimodal["pixel_values"], w.multimodal["pixel_values"]) for g, w in zip(got, want))
+        url = eng.servers[0].url
+        headers = {"Content-Type": "application/json",
+                   **({"Authorization": f"Bearer {eng.http.api_key}"} if eng.http.api_key else {})}
+
+        def post(body):
+            req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), headers)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        status, out = post({"input_ids": ps[0], "image_data": image_data_url(imgs[0]),
+                            "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert status == 200 and len(out["output_ids"]) >= 1
+        for body, msg in (({"input_ids": ps[0], "image_data": "/etc/passwd"}, "send images as data URLs"),
+                          ({"input_ids": ps[0][:3], "image_data": image_data_url(imgs[0])}, "image tokens but its images make 4"),
+                          ({"input_ids": [ps[0], ps[1]], "image_data": [image_data_url(imgs[0])]}, "list of 2 entries")):
+            status, text = post(body)
+            assert status == 400 and msg in text, text
+    finally:
+        eng.close()

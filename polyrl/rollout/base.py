@@ -83,6 +83,7 @@ class ServedEngine(RolloutEngine, Protocol):
     dtype: torch.dtype
     max_len: int | None  # most tokens a sequence may hold (prompt + response), None: the model config's
     reports_routed_experts: bool  # generate() fills Sample.routed_experts when asked
+    processor: Any  # polyrl.multimodal.VisionProcessor of a vision-language model (generate takes images), else None
     asleep: bool  # sleep() released its weights: updates land, generation waits for wake()
 
     def get_weight(self, name: str) -> torch.Tensor:
@@ -117,6 +118,7 @@ class InProcessEngine:
     max_len: int | None = None  # the GPU path's position limit; None: the model config's max_position_embeddings
     asleep = False  # the GPU path after sleep(): weights released until wake()
     reports_routed_experts = False  # MoE engines that record routes override this
+    processor = None  # vision-language models: the polyrl.multimodal.VisionProcessor that makes the pixel inputs
     # True when the trainer runs in this process (polyrl.assemble.build_engine): sleep() then leaves what it frees in PyTorch's
     # caching allocator, where the train phase's allocations find it, instead of handing it back to the CUDA driver.
     # Emptying the cache also dropped the trainer's cached blocks, so every train phase paid a few hundred cudaMallocs

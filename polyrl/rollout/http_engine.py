@@ -92,6 +92,7 @@ class Server:
     failures: int = 0
     restarting: bool = False
     log_tail: list[str] = field(default_factory=list)
+    born: int = 0  # the engine's membership when this process started: restarted after a push began if larger
     inflight: set = field(default_factory=set)  # asyncio tasks of its /generate requests (cancelled when it goes down)
 
     @property
@@ -230,7 +231,8 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
             # the server stops generating for a request its client has given up on
             "--request-timeout-s", str(e.rollout_request_timeout), *allowed,
             *([] if r.rollout_gpu_engine else ["--no-rollout-gpu-engine"]),
-            *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg)]
+            *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg),
+            *(["--true-on-policy"] if cfg.model.true_on_policy else [])]
 
 
 class HTTPEngine:
@@ -264,6 +266,7 @@ class HTTPEngine:
         self._secret_files: list[str] = []  # 0600 files holding the key for launched SGLang servers, removed at close
         self._weight_source = None  # (source, transport): how a restarted server gets the current weights
         self._resync_lock = threading.Lock()
+        self._processor = None  # image prompts: the model's VisionProcessor, loaded at the first one
         atexit.register(self.close)
         try:
             self._start_servers(cfg, device)
@@ -341,7 +344,11 @@ class HTTPEngine:
         s.alive, s.failures = True, 0
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[list | None] | None = None) -> list[Sample]:
+        """images[i]: prompt i's images, sent as SGLang's `image_data` (data URLs); the samples carry the pixel inputs
+        the trainer recomputes log-probs with, made here by the model's processor."""
+        data, mms = self._image_data(prompts, images)
         base = params.seed if params.seed is not None else random.getrandbits(62)
         jobs = []  # (prompt index, first sample index, n, seed)
         for i in range(len(prompts)):
@@ -354,28 +361,50 @@ class HTTPEngine:
         budget = (self.request_timeout + (self.cfg.engines.rollout_engine_startup_timeout if self.fault_tolerant else 0)) \
             * attempts + 60
         async def all_jobs():
-            return await asyncio.gather(*(self._one(prompts[i], params, n, seed) for i, _, n, seed in jobs))
+            return await asyncio.gather(*(self._one(prompts[i], params, n, seed, data[i]) for i, _, n, seed in jobs))
         outs = self.http.run(all_jobs(), timeout=budget)
         samples: list[Sample] = [None] * (len(prompts) * params.n)  # type: ignore[list-item]
         for (i, j, n, _), got in zip(jobs, outs):
             for k, o in enumerate(got):
                 samples[i * params.n + j + k] = self._to_sample(prompts[i], i, o)
+                samples[i * params.n + j + k].multimodal = mms[i]
         return samples
+
+    def _image_data(self, prompts: list[list[int]], images: list[list | None] | None) -> tuple[list, list]:
+        """(image_data per prompt: a list of data URLs or None, pixel inputs per prompt or None)."""
+        if images is None or all(x is None for x in images):
+            return [None] * len(prompts), [None] * len(prompts)
+        from polyrl.multimodal import VisionProcessor, image_data_url
+        if self._processor is None:
+            self._processor = VisionProcessor.from_pretrained(self.cfg.model.hf_checkpoint, self.tokenizer)
+            if self._processor is None:
+                raise ValueError(f"image prompts: {self.cfg.model.hf_checkpoint} is not a vision-language model")
+        data, mms = [], []
+        for ids, imgs in zip(prompts, images):
+            mm = self._processor.pixel_inputs(imgs) if imgs else None
+            if mm is not None:
+                self._processor.check(ids, mm["image_grid_thw"])
+            data.append([image_data_url(x) for x in imgs] if imgs else None)
+            mms.append(mm)
+        return data, mms
 
     def _max_attempts(self) -> int:
         return 2 * len(self.servers) + 1 if self.fault_tolerant else 1
 
-    def _payload(self, prompt: list[int], p: SamplingParams, n: int, seed: int) -> dict:
+    def _payload(self, prompt: list[int], p: SamplingParams, n: int, seed: int, image_data: list | None = None) -> dict:
         sp = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
               "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "n": n, "sampling_seed": seed,
               "no_stop_trim": True, "skip_special_tokens": True}
         out = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        if image_data:  # SGLang's form for one request: its images in order; input_ids hold their expanded pads
+            out["image_data"] = image_data
         if p.return_routed_experts:
             out["return_routed_experts"] = True
         return out
 
-    async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int) -> list[dict]:
-        payload = self._payload(prompt, params, n, seed)
+    async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int,
+                   image_data: list | None = None) -> list[dict]:
+        payload = self._payload(prompt, params, n, seed, image_data)
         last: Exception | None = None
         for attempt in range(self._max_attempts()):
             s = None if self.router_url else await self._pick()
@@ -488,18 +517,21 @@ class HTTPEngine:
         for task in list(s.inflight):
             task.cancel()
 
-    def lost_during_sync(self, urls: list[str], err: str) -> list[str]:
-        """Which of these servers died or hung during a weight sync that failed with `err` (down already,
-        exited, or no /health answer within 5 s). With fault tolerance they are marked down (and restarted,
-        then re-sent the weights); without it the first one is an EngineDeadError naming it and its log."""
-        lost = [s for s in self.servers if s.url in urls and (not s.alive or s.exited() or not self._answers(s, 5.0))]
+    def lost_during_sync(self, urls: list[str], err: str, since: int) -> list[str]:
+        """Which of these servers died or hung during a weight sync that failed with `err` (down, restarted
+        since the push began at membership `since`, exited, or no /health answer within 5 s). With fault
+        tolerance they are marked down (and restarted, then re-sent the weights); without it the first one
+        is an EngineDeadError naming it and its log."""
+        lost = [s for s in self.servers if s.url in urls and (not s.alive or s.restarting or s.born > since or s.exited()
+                                                              or not self._answers(s, 5.0))]
         if lost and not self.fault_tolerant:
             s = lost[0]
             why = f"exited with code {s.proc.returncode}" if s.exited() else "stopped answering"
             raise EngineDeadError(f"{s.name} {why} during the weight sync "
                                   "(--use-fault-tolerance restarts it and re-sends the weights)")
         for s in lost:
-            self._mark_down(s, f"lost during the weight sync: {err}")
+            if s.born <= since:  # a restarted one is current already, or is being brought current
+                self._mark_down(s, f"lost during the weight sync: {err}")
         return [s.url for s in lost]
 
     def _answers(self, s: Server, timeout: float) -> bool:
@@ -574,6 +606,7 @@ class HTTPEngine:
                 s.version = None if self._weight_source is not None or self.version != 0 else 0
                 s.failures = 0
                 self.membership += 1
+                s.born = self.membership
             self._stats["rollout/restarts"] += 1
             if self._weight_source is not None:
                 self._bring_current(s)  # before it serves: the current weights, to it alone

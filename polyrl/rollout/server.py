@@ -56,6 +56,7 @@ from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import (WeightReceiver, digest, dtype_from_name, dtype_name, encode_tensor,
                                             is_loopback)
+from polyrl.weight_sync.quantize import FP8_DTYPE, Dequantizer, quantized_shapes
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ API_KEY_ENV = "POLYRL_API_KEY"  # how a parent process hands a server its key (n
 OPEN_WITHOUT_KEY = frozenset({"/health", "/health_generate", "/generate", "/get_load", "/get_weight_version",
                               "/get_model_info", "/model_info"})
 # safetensors dtypes a weight file may hold (the engine casts them to its own dtype)
-WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
 # SGLang sampling parameters the engine implements, with SGLang's defaults (None = the default)
 SAMPLING_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
                      "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False}
@@ -76,7 +77,7 @@ SAMPLING_UNSUPPORTED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalt
                         "structural_tag": None, "stop_regex": None, "logit_bias": None, "custom_params": None,
                         "beam_width": None, "stream_interval": None, "spaces_between_special_tokens": True}
 # /generate fields the engine cannot honour unless they hold these values
-GENERATE_UNSUPPORTED = {"stream": False, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+GENERATE_UNSUPPORTED = {"stream": False, "input_embeds": None, "video_data": None, "audio_data": None,
                         "lora_path": None, "session_params": None, "return_hidden_states": False,
                         "custom_logit_processor": None}
 
@@ -176,6 +177,7 @@ class Item:
     rid: str
     future: asyncio.Future  # done (answered, aborted, past its deadline, client gone): the engine stops its rows
     t0: float = field(default_factory=time.perf_counter)
+    images: list | None = None  # SGLang's image_data of this prompt, decoded (PIL images)
 
 
 # ---- the engine thread -----------------------------------------------------------------------------
@@ -219,12 +221,16 @@ class EngineServer:
         self.engine, self.cfg, self.model_path, self.device = engine, cfg, model_path, device
         self.tokenizer = engine.tokenizer
         self.hf_config = hf = AutoConfig.from_pretrained(model_path)
-        self.vocab_size = hf.vocab_size
+        self.vocab_size = hf.get_text_config().vocab_size  # a vision-language config keeps it in its text config
         # the context: the GPU path's positions, else the model's; max_new_tokens is cut to what a prompt leaves of it
         self.max_len = engine.max_len or getattr(hf.get_text_config(), "max_position_embeddings", None)
         self.cancellable = isinstance(engine, EmbeddedEngine)  # the transformers path stops a row between decode steps
         self.allowed_dirs = [os.path.realpath(d) for d in cfg.allowed_weight_dirs]
         self.weight_shapes = engine.weight_shapes()
+        # FP8 weight sync (SGLang's block-FP8 names): 2-D weights may also arrive as FP8 + weight_scale_inv, dequantized
+        # on load; the two halves of a weight may come in different buckets, so the pairing outlives one request
+        self.wire_shapes = quantized_shapes(self.weight_shapes)
+        self.fp8 = Dequantizer()
         self.eos_id = self.tokenizer.eos_token_id
         self.weight_version = "0"
         self.loopback = is_loopback(cfg.host)
@@ -331,6 +337,7 @@ class EngineServer:
     async def generate(self, request):
         body = await self._body(request)
         prompts, single = self._prompts(body)
+        images = self._images(body.get("image_data"), prompts, single)
         for k, ok in GENERATE_UNSUPPORTED.items():
             if body.get(k) not in (None, ok):
                 raise bad(f"{k!r} is not supported by polyrl serve")
@@ -365,8 +372,8 @@ class EngineServer:
             raise HTTPError(429, f"server busy: {self._inflight} samples queued or running, {samples} more would pass "
                                  f"--max-running-requests {cap}; retry after {retry} s", {"Retry-After": str(retry)})
         loop = asyncio.get_running_loop()
-        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future())
-                 for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
+        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future(),
+                      images=images[i]) for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
         self._inflight += samples
         self.stats["requests"] += 1
         futs = [it.future for it in items]
@@ -427,6 +434,38 @@ class EngineServer:
                 raise bad(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_len} tokens, which leaves "
                           "no room for a new one")
         return prompts, single
+
+    def _images(self, data: Any, prompts: list[list[int]], single: bool) -> list[list | None]:
+        """SGLang's image_data: one image or a list of them for a single prompt; a list with one entry (None, an image
+        or a list of images) per prompt for a batch. Images come as data URLs or base64 (a server does not read paths
+        or URLs its clients name); prompts hold each image's expanded pads, as the model's processor writes them."""
+        B = len(prompts)
+        if data is None:
+            return [None] * B
+        proc = self.engine.processor
+        if proc is None:
+            raise bad("'image_data': the served model is not a vision-language model")
+        if single:
+            per = [data if isinstance(data, list) else [data]]
+        elif isinstance(data, list) and len(data) == B:
+            per = [x if isinstance(x, list) or x is None else [x] for x in data]
+        else:
+            raise bad(f"'image_data' must be a list of {B} entries (one per prompt: null, an image or a list of images)")
+        from polyrl.multimodal import ImageError, load_image
+        out: list[list | None] = []
+        for i, (ids, imgs) in enumerate(zip(prompts, per)):
+            if not imgs:
+                out.append(None)
+                continue
+            if not all(isinstance(x, str) and (x.startswith("data:") or len(x) >= 64 and "." not in x[:64]) for x in imgs):
+                raise bad(f"image_data of prompt {i}: send images as data URLs ('data:image/png;base64,...') or base64")
+            try:
+                loaded = [load_image(x) for x in imgs]
+                proc.check(ids, proc.pixel_inputs(loaded)["image_grid_thw"])
+            except ImageError as e:
+                raise bad(f"image_data of prompt {i}: {e}") from None
+            out.append(loaded)
+        return out
 
     def _sampling(self, sp: dict, prompt: list[int]) -> tuple[GenSettings, tuple[bool, bool], int]:
         for k, v in sp.items():
@@ -529,6 +568,8 @@ class EngineServer:
         version = self.weight_version
         # an item answered already (aborted, past its deadline, its client gone) needs no more tokens
         stop = {"should_stop": lambda i: batch[i].future.done()} if self.cancellable else {}
+        if any(it.images for it in batch):
+            stop["images"] = [it.images for it in batch]
         samples = self.engine.generate([it.prompt for it in batch], sp, **stop)
         self.stats["engine_calls"] += 1
         self.stats["prompts"] += len(batch)
@@ -727,9 +768,11 @@ class EngineServer:
             return self._json({"success": True, "message": "Succeeded to destroy custom process group."})
         return self._json({"success": False, "message": f"The group to be destroyed does not exist: {name!r}."}, 400)
 
-    def _check_weights(self, names: list[str], shapes: list[list[int]]) -> None:
-        for n, s in zip(names, shapes):
-            want = self.weight_shapes.get(n)
+    def _check_weights(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> None:
+        for n, s, d in zip(names, shapes, dtypes):
+            if dtype_from_name(d) == FP8_DTYPE and not (n.endswith(".weight") and len(s) == 2):
+                raise bad(f"{n}: {d} is for 2-D linear weights (block FP8 with a weight_scale_inv)")
+            want = self.wire_shapes.get(n)
             if want is None:
                 raise bad(f"no weight named {n!r} in this model")
             if tuple(s) != want:
@@ -752,7 +795,7 @@ class EngineServer:
             raise bad(f"a flattened bucket holds tensors of one dtype, got {sorted(set(dts))}")
         if name not in self.receiver.groups:
             raise bad(f"no weight-update group {name!r}; call /init_weights_update_group first")
-        self._check_weights(names, shapes)
+        self._check_weights(names, shapes, dts)
         if _field(body, "abort_all_requests", lambda v: isinstance(v, bool), "a bool", False):
             self._abort(lambda it: True, "aborted by a weight update")
         t0 = time.perf_counter()
@@ -770,7 +813,7 @@ class EngineServer:
 
     async def _load(self, weights: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         v = int(version) if version is not None and version.isdigit() else self.engine.version
-        await self._engine.run(self.engine.update_weights, iter(weights), v)
+        await self._engine.run(self.engine.update_weights, self.fp8.feed(weights), v)
         if version is not None:
             self._set_version(version)
 
@@ -824,7 +867,7 @@ class EngineServer:
                     for n in st.keys():
                         sl = st.get_slice(n)
                         shape, dt = list(sl.get_shape()), sl.get_dtype()
-                        want = self.weight_shapes.get(n)
+                        want = self.wire_shapes.get(n)
                         if want is None:
                             return f"{os.path.basename(f)} holds {n!r}, which this model does not have"
                         if n in seen:

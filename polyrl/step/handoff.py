@@ -28,7 +28,7 @@ class Handoff:
         servers, which another run may have updated), gets the trainer's weights now."""
         if resumed or self.push_at_start:
             if self.push_at_start and not resumed:
-                notice("sending the trainer's weights to the external engines before the first rollout")
+                notice("sending the trainer's weights to the engines before the first rollout")
             self.push(version)
 
     def to_engine(self) -> None:

@@ -135,6 +135,11 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     return pg, store
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a collective moves it: FP8 as its bytes (gloo has no float8 type; NCCL moves them as bytes too)."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def _broadcast_opts() -> dist.BroadcastOptions:
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
@@ -180,11 +185,11 @@ class WeightReceiver:
                 raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
             sizes = [math.prod(s) for s in shapes]
             flat = torch.empty(sum(sizes), dtype=dtype_from_name(dtypes[0]), device=dev)
-            works = [pg.broadcast([flat], _broadcast_opts())]
+            works = [pg.broadcast([_wire(flat)], _broadcast_opts())]
             out = [(n, x.view(s)) for n, x, s in zip(names, flat.split(sizes), shapes)]
         else:
             out = [(n, torch.empty(s, dtype=dtype_from_name(d), device=dev)) for n, d, s in zip(names, dtypes, shapes)]
-            works = [pg.broadcast([t], _broadcast_opts()) for _, t in out]  # all posted at once: no per-tensor round trip
+            works = [pg.broadcast([_wire(t)], _broadcast_opts()) for _, t in out]  # all posted at once: no per-tensor round trip
         for w in works:
             if not w.wait(datetime.timedelta(seconds=timeout_s)):
                 raise WeightSyncError(f"broadcast did not finish within {timeout_s:.0f} s")
@@ -450,7 +455,7 @@ class DistributedTransport(_ServerTransport):
             if flat:
                 meta["load_format"] = "flattened_bucket"
             futs = {u: t.http.call_async(u, "/update_weights_from_distributed", meta, timeout=self.timeout_s) for u in t.urls}
-            sends = [torch.cat([x.reshape(-1) for x in xs])] if flat else xs
+            sends = [torch.cat([_wire(x).reshape(-1) for x in xs])] if flat else [_wire(x) for x in xs]
             works = [pg.broadcast([x], _broadcast_opts()) for x in sends]
             self._wait(works, futs, t, f"bucket {k} ({len(xs)} tensors from {bucket[0][0]})", drop)
             _check_answers(futs, "/update_weights_from_distributed", self.timeout_s)
@@ -503,7 +508,10 @@ class DistributedTransport(_ServerTransport):
 def check_weights_equal(http, urls: list[str], sent: list[tuple[str, torch.Tensor]], *, timeout_s: float = 120.0) -> None:
     """Read every weight back from every server and require bit equality with what was sent, in
     the engine's dtype. `polyrl serve` answers with a sha256 of the whole tensor; an SGLang server
-    (which ignores return_format) with its rows as floats."""
+    (which ignores return_format) with its rows as floats. FP8 weights (--rollout-quantization fp8) are compared
+    as the engine holds them: dequantized."""
+    from polyrl.weight_sync.quantize import dequantize_stream
+    sent = list(dequantize_stream(sent))
     futs = [(url, name, x, http.call_async(url, "/get_weights_by_name", {
         "name": name, "return_format": "sha256", "truncate_size": max(1, x.shape[0] if x.dim() else 1)}, timeout=timeout_s))
         for url in urls for name, x in sent]
