@@ -78,9 +78,10 @@ def run_eval(cfg) -> dict:
     plan = plan_here(cfg)
     device, d = asm.setup_command(cfg)
     engine = asm.build_engine(cfg, plan)
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load or cfg.rollout.rollout_quantization != "none":  # the engine loaded --hf-checkpoint as it is
         backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
-        load_checkpoint(cfg.checkpoint.load, backend)
+        if cfg.checkpoint.load:
+            load_checkpoint(cfg.checkpoint.load, backend)
         asm.build_transport(cfg, plan).push(backend.export_weights(), engine, version=0)
     ds = asm.prompt_dataset(cfg, engine.tokenizer, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
     score = Scorer(cfg, RewardManager.from_config(cfg.reward))

@@ -81,6 +81,24 @@ class InMemoryTransport:
         return total
 
 
+class FP8Transport:
+    """--rollout-quantization fp8 around any transport: every linear weight of the stream leaves as FP8 E4M3 with
+    128x128 block scales (polyrl.weight_sync.quantize). Servers receive that (SGLang's FP8 names; `polyrl serve`
+    dequantizes); an engine in this process gets the dequantized weights, since it runs BF16/FP32 matmuls either way.
+    The bytes returned are those of the quantized stream: what FP8 weights cost to move."""
+
+    def __init__(self, inner: WeightTransport, *, in_process: bool):
+        self.inner, self.in_process = inner, in_process
+
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
+        from polyrl.weight_sync.quantize import dequantize_stream, quantize_stream, stream_nbytes
+        if not self.in_process:
+            return self.inner.push(quantize_stream(stream), engine, version)
+        moved = [0]
+        self.inner.push(dequantize_stream(stream_nbytes(quantize_stream(stream), moved)), engine, version)
+        return moved[0]
+
+
 class NoTransport:
     """--debug-train-only: no engine to send weights to."""
 
