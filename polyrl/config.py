@@ -766,6 +766,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
     _validate_remote_rm(rw)
+    if cfg.model.true_on_policy and cfg.rollout.rollout_quantization != "none":
+        raise ConfigError(f"--true-on-policy with --rollout-quantization {cfg.rollout.rollout_quantization}: the engine "
+                          "would sample from rounded weights that the trainer does not score with; drop one of them")
     _validate_logging(cfg.log, command)
     if cfg.data.multimodal_keys:
         from polyrl.multimodal import parse_multimodal_keys
