@@ -154,9 +154,9 @@ class StorageOffloader:
 
 
 def _module_tensors(modules: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
-    for m in modules:
-        yield from m.parameters()
-        yield from m.buffers()
+    for m in modules:  # nn.Module's own methods: megatron's DDP shadows `buffers` with its list of grad buffers
+        yield from torch.nn.Module.parameters(m)
+        yield from torch.nn.Module.buffers(m)
 
 
 def _fsdp_buffers(chunk, names: tuple[str, ...]) -> Iterator[torch.Tensor]:
@@ -177,9 +177,10 @@ def megatron_state(model: list, optimizer, frozen: list[list] = ()) -> list[tupl
         weights += list(_fsdp_buffers(c, ("model_weight_buffer", "transpose_weight_buffer")))
     grads, kept_grads = [], []
     for c in model:
-        for buf in list(getattr(c, "buffers", []) or []) + list(getattr(c, "expert_parallel_buffers", []) or []):
-            grads.append(getattr(buf, "grad_data", None))
-        grads += [getattr(p, "main_grad", None) for p in c.parameters()]
+        for name in ("buffers", "expert_parallel_buffers"):  # megatron DDP's _ParamAndGradBuffer lists
+            bufs = vars(c).get(name)
+            grads += [getattr(b, "grad_data", None) for b in bufs] if isinstance(bufs, list) else []
+        grads += [getattr(p, "main_grad", None) for p in torch.nn.Module.parameters(c)]
         kept_grads += list(_fsdp_buffers(c, ("main_grad_buffer",)))  # its own lifecycle: keep its values
     mains, opt_state = [], []
     members = list(getattr(optimizer, "chained_optimizers", [optimizer]))

@@ -54,3 +54,26 @@ def test_round_trip_restores_views_and_zeroes_released():
 def test_arena_layout_packs_aligned_and_gives_large_ones_their_own():
     lay = arena_layout([100, 600, 300, 2000], arena_bytes=1024, align=512)
     assert lay == [(0, 0), (1, 0), (0, 512), (2, 0)]  # 600 does not fit after 100 (aligned to 512): a new arena
+
+
+def test_megatron_state_reads_ddp_grad_buffers_beside_module_buffers():
+    """megatron's DDP wrapper keeps its grad buffers in a `buffers` list that shadows nn.Module.buffers()."""
+    from types import SimpleNamespace
+
+    from polyrl.backends.megatron.offload import megatron_state
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(4, 2)
+            self.module.register_buffer("inv_freq", torch.ones(3))
+            grad = torch.zeros(10)
+            self.module.weight.main_grad = grad[:8].view(2, 4)
+            self.buffers = [SimpleNamespace(grad_data=grad)]
+            self.expert_parallel_buffers = []
+
+    ddp = FakeDDP()
+    opt = SimpleNamespace(optimizer=torch.optim.AdamW(ddp.module.parameters()))
+    groups = megatron_state([ddp], opt, [None])
+    sizes = summarize(plan_slots(groups, device_type="cpu"))
+    assert sizes == {"weights": 8 * 4 + 2 * 4 + 3 * 4, "grads": 10 * 4, "total": 92}
