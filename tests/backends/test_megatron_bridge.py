@@ -215,7 +215,7 @@ def test_fc1_tp_shard_keeps_gate_and_up_halves():
 
 
 def test_unsupported_model_type_errors_clearly():
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*'llama', 'qwen2', 'qwen3', 'qwen3_moe'"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*'llama', 'mimo', 'qwen2', 'qwen3', 'qwen3_5_text', 'qwen3_moe'"):
         config_to_mcore_kwargs(GPT2Config())
     with pytest.raises(ValueError, match="unknown megatron parameter"):
         list(mcore_to_hf([("decoder.layers.0.foo.weight", torch.zeros(1))], LlamaConfig(**COMMON)))
@@ -334,3 +334,190 @@ def test_moe_layer_matches_hf(norm_topk_prob):
                 weight = (probs * (idx == e)).sum(-1, keepdim=True)
                 out += weight * _mcore_mlp(tokens, p["linear_fc1.weight"], p["linear_fc2.weight"])
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-OSS, MiMo (with MTP layers) and Qwen3.5 (text): tiny models from their config classes (MiMo from
+# polyrl.hf_families, written from MiMo-7B's checkpoint names), random weights, exact round trips.
+
+def _make_new(family: str, std: float = 1.0):
+    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from polyrl.hf_families import MiMoConfig, MiMoForCausalLM
+
+    if family == "gpt_oss":  # layer 0 sliding, layer 1 full; 4 experts so EP=2 holds 2 each
+        cfg = GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=4, tie_word_embeddings=False)
+        cls = GptOssForCausalLM
+    elif family == "mimo":  # Qwen2 decoder + 2 MTP layers
+        cfg, cls = MiMoConfig(**COMMON, num_nextn_predict_layers=2, tie_word_embeddings=False), MiMoForCausalLM
+    else:  # 3 DeltaNet layers, 1 gated full attention; 2 key heads so TP=2 splits them
+        cfg = Qwen3_5TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
+                                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                tie_word_embeddings=False)
+        cls = Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=std)
+    return cfg, model
+
+
+NEW_FAMILIES = ["gpt_oss", "mimo", "qwen3_5_text"]
+_NEW_SAVED: dict = {}
+
+
+def _new_saved(family, tmp_path_factory):
+    if family not in _NEW_SAVED:
+        cfg, model = _make_new(family)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        _NEW_SAVED[family] = cfg, model, path
+    return _NEW_SAVED[family]
+
+
+def _roundtrip_cfg(hf_state, cfg, tp, pp):
+    """As _roundtrip (no EP), passing hf_config to the TP gather (the DeltaNet's q | k | v parts)."""
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        shards = [hf_to_mcore(hf_state, cfg, tp_rank=r, tp_size=tp, pp_rank=pp_rank, pp_size=pp) for r in range(tp)]
+        full = {n: gather_from_tp(n, [s[n] for s in shards], cfg) for n in shards[0]}
+        for name, t in mcore_to_hf(full.items(), cfg, layer_offset=pp_layer_range(cfg.num_hidden_layers, pp_rank, pp).start):
+            assert name not in out, name
+            out[name] = t
+    return out
+
+
+NEW_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+
+
+@pytest.mark.parametrize("family,tp,pp", [(f, tp, pp) for f in NEW_FAMILIES for tp, pp, _ in NEW_LAYOUTS])
+def test_new_family_roundtrip_from_disk_is_exact(family, tp, pp, tmp_path_factory):
+    cfg, _, path = _new_saved(family, tmp_path_factory)
+    hf = load_hf_safetensors(path)
+    out = _roundtrip_cfg(hf, cfg, tp, pp)
+    assert set(out) == set(hf)
+    for name in hf:
+        assert torch.equal(out[name], hf[name]), name
+
+
+def test_gpt_oss_expert_parallel_roundtrip_is_exact(tmp_path_factory):
+    """EP=2: each rank's two experts come back stacked only when the stream carries all four (weight export gathers
+    experts over EP before mcore_to_hf, as for fused_experts)."""
+    cfg, model, path = _new_saved("gpt_oss", tmp_path_factory)
+    hf = load_hf_safetensors(path)
+    ranks = [hf_to_mcore(hf, cfg, ep_rank=r, ep_size=2) for r in range(2)]
+    renamed = dict(ranks[0])
+    for n, t in ranks[1].items():  # rank 1's local experts 0, 1 are global 2, 3
+        if ".local_experts." in n:
+            pre, rest = n.split(".local_experts.")
+            i, tail = rest.split(".", 1)
+            renamed[f"{pre}.local_experts.{int(i) + 2}.{tail}"] = t
+    out = dict(mcore_to_hf(renamed.items(), cfg))
+    assert set(out) == set(hf)
+    assert all(torch.equal(out[n], hf[n]) for n in hf)
+    with pytest.raises(ValueError, match="stacked experts missing"):
+        list(mcore_to_hf(ranks[0].items(), cfg))  # half the experts: refused, not a silently short tensor
+
+
+def test_new_family_names_and_shapes(tmp_path_factory):
+    cfg, model, _ = _new_saved("gpt_oss", tmp_path_factory)
+    sd = model.state_dict()
+    mc = hf_to_mcore(sd, cfg, tp_rank=1, tp_size=2)
+    e = "decoder.layers.0.mlp.experts.local_experts.3."
+    w = sd["model.layers.0.mlp.experts.gate_up_proj"][3]  # [H, 2I], gate / up interleaved in the columns
+    fc1 = torch.cat([w[:, 0::2].T, w[:, 1::2].T])  # [gate; up] as megatron's glu chunks it
+    assert torch.equal(gather_from_tp(e + "linear_fc1.weight", [hf_to_mcore(sd, cfg, tp_rank=r, tp_size=2)[
+        e + "linear_fc1.weight"] for r in range(2)]), fc1)
+    assert mc[e + "linear_fc1.weight"].shape == (32, 64) and mc[e + "linear_fc1.bias"].shape == (32,)  # 2I / TP
+    assert mc[e + "linear_fc2.weight"].shape == (64, 16) and mc[e + "linear_fc2.bias"].shape == (64,)
+    assert mc["decoder.layers.0.mlp.router.bias"].shape == (4,)
+    assert mc["decoder.layers.0.self_attention.hf.sinks"].shape == (4,)  # wrapped HF attention, replicated
+    assert mc["decoder.layers.1.self_attention.hf.q_proj.bias"].shape == (64,)
+
+    cfg, model, _ = _new_saved("mimo", tmp_path_factory)
+    mc = hf_to_mcore(model.state_dict(), cfg, tp_rank=0, tp_size=2)
+    assert mc["mtp.layers.1.eh_proj.weight"].shape == (32, 128)  # column parallel [H/TP, 2H]
+    assert mc["mtp.layers.0.transformer_layer.self_attention.linear_qkv.bias"].shape == ((4 + 4) * 16 // 2,)
+    assert not any(n.startswith("mtp.") for n in hf_to_mcore(model.state_dict(), cfg, pp_rank=0, pp_size=2))
+
+    cfg, model, _ = _new_saved("qwen3_5_text", tmp_path_factory)
+    mc = hf_to_mcore(model.state_dict(), cfg, tp_rank=1, tp_size=2)
+    a = "decoder.layers.0.self_attention.hf."
+    full = model.state_dict()["model.layers.0.linear_attn.in_proj_qkv.weight"]  # rows q (32) | k (32) | v (64)
+    assert torch.equal(mc[a + "in_proj_qkv.weight"], torch.cat([full[16:32], full[48:64], full[96:128]]))
+    assert mc[a + "in_proj_z.weight"].shape == (32, 64) and mc[a + "in_proj_b.weight"].shape == (2, 64)
+    assert mc["decoder.layers.3.self_attention.hf.q_proj.weight"].shape == (128, 64)  # gated: q and gate rows
+    assert config_to_mcore_kwargs(cfg)["layernorm_zero_centered_gamma"] and "num_moe_experts" not in \
+        config_to_mcore_kwargs(cfg)
+
+
+def test_mimo_mtp_eh_proj_matches_the_hf_mtp_layer():
+    """megatron-core's MTP layer computes eh_proj(cat([enorm(embedding), hnorm(hidden)])); from the bridge's tensors
+    that equals MiMo's input_proj(cat([hidden_layernorm(hidden), token_layernorm(embedding)])), and the whole MTP layer
+    (megatron-layout qkv, fc1) reproduces the HF module."""
+    cfg, model = _make_new("mimo", std=0.2)
+    mc = hf_to_mcore(model.state_dict(), cfg)
+    layer = model.model.mtp_layers[0]
+    torch.manual_seed(3)
+    s = 6
+    emb, hid = torch.randn(1, s, 64), torch.randn(1, s, 64)
+    cos, sin = model.model.rotary_emb(hid, torch.arange(s)[None])
+    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    p = {n[len("mtp.layers.0."):]: t for n, t in mc.items() if n.startswith("mtp.layers.0.")}
+    rms = lambda x, w: F.rms_norm(x, (64,), w, cfg.rms_norm_eps)  # noqa: E731
+    with torch.no_grad():
+        ref = layer(emb, hid, (cos, sin), causal)[0]
+        x = F.linear(torch.cat([rms(emb, p["enorm.weight"]), rms(hid, p["hnorm.weight"])], -1), p["eh_proj.weight"])[0]
+        t = {k[len("transformer_layer."):]: v for k, v in p.items() if k.startswith("transformer_layer.")}
+        attn = _mcore_attention(rms(x, t["input_layernorm.weight"])[:, None], _layer_params(
+            {f"decoder.layers.0.{k}": v for k, v in t.items()}, 0, "self_attention"), 4, 2, 16, cfg.rms_norm_eps,
+            cos[0], sin[0])[:, 0]
+        x = x + attn
+        x = x + _mcore_mlp(rms(x, t["pre_mlp_layernorm.weight"]), t["mlp.linear_fc1.weight"], t["mlp.linear_fc2.weight"])
+        torch.testing.assert_close(rms(x, p["final_layernorm.weight"]), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_dequantized_on_read(tmp_path):
+    """A checkpoint whose experts are MXFP4 blocks / scales reads as the dequantized tensors, equal to transformers'
+    own dequantizer's output (bf16)."""
+    from safetensors.torch import save_file
+
+    from polyrl.backends.mxfp4 import dequantize_mxfp4
+
+    cfg, model = _make_new("gpt_oss")
+    sd = {n: t.contiguous() for n, t in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    quant = {}
+    for layer in range(2):
+        for proj, rows, cols in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):  # [E, R, G, 16], R = out rows
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del sd[name]
+            quant[name] = (torch.randint(0, 256, (4, rows, cols // 32, 16), dtype=torch.uint8, generator=g),
+                           torch.randint(124, 130, (4, rows, cols // 32), dtype=torch.uint8, generator=g))
+            sd[name + "_blocks"], sd[name + "_scales"] = quant[name]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    hf = load_hf_safetensors(tmp_path)
+    out = dict(mcore_to_hf(hf_to_mcore(hf, cfg).items(), cfg))
+    try:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    except ImportError:  # pragma: no cover (older transformers)
+        convert_moe_packed_tensors = None
+    for name, (blocks, scales) in quant.items():
+        mine = dequantize_mxfp4(blocks, scales)
+        assert mine.shape == model.state_dict()[name].shape
+        if convert_moe_packed_tensors is not None:
+            assert torch.equal(mine, convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+        assert torch.equal(out[name], mine)  # exported under the unquantized name, dequantized values
+
+
+def test_megatron_model_build_is_refused_where_not_built():
+    cfg, _ = _make_new("gpt_oss")
+    with pytest.raises(ValueError, match="GPT-OSS.*--train-backend fsdp"):
+        config_to_mcore_kwargs(cfg)
+    cfg, _ = _make_new("mimo")
+    with pytest.raises(ValueError, match="MTP layers.*--train-backend fsdp"):
+        gpt_model_kwargs(cfg)
+    cfg.num_nextn_predict_layers = 0  # MiMo without MTP layers is a Qwen2 decoder
+    assert config_to_mcore_kwargs(cfg)["add_qkv_bias"]

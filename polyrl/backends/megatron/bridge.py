@@ -68,6 +68,34 @@ q / k head (and bias) to [0, 2, .., r-2, 1, 3, .., r-1]: q.k is unchanged becaus
 Qwen3-Next's RMSNorms compute x_norm * (1 + w): the weight is
 stored as is and megatron's `layernorm_zero_centered_gamma` tells polyrl's norm to add the 1.
 
+Qwen3.5 (text, `qwen3_5_text`) is Qwen3-Next's mixers with a dense MLP and the DeltaNet's projections
+unfused: `in_proj_qkv` [2*nk*dk + nv*dv, H] (rows q | k | v, split over TP like conv1d), `in_proj_z`
+[nv*dv, H], `in_proj_b` / `in_proj_a` [nv, H] (rows per value head: dim-0 chunks).
+
+GPT-OSS (`oss_experts`): attention (learned sinks, alternating sliding / full layers, biases) runs as the
+HF module (`mixers`); every layer is MoE with a biased router and biased experts that HF stacks as
+`mlp.experts.gate_up_proj` [E, H, 2I] (x @ W, gate / up interleaved in the columns), `gate_up_proj_bias`
+[E, 2I], `down_proj` [E, I, H], `down_proj_bias` [E, H]; megatron's expert i holds
+
+    mlp.experts.local_experts.{i}.linear_fc1.weight [2I, H] = [W[:, 0::2].T; W[:, 1::2].T]  (gate; up)
+    mlp.experts.local_experts.{i}.linear_fc1.bias   [2I]    = [b[0::2]; b[1::2]]
+    mlp.experts.local_experts.{i}.linear_fc2.weight [H, I]  = down_proj[e].T,  linear_fc2.bias = down_proj_bias[e]
+    mlp.router.weight [E, H], mlp.router.bias [E]
+
+Checkpoints with MXFP4 experts (`gate_up_proj_blocks` / `_scales`) are dequantized on read
+(`polyrl.backends.mxfp4`) and export BF16 / FP32 `gate_up_proj` (the unquantized names).
+
+MiMo (`mimo`, MiMo-7B: a Qwen2 decoder plus `model.mtp_layers.{i}.*`, `mtp`): each MTP layer is
+megatron-core's MultiTokenPredictionLayer on the last pipeline stage:
+
+    mtp.layers.{i}.enorm.weight         <- model.mtp_layers.{i}.token_layernorm.weight
+    mtp.layers.{i}.hnorm.weight         <- model.mtp_layers.{i}.hidden_layernorm.weight
+    mtp.layers.{i}.eh_proj.weight [H, 2H] <- input_proj.weight with its column halves swapped (MiMo concatenates
+                                           [hidden; embedding], megatron [embedding; hidden]); column parallel
+    mtp.layers.{i}.transformer_layer.*  <- model.mtp_layers.{i}.{input_layernorm, self_attn, post_attention_layernorm,
+                                           mlp} as a decoder layer's names
+    mtp.layers.{i}.final_layernorm.weight <- model.mtp_layers.{i}.final_layernorm.weight
+
 The Transformer-Engine spec names things differently (norms fused into
 `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, grouped experts as
 `experts.linear_fc1.weight{i}`); this bridge covers the local spec only.
@@ -110,6 +138,8 @@ class _Family:
     post_norms: bool = False  # GLM4 sandwich norms after attention and MLP
     interleaved_rope: bool = False  # HF rotates channel pairs (2i, 2i+1): q/k rows are permuted (docstring)
     fused_gate_up: bool = False  # HF dense MLP stores [gate; up] as one mlp.gate_up_proj
+    oss_experts: bool = False  # GPT-OSS: stacked, interleaved, biased experts and a biased router (docstring)
+    mtp: bool = False  # MiMo: model.mtp_layers.* <-> megatron-core's mtp.layers.* (docstring)
 
 
 FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between supported decoders
@@ -130,10 +160,19 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
     # Glm4ForCausalLM (GLM-4-0414): sandwich norms, fused gate_up MLP, interleaved partial RoPE
     "glm4": _Family(qkv_bias="attention_bias", qk_norm=False, moe=False, post_norms=True, interleaved_rope=True,
                     fused_gate_up=True),
+    # GptOssForCausalLM: HF attention (sinks, sliding windows) wrapped; biased MoE in every layer
+    "gpt_oss": _Family(qkv_bias=False, qk_norm=False, moe=True, oss_experts=True,
+                       mixers=(("sliding_attention", "self_attn"), ("full_attention", "self_attn"))),
+    # MiMo-7B (MiMoForCausalLM, polyrl.hf_families): Qwen2 decoder + MTP layers
+    "mimo": _Family(qkv_bias=True, qk_norm=False, moe=False, mtp=True),
+    # Qwen3_5ForCausalLM (text): Qwen3-Next's mixers (unfused DeltaNet projections), dense MLP
+    "qwen3_5_text": _Family(qkv_bias=False, qk_norm=False, moe=False, zero_centered_norm=True,
+                            mixers=(("linear_attention", "linear_attn"), ("full_attention", "self_attn"))),
 }
 
 _SUPPORTED = ("LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
-              "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Glm4ForCausalLM")
+              "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MiMoForCausalLM, "
+              "Qwen3_5ForCausalLM")
 
 
 def _flag(cfg: Any, value: bool | str) -> bool:
@@ -142,7 +181,8 @@ def _flag(cfg: Any, value: bool | str) -> bool:
 
 def num_experts(cfg: Any) -> int:
     """Routed experts per MoE layer (Qwen: num_experts, DeepSeek / GLM: n_routed_experts); 0 if dense."""
-    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0)
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+               or getattr(cfg, "num_local_experts", None) or 0)
 
 
 def _rope_params(cfg: Any) -> dict:
@@ -159,16 +199,18 @@ def _family(cfg: Any) -> _Family:
         )
     # Variants the name map cannot express: refuse rather than build a silently different model.
     # (GLM's attention_bias puts biases on q/k/v only, which add_qkv_bias expresses)
-    if (getattr(cfg, "attention_bias", False) and fam.qkv_bias != "attention_bias") or getattr(cfg, "mlp_bias", False):
+    # (a wrapped HF attention carries its own biases and sliding windows)
+    if ((getattr(cfg, "attention_bias", False) and fam.qkv_bias != "attention_bias" and not fam.mixers)
+            or getattr(cfg, "mlp_bias", False)):
         raise ValueError("megatron bridge: attention_bias / mlp_bias variants are not supported")
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) and "sliding_attention" not in dict(fam.mixers):
         raise ValueError("megatron bridge: sliding-window attention layers are not supported")
     if cfg.hidden_act != "silu":
         raise ValueError(f"megatron bridge: hidden_act {cfg.hidden_act!r} is not supported (silu only)")
-    if cfg.model_type == "qwen3_next":
-        unknown = set(cfg.layer_types) - {t for t, _ in fam.mixers}
+    if fam.mixers:
+        unknown = set(getattr(cfg, "layer_types", None) or ["full_attention"]) - {t for t, _ in fam.mixers}
         if unknown:
-            raise ValueError(f"megatron bridge: Qwen3-Next layer types {sorted(unknown)} are not supported")
+            raise ValueError(f"megatron bridge: {cfg.model_type} layer types {sorted(unknown)} are not supported")
     if fam.mla:
         if cfg.q_lora_rank is None:
             raise ValueError("megatron bridge: DeepSeek MLA without q_lora_rank (q_proj, DeepSeek-V2-Lite style) is "
@@ -214,6 +256,8 @@ def is_moe_layer(cfg: Any, layer: int) -> bool:
     decoder_sparse_step), DeepSeek-V3 / GLM4-MoE (dense below first_k_dense_replace)."""
     if not _family(cfg).moe or not num_experts(cfg):
         return False
+    if _family(cfg).oss_experts:  # GPT-OSS: every layer
+        return True
     if getattr(cfg, "first_k_dense_replace", None) is not None:
         return layer >= cfg.first_k_dense_replace
     return (
@@ -231,6 +275,7 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
     embeddings, position embedding) are `GPTModel` arguments in megatron: see `gpt_model_kwargs`. Dtypes,
     parallel sizes and recompute are the backend's business and are left out."""
     cfg, fam = hf_config, _family(hf_config)
+    _refuse_unbuilt(cfg, fam)
     kw: dict[str, Any] = dict(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
@@ -288,6 +333,18 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
     return kw
 
 
+def _refuse_unbuilt(cfg: Any, fam: _Family) -> None:
+    """Families whose names the bridge maps but whose megatron model polyrl does not build yet."""
+    if fam.oss_experts:
+        raise ValueError("megatron backend: GPT-OSS's experts (biases, SwiGLU clamped at swiglu_limit with "
+                         "sigmoid(alpha * gate) and up + 1) are not built in polyrl's megatron model yet (the bridge maps "
+                         "its tensors); use --train-backend fsdp")
+    if fam.mtp and getattr(cfg, "num_nextn_predict_layers", 0):
+        raise ValueError(f"megatron backend: MiMo's {cfg.num_nextn_predict_layers} MTP layers are not built in polyrl's "
+                         "megatron model yet, and dropping them would export a checkpoint without its draft heads; use "
+                         "--train-backend fsdp (it keeps them) or a checkpoint with num_nextn_predict_layers 0")
+
+
 def _mla_kwargs(cfg: Any) -> dict[str, Any]:
     """MLATransformerConfig fields of a DeepSeek-V3 config (RoPE: megatron's MLA applies its own)."""
     rope = _rope_params(cfg)
@@ -320,7 +377,7 @@ def gpt_model_kwargs(
 ) -> dict[str, Any]:
     """`GPTModel(config, transformer_layer_spec, **kwargs)` arguments for this HF config."""
     cfg = hf_config
-    _family(cfg)
+    _refuse_unbuilt(cfg, _family(cfg))
     return dict(
         vocab_size=padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_position_embeddings,
@@ -368,11 +425,14 @@ def _pad_vocab(t: Tensor, padded: int) -> Tensor:
 _COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
                     # MLA: every projection is a ColumnParallelLinear in the local spec (heads, or latent channels)
                     "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-                    "linear_kv_up_proj.weight")
+                    "linear_kv_up_proj.weight", "eh_proj.weight")
 # Qwen3-Next gated DeltaNet parameter -> how it splits over TP by heads (see the module docstring).
 # Its names are unique to the DeltaNet among wrapped modules (the gated attention has q/k/v/o_proj).
 GDN_TP: dict[str, str] = {"in_proj_qkvz.weight": "col", "in_proj_ba.weight": "col", "A_log": "col",
-                          "dt_bias": "col", "out_proj.weight": "row", "conv1d.weight": "conv"}
+                          "dt_bias": "col", "out_proj.weight": "row", "conv1d.weight": "conv",
+                          # Qwen3.5's unfused projections: rows q | k | v (as conv1d's channels), z / b / a per value head
+                          "in_proj_qkv.weight": "conv", "in_proj_z.weight": "col", "in_proj_b.weight": "col",
+                          "in_proj_a.weight": "col"}
 _WRAPPED = ".self_attention.hf."
 
 
@@ -464,11 +524,12 @@ _Rule = tuple[str, tuple[str, ...], str]  # kind: copy | qkv | qkv_rope (permute
 
 def _layer_rules(
     cfg: Any, fam: _Family, layer: int, local: int, experts: Iterable[tuple[int, int]],
-    hf_names: Iterable[str] = (),
+    hf_names: Iterable[str] = (), prefixes: tuple[str, str] | None = None,
 ) -> list[_Rule]:
     """Rules for global HF layer `layer` stored as megatron layer `local`; experts: (local, global).
-    hf_names: the checkpoint's tensor names, from which a wrapped HF mixer's parameters are listed."""
-    m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
+    hf_names: the checkpoint's tensor names, from which a wrapped HF mixer's parameters are listed.
+    prefixes: (megatron, HF) name prefixes of a decoder layer stored elsewhere (MiMo's MTP layers)."""
+    m, h = prefixes or (f"decoder.layers.{local}.", f"model.layers.{layer}.")
     a, sa = m + "self_attention.", h + "self_attn."
     rules: list[_Rule] = [(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy")]
     mixer = wrapped_mixer(cfg, layer)
@@ -492,7 +553,16 @@ def _layer_rules(
         rules += [(a + "post_layernorm.weight", (h + "post_self_attn_layernorm.weight",), "copy"),
                   (m + "mlp.post_layernorm.weight", (h + "post_mlp_layernorm.weight",), "copy")]
     rules.append((m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"))
-    if is_moe_layer(cfg, layer):
+    if fam.oss_experts:
+        rules += [(m + "mlp.router.weight", (h + "mlp.router.weight",), "copy"),
+                  (m + "mlp.router.bias", (h + "mlp.router.bias",), "copy")]
+        for i, e in experts:  # HF names `stacked#e`: expert e of a stacked tensor (docstring)
+            me, he = f"{m}mlp.experts.local_experts.{i}.", f"{h}mlp.experts."
+            rules += [(me + "linear_fc1.weight", (f"{he}gate_up_proj#{e}",), "oss_fc1"),
+                      (me + "linear_fc1.bias", (f"{he}gate_up_proj_bias#{e}",), "oss_fc1"),
+                      (me + "linear_fc2.weight", (f"{he}down_proj#{e}",), "oss_t"),
+                      (me + "linear_fc2.bias", (f"{he}down_proj_bias#{e}",), "oss_t")]
+    elif is_moe_layer(cfg, layer):
         rules.append((m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy"))
         if fam.sigmoid_router:  # a buffer on both sides (fp32)
             rules.append((m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy"))
@@ -531,6 +601,41 @@ _MLA_NAMES = (("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.we
               ("linear_proj.weight", "o_proj.weight"))
 
 
+def _mtp_rules(cfg: Any, fam: _Family, i: int) -> list[_Rule]:
+    """MiMo MTP layer i <-> megatron-core's mtp.layers.{i} (module docstring)."""
+    m, h = f"mtp.layers.{i}.", f"model.mtp_layers.{i}."
+    return [(m + "enorm.weight", (h + "token_layernorm.weight",), "copy"),
+            (m + "hnorm.weight", (h + "hidden_layernorm.weight",), "copy"),
+            (m + "eh_proj.weight", (h + "input_proj.weight",), "swap_halves"),
+            *_layer_rules(cfg, fam, 0, 0, (), prefixes=(m + "transformer_layer.", h)),
+            (m + "final_layernorm.weight", (h + "final_layernorm.weight",), "copy")]
+
+
+def num_mtp_layers(cfg: Any) -> int:
+    """MTP layers the checkpoint carries (MiMo: num_nextn_predict_layers); 0 for families without them."""
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) if _family(cfg).mtp else 0
+
+
+def _swap_halves(t: Tensor) -> Tensor:
+    a, b = t.chunk(2, dim=1)
+    return torch.cat([b, a], dim=1)
+
+
+def _deinterleave(t: Tensor) -> Tensor:
+    """GPT-OSS gate_up (last dim interleaved gate, up, gate, up, ...) -> [gate; up], transposed to megatron's
+    [2I, H] for weights."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1).t().contiguous()
+
+
+def _interleave(t: Tensor) -> Tensor:
+    """Inverse of `_deinterleave`."""
+    t = t.t()
+    out = torch.empty_like(t)
+    half = t.shape[-1] // 2
+    out[..., 0::2], out[..., 1::2] = t[..., :half], t[..., half:]
+    return out
+
+
 def rope_pair_permutation(cfg: Any) -> Tensor:
     """Per-head row order that turns interleaved RoPE pairs (2i, 2i+1) of the first r = head_dim *
     partial_rotary_factor channels into rotate-half halves (i, i + r/2): [0, 2, .., r-2, 1, 3, .., r-1,
@@ -548,7 +653,21 @@ def _permute_heads(t: Tensor, perm: Tensor) -> Tensor:
 _HF_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def _hf_get(hf_state: Mapping[str, Tensor], name: str) -> Tensor:
+def _hf_get(hf_state: Mapping[str, Tensor], name: str, stacked: dict[str, Tensor] | None = None) -> Tensor:
+    if "#" in name:  # expert e of a stacked tensor, read once per call (stacked: the caller's cache)
+        base, e = name.split("#")
+        cache = {} if stacked is None else stacked
+        if base not in cache:
+            if base in hf_state:
+                cache.clear()  # one stacked tensor at a time
+                cache[base] = hf_state[base]
+            elif f"{base}_blocks" in hf_state:  # MXFP4 checkpoint: dequantize as transformers does
+                from polyrl.backends.mxfp4 import dequantize_mxfp4
+                cache.clear()
+                cache[base] = dequantize_mxfp4(hf_state[f"{base}_blocks"], hf_state[f"{base}_scales"])
+            else:
+                raise KeyError(f"megatron bridge: HF tensor {base!r} (nor {base}_blocks / _scales) not found")
+        return cache[base][int(e)]
     if name in hf_state:
         return hf_state[name]
     m = _HF_EXPERT.fullmatch(name)
@@ -602,6 +721,9 @@ def hf_to_mcore(
     names = list(hf_state) if fam.mixers else []  # names only: a lazy checkpoint reads no tensor here
     for local, layer in enumerate(layer_range):
         rules += _layer_rules(cfg, fam, layer, local, experts, names)
+    if last:  # megatron-core builds the MTP block on the last pipeline stage
+        for i in range(num_mtp_layers(cfg)):
+            rules += _mtp_rules(cfg, fam, i)
     if last:
         rules.append(("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
         if not cfg.tie_word_embeddings:
@@ -610,8 +732,9 @@ def hf_to_mcore(
             rules.append(("output_layer.weight", ("model.embed_tokens.weight",), "vocab"))
 
     out: dict[str, Tensor] = {}
+    stacked: dict[str, Tensor] = {}
     for name, hf_names, kind in rules:
-        parts = [_hf_get(hf_state, n) for n in hf_names]
+        parts = [_hf_get(hf_state, n, stacked) for n in hf_names]
         if kind == "qkv_rope":  # q, k: rope pairs to rotate-half order; v as is
             perm = rope_pair_permutation(cfg)
             parts = [_permute_heads(parts[0], perm), _permute_heads(parts[1], perm), parts[2]]
@@ -621,6 +744,12 @@ def hf_to_mcore(
             full = torch.cat(parts)
         elif kind == "vocab":
             full = _pad_vocab(parts[0], vocab)
+        elif kind == "swap_halves":
+            full = _swap_halves(parts[0])
+        elif kind == "oss_fc1":
+            full = _deinterleave(parts[0])
+        elif kind == "oss_t":
+            full = parts[0].t().contiguous()
         else:
             full = parts[0]
         if ".local_experts." in name:
@@ -637,7 +766,8 @@ _GLOBAL_RULES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 _MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MC_WRAPPED = re.compile(r"self_attention\.hf\.(.+)")
-_MC_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+_MC_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|bias)")
+_MC_MTP = re.compile(r"mtp\.layers\.(\d+)\..+")
 
 
 def mcore_to_hf(
@@ -668,6 +798,11 @@ def mcore_to_hf(
             if name == "output_layer.weight" and cfg.tie_word_embeddings:
                 continue
             hf_names, kind = _GLOBAL_RULES[name]
+        elif (mtp := _MC_MTP.fullmatch(name)) is not None:
+            rule = next((r for r in _mtp_rules(cfg, fam, int(mtp[1])) if r[0] == name), None) if fam.mtp else None
+            if rule is None:
+                raise ValueError(f"mcore_to_hf: unknown megatron parameter {name!r} ({cfg.model_type})")
+            _, hf_names, kind = rule
         else:
             m = _MC_LAYER.fullmatch(name)
             if m is None:
@@ -683,6 +818,14 @@ def mcore_to_hf(
                 raise ValueError(f"mcore_to_hf: unknown megatron parameter {name!r} ({cfg.model_type})")
             _, hf_names, kind = rule
 
+        if kind in ("oss_fc1", "oss_t"):  # GPT-OSS experts are stacked on the HF side whatever fused_experts says
+            base, e = hf_names[0].split("#")
+            bucket = pending.setdefault(base, {})
+            bucket[int(e)] = _interleave(tensor) if kind == "oss_fc1" else tensor.t()
+            if len(bucket) == num_experts(cfg):
+                yield base, torch.stack([bucket[i] for i in range(num_experts(cfg))])
+                del pending[base]
+            continue
         if fused_experts and expert is not None:
             # fc1 of one expert is [gate; up] == gate_up_proj[e]; fc2 == down_proj[e]
             stacked = "gate_up_proj" if expert[2] == "linear_fc1" else "down_proj"
@@ -703,11 +846,13 @@ def mcore_to_hf(
             parts = tensor.chunk(2, dim=0)
         elif kind == "vocab":
             parts = [tensor[: cfg.vocab_size]]  # drop megatron's padding rows
+        elif kind == "swap_halves":
+            parts = [_swap_halves(tensor)]
         else:
             parts = [tensor]
         yield from zip(hf_names, parts)
     if pending:
-        raise ValueError(f"mcore_to_hf(fused_experts=True): experts missing for {sorted(pending)}")
+        raise ValueError(f"mcore_to_hf: stacked experts missing for {sorted(pending)} (feed every expert)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ Limits.
   - Speed: one HF call per packed sequence (a Python loop); the gated delta rule uses HF's torch
     chunked fallback unless flash-linear-attention is installed. Right for proofs and small models,
     slow for long-context training at scale.
+  - Qwen3.5 (text) wraps the same way (`qwen3_5_mixer`; its DeltaNet's unfused in_proj_qkv splits like conv1d);
+    GPT-OSS's attention (`gpt_oss_mixer`) runs eager with an explicit causal / sliding mask (its sinks need it).
   - Qwen3-Next's MTP head is not supported (`mtp.*` checkpoint tensors are ignored). Its sparse MoE
     layers are megatron's own MoELayer with a gated shared expert (bridge.py), not wrapped.
 
@@ -123,13 +125,15 @@ def gdn_local_config(hf_config: Any, tp_size: int) -> Any:
     return cfg
 
 
-def tp_gated_deltanet(hf_config: Any, layer_idx: int, group) -> Mixer:
-    """This rank's heads of Qwen3-Next's gated DeltaNet (module docstring, "Tensor parallelism"):
-    x [1, L, H] replicated over `group` -> [1, L, H] replicated, equal to the unsplit module. Load
+def tp_gated_deltanet(hf_config: Any, layer_idx: int, group, cls: Any = None) -> Mixer:
+    """This rank's heads of Qwen3-Next's (or `cls`: Qwen3.5's) gated DeltaNet (module docstring, "Tensor
+    parallelism"): x [1, L, H] replicated over `group` -> [1, L, H] replicated, equal to the unsplit module. Load
     it with `bridge.shard_for_tp(name, full, rank, size, hf_config)` of each full tensor."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+    if cls is None:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet as cls
 
-    gdn = hf.Qwen3NextGatedDeltaNet(gdn_local_config(hf_config, dist.get_world_size(group)), layer_idx)
+    gdn = cls(gdn_local_config(hf_config, dist.get_world_size(group)), layer_idx)
+    own = dict(gdn.named_parameters())
 
     def call(x: Tensor, pos: Tensor) -> Tensor:
         x = _CopyToTP.apply(x, group)
@@ -137,7 +141,7 @@ def tp_gated_deltanet(hf_config: Any, layer_idx: int, group) -> Mixer:
         partial = torch.func.functional_call(gdn, {"norm.weight": norm_w}, (x,))
         return _ReduceFromTP.apply(partial, group)
 
-    return Mixer(gdn, call, {n: int(kind == "row") for n, kind in bridge.GDN_TP.items()})
+    return Mixer(gdn, call, {n: int(kind == "row") for n, kind in bridge.GDN_TP.items() if n in own})
 
 
 def qwen3_next_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
@@ -156,7 +160,47 @@ def qwen3_next_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos), attention_mask=None)[0])
 
 
-MIXERS: dict[str, Callable[[Any, int, Any], Mixer]] = {"qwen3_next": qwen3_next_mixer}
+def qwen3_5_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
+    """Qwen3.5 (text) layer `layer_idx`: Qwen3_5GatedDeltaNet (its projections unfused; split over `tp_group` like
+    Qwen3-Next's) or Qwen3_5Attention (replicated). GPU-untested."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    if hf_config.layer_types[layer_idx] == "linear_attention":
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            return tp_gated_deltanet(hf_config, layer_idx, tp_group, hf.Qwen3_5GatedDeltaNet)
+        gdn = hf.Qwen3_5GatedDeltaNet(hf_config, layer_idx)
+        return Mixer(gdn, lambda x, pos: gdn(x))
+    attn = hf.Qwen3_5Attention(hf_config, layer_idx)
+    rotary = hf.Qwen3_5TextRotaryEmbedding(hf_config)  # text positions: every multimodal section gets the same ids
+    return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos), attention_mask=None)[0])
+
+
+def gpt_oss_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
+    """GPT-OSS layer `layer_idx`: GptOssAttention (learned sinks; sliding window on its sliding layers) replicated,
+    run with eager attention and an explicit causal (+ window) mask: SDPA has no sinks. GPU-untested; the MoE
+    half of the layer is not built on megatron yet (bridge._refuse_unbuilt)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+    cfg = copy.deepcopy(hf_config)
+    cfg._attn_implementation = "eager"
+    attn = hf.GptOssAttention(cfg, layer_idx)
+    rotary = hf.GptOssRotaryEmbedding(cfg)
+    window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
+
+    def call(x: Tensor, pos: Tensor) -> Tensor:
+        n = x.shape[1]
+        i = torch.arange(n, device=x.device)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:  # HF's sliding mask: the last `window` positions, the query's own included
+            allowed &= i[:, None] - i[None, :] < window
+        mask = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        return attn(x, position_embeddings=rotary(x, pos), attention_mask=mask[None, None])[0]
+
+    return Mixer(attn, call)
+
+
+MIXERS: dict[str, Callable[[Any, int, Any], Mixer]] = {"qwen3_next": qwen3_next_mixer, "qwen3_5_text": qwen3_5_mixer,
+                                                      "gpt_oss": gpt_oss_mixer}
 
 
 def mixer_config(hf_config: Any) -> Any:
@@ -237,30 +281,34 @@ class HFMixer(nn.Module):
         checkpoint reloads at another TP size. conv1d's rank slice is [q_r; k_r; v_r], three
         separate slices of the full [q; k; v]: a factory saves the three parts under their own keys
         and joins them again on load."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         sd = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {f"hf.{n}": d for n, d in self.tp_dims.items()},
             sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
-        key = f"{prefix}hf.conv1d.weight"
+        for part in ("conv1d.weight", "in_proj_qkv.weight"):  # [q; k; v] channels / rows (Qwen3.5's in_proj_qkv)
+            self._qkv_parts(sd, f"{prefix}hf.{part}", part, sharded_offsets)
+        return sd
+
+    def _qkv_parts(self, sd: dict, key: str, part: str, sharded_offsets: tuple) -> None:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
         if key in sd and getattr(self.hf_config, "linear_num_key_heads", None) is not None:
             # always three parts, split over TP or not: the checkpoint's keys must not depend on the TP size it was
             # saved at (a TP=2 checkpoint resumes at TP=1 and back)
             base = sd[key]
-            split = "conv1d.weight" in self.tp_dims
+            split = part in self.tp_dims
             rank, size = (dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)) if split else (0, 1)
             tp_axis = ((len(sharded_offsets), rank, size),) if split else ()
             local = [n // size for n in bridge.gdn_conv_parts(self.hf_config)]
 
             def build(k, t, replica_id, flattened_range):
-                return [ShardedTensor.from_rank_offsets(f"{k}.{part}", piece, *sharded_offsets, *tp_axis,
+                return [ShardedTensor.from_rank_offsets(f"{k}.{name}", piece, *sharded_offsets, *tp_axis,
                                                         replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
-                        for part, piece in zip("qkv", t.split(local, dim=0))]
+                        for name, piece in zip("qkv", t.split(local, dim=0))]
 
             sd[key] = ShardedTensorFactory(base.key, base.data, build, torch.cat, base.replica_id)
-        return sd
 
 
 def wrap_layer_specs(layer_specs: list, hf_config: Any) -> list:

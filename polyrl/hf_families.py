@@ -1,0 +1,101 @@
+"""HF model families that need something from polyrl before transformers can run them.
+
+MiMo-7B (`model_type: mimo`) ships remote code only: a Qwen2 decoder plus multi-token-prediction layers under
+`model.mtp_layers.{i}`. `MiMoForCausalLM` here is written from the checkpoint's tensor names (no remote code runs):
+the decoder is transformers' Qwen2, so training and generation see exactly Qwen2's forward, and the MTP layers are
+modules of the model, so loading, checkpoints and weight export keep them under their names. The main forward
+does not run them (MTP training is not built), so they get no gradient and stay as loaded.
+
+`register()` makes AutoConfig / AutoModelForCausalLM know `mimo`; the CLI and the FSDP backend call it (explicitly:
+no import side effect).
+
+`dense_attention_reason(config)` names the families whose attention polyrl's packed / varlen path cannot express
+(learned attention sinks, sliding-window layers): those run HF's eager attention on padded rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import (Qwen2Attention, Qwen2ForCausalLM, Qwen2MLP, Qwen2Model,
+                                                      Qwen2RMSNorm)
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, num_nextn_predict_layers: int = 0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(**kwargs)
+
+
+class MiMoMTPLayer(nn.Module):
+    """One MTP layer: norms of the previous hidden state and of the next token's embedding, concatenated as
+    [hidden; embedding], projected to H, one Qwen2 decoder layer, a final norm."""
+
+    def __init__(self, config: MiMoConfig):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.token_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.hidden_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.final_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.self_attn = Qwen2Attention(config, layer_idx=0)
+        self.mlp = Qwen2MLP(config)
+
+    def forward(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """input_embeds, hidden_states [B, L, H] (the embedding of token t+1 beside the hidden state at t) -> [B, L, H]
+        before the shared output layer."""
+        x = self.input_proj(torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(input_embeds)], -1))
+        attn, _ = self.self_attn(self.input_layernorm(x), position_embeddings=position_embeddings,
+                                 attention_mask=attention_mask)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.final_layernorm(x)
+
+
+class MiMoModel(Qwen2Model):
+    config_class = MiMoConfig
+
+    def __init__(self, config: MiMoConfig):
+        super().__init__(config)
+        self.mtp_layers = nn.ModuleList([MiMoMTPLayer(config) for _ in range(config.num_nextn_predict_layers)])
+        self.post_init()
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    config_class = MiMoConfig
+
+    def __init__(self, config: MiMoConfig):
+        super().__init__(config)
+        self.model = MiMoModel(config)
+        self.post_init()
+
+
+def register() -> None:
+    """Teach transformers' Auto classes the families above (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register("mimo", MiMoConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MiMoConfig, MiMoForCausalLM, exist_ok=True)
+
+
+# model_type -> why polyrl's packed / varlen attention cannot run it (HF eager attention on padded rows instead)
+DENSE_ATTENTION = {
+    "gpt_oss": "learned attention sinks and sliding-window layers",
+    "mimo_v2_flash": "learned attention sinks and sliding-window layers",
+}
+
+
+def dense_attention_reason(config: Any) -> str | None:
+    """Why this model must run HF's eager attention on padded rows (None: any attention path works)."""
+    why = DENSE_ATTENTION.get(getattr(config, "model_type", None))
+    if why is None and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        why = "sliding-window layers"
+    return why
