@@ -16,7 +16,7 @@ ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", 
 # these; tests/test_cli.py traces serve() and fails when the two differ.
 SERVE_FIELDS = frozenset({f"server.{f.name}" for f in dataclasses.fields(ServerConfig)} | {
     "cluster.device", "cluster.seed",
-    "model.hf_checkpoint", "model.attn_implementation", "model.fp16", "model.bf16", "model.fp32",
+    "model.hf_checkpoint", "model.attn_implementation", "model.fp16", "model.bf16", "model.fp32", "model.true_on_policy",
     "rollout.rollout_batch_generate", "rollout.rollout_gpu_engine", "rollout.rollout_mem_fraction", "rollout.rollout_cuda_graph",
 })
 # name -> (help, config sections it takes, the only fields it takes of them: None = all)
@@ -66,6 +66,28 @@ def _check_backend_available(cfg) -> None:
     if cfg.cluster.train_backend == "megatron":
         from polyrl.backends.megatron.backend import require_megatron
         require_megatron()
+
+
+def resume_after_restart(cfg) -> None:
+    """torchrun --max-restarts N: after a rank died, the elastic agent starts every rank again with the same command
+    (TORCHELASTIC_RESTART_COUNT > 0). The restarted run resumes from the newest complete checkpoint under --save, or
+    starts afresh when the first attempt saved none; each restart is announced and logged as the `restarts` metric."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return
+    from polyrl.checkpoint import latest_complete
+    from polyrl.metrics import notice
+    ck, limit = cfg.checkpoint, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    if not ck.save:
+        raise ConfigError("torchrun restarted this run after a rank died, and without --save it has no checkpoint to resume "
+                          "from: add --save DIR --save-interval N to survive a lost rank")
+    latest = latest_complete(ck.save)
+    if latest is None:
+        cfg.log.overwrite = True  # the first attempt logged steps that no checkpoint holds: they are trained again
+        notice(f"restart {restart} of {limit}: no complete checkpoint in {ck.save} yet; starting afresh")
+    else:
+        ck.load = latest
+        notice(f"restart {restart} of {limit}: resuming from {latest}")
 
 
 def run_eval(cfg) -> dict:
@@ -208,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
+    from polyrl import hf_families
+    hf_families.register()  # model types transformers lacks (MiMo), for every command that loads a checkpoint
     if extras and args.command not in ("train", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "plot":
@@ -238,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
+        if args.command == "train":
+            resume_after_restart(cfg)
         validate(cfg, args.command)
         from polyrl.capabilities import check_setup  # the backend and engine tables (they import torch)
         check_setup(cfg, args.command)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from typing import Callable
 
@@ -24,6 +25,7 @@ class Book:
         self.cfg, self.d, self.logger, self.cursor, self.engine = cfg, d, logger, cursor, engine
         self.evaluate, self.save, self.device = evaluate, save, device
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts: this attempt
 
     def start(self, step: int) -> None:
         """Before the first step of a run from scratch: the eval curve starts from the initial policy."""
@@ -48,6 +50,8 @@ class Book:
         n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
                                         sum(s.finish_reason == "length" for s in samples)])
         m.update(self.engine.stats())
+        if self.restarts:
+            m["restarts"] = float(self.restarts)
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.cursor.num_dropped,
                   "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9)})
         last = step + 1 == cfg.rollout.num_rollout
