@@ -38,6 +38,9 @@ def test_megatron_flags_keep_megatron_names(tmp_path):
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
     (["--override-ddp-config", "nonsense"], "expected key=value"),
     (["--recompute-method", "uniform"], "--recompute-granularity full"),
+    (["--gradient-checkpointing", "--recompute-granularity", "selective"], "give either, not both"),
+    (["--optimizer-cpu-offload", "--no-use-distributed-optimizer"], "--optimizer-cpu-offload needs megatron's distributed"),
+    (["--optimizer-cpu-offload", "--use-megatron-fsdp"], "not --use-megatron-fsdp"),
 ])
 def test_megatron_degrees_are_validated_at_start_up(tmp_path, flags, needle):
     with pytest.raises(ConfigError, match=needle.replace("+", r"\+").replace("[", r"\[")):
@@ -168,3 +171,4 @@ def test_foreach_grad_kernels_match_the_per_tensor_fallbacks():
     assert all(torch.equal(d, s * 0.25) for d, s in zip(dst, src))
     foreach_scale(0, None, [src, src], 0.5)  # clipping scales the grads in place
     assert all(torch.equal(s, t * 0.5) for s, t in zip(src, ts))
+
