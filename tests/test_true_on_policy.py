@@ -1,0 +1,308 @@
+"""--true-on-policy on CPU, FP32: the engine's reported log-probs and the trainer's are bit-identical, whatever the
+micro-batch size, the number of ranks, the engine's batching (in process or through `polyrl serve`), and they stay so
+over steps whose updates change the weights. The per-token values are read where the loss compares them
+(polyrl.algorithms.losses.rl_loss, spied here), not only through the logged mean and max.
+
+Run as a script (under torchrun) this file is the per-rank worker of the two-rank cases: it installs the same spy, runs
+`polyrl train` and saves each rank's records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REWARD = '''
+def digits(sample):
+    """partial credit, so an untrained model gets non-zero advantages and every step changes the weights"""
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+TIMING = ("time/", "tokens_per_s")  # wall-clock metrics: the only ones two identical runs may disagree on
+
+
+# ---- the spy: every token the loss compares, per train_step ------------------------------------------------------
+def install_spy(patch) -> list[dict]:
+    """patch(obj, name, value): monkeypatch.setattr, or setattr in the worker. Returns the list the records go to:
+    one per rl_loss call with the train_step it belongs to, the trainer's log-probs, the rollout's, the loss mask and
+    the step's global count of loss-masked tokens."""
+    import polyrl.step.learner as learner
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    records: list[dict] = []
+    calls = [0]
+    rl_loss, train_step = learner.rl_loss, FSDPBackend.train_step
+
+    def spy_loss(logprobs, entropy, mb, s, *, num_tokens, num_seqs):
+        records.append({"call": calls[0], "logp": logprobs.detach().clone(), "rollout": mb["rollout_logprobs"].clone(),
+                        "mask": mb["loss_mask"].clone(), "num_tokens": num_tokens, "samples": int(mb["seq_ids"].max()) + 1,
+                        "old": mb["old_logprobs"].clone() if "old_logprobs" in mb else None})
+        return rl_loss(logprobs, entropy, mb, s, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def spy_step(self, *a, **kw):
+        calls[0] += 1
+        return train_step(self, *a, **kw)
+    patch(learner, "rl_loss", spy_loss)
+    patch(FSDPBackend, "train_step", spy_step)
+    return records
+
+
+def assert_every_token_exact(records: list[dict], first_minibatch_only: int = 0) -> int:
+    """Every loss-masked token of every train_step: trainer log-prob == rollout log-prob, bit for bit; the tokens
+    compared add up to each step's global token count. first_minibatch_only=K: K optimizer steps per RL step, only the
+    first of each runs on the weights that sampled (the later ones train updated weights). Returns tokens compared."""
+    by_call: dict[int, list[dict]] = {}
+    for r in records:
+        by_call.setdefault(r["call"], []).append(r)
+    compared = 0
+    for call, rs in sorted(by_call.items()):
+        masked = sum(float(r["mask"].sum()) for r in rs)
+        assert masked == rs[0]["num_tokens"], (call, masked, rs[0]["num_tokens"])  # every masked token reaches the loss
+        if first_minibatch_only and (call - 1) % first_minibatch_only:
+            continue
+        for r in rs:
+            keep = r["mask"].bool()
+            assert bool(keep.all()) or r["mask"].numel() == 1  # no loss mask in this task: every token counts
+            assert torch.equal(r["logp"][keep], r["rollout"][keep]), (r["logp"] - r["rollout"]).abs().max()
+            compared += int(keep.sum())
+    return compared
+
+
+def base_args(model: str, data: str, rm: str, run) -> list[str]:
+    return ["train", "--hf-checkpoint", model, "--prompt-data", data, "--custom-rm-path", f"{rm}:digits",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6", "--lr", "1e-2",
+            "--num-rollout", "3", "--quiet", "--rollout-shuffle", "--seed", "3", "--device", "cpu",
+            "--true-on-policy", "--ci-train-rollout-logprob-abs-diff-threshold", "0", "--run-dir", str(run)]
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def untimed(rs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rs]
+
+
+@pytest.fixture
+def args(tiny_model, arith_data, tmp_path):
+    rm = tmp_path / "rm.py"
+    rm.write_text(REWARD)
+    return lambda run, *extra: base_args(tiny_model, arith_data["train"], str(rm), tmp_path / run) + list(extra)
+
+
+def train(argv: list[str]) -> list[dict]:
+    from polyrl.cli import main
+    assert main(argv) == 0
+    return rows(argv[argv.index("--run-dir") + 1])
+
+
+def assert_exact_rows(rs: list[dict]) -> None:
+    assert [r["step"] for r in rs] == [1, 2, 3]
+    for r in rs:
+        assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_logprob_abs_diff"] == 0.0, r
+    assert all(r["grad_norm"] > 0 for r in rs)  # the weights move: steps 2 and 3 check the synced weights
+
+
+# ---- one rank, the embedded engine ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mbs", ["1", "3", "8"])
+def test_exact_at_every_micro_batch_size(args, monkeypatch, mbs):
+    records = install_spy(monkeypatch.setattr)
+    rs = train(args(f"mbs{mbs}", "--micro-batch-size", mbs))
+    assert_exact_rows(rs)
+    # 3 steps x 16 samples x 1..6 tokens: every one compared
+    assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 6
+    assert {r["call"] for r in records} == {1, 2, 3}
+    assert all(0 < r["rollout/sampler_logprob_abs_diff_max"] < 1e-4 for r in rs)  # the sampler: decode's rounding
+
+
+def test_without_the_mode_the_same_run_differs_by_rounding(args, monkeypatch):
+    """The control: the packed/padded forwards and the KV-cache decode agree only to FP32 rounding, which is what the
+    mode removes (if this were exact too, the exact-zero tests above would prove nothing)."""
+    argv = args("plain", "--micro-batch-size", "8")
+    argv.remove("--true-on-policy")
+    argv[argv.index("--ci-train-rollout-logprob-abs-diff-threshold") + 1] = "1e-4"
+    rs = train(argv)
+    assert any(r["train_rollout_logprob_abs_diff_max"] > 0 for r in rs)
+
+
+def test_rollout_logprobs_are_the_old_policy_and_the_old_forward_is_skipped(args, monkeypatch):
+    """Two optimizer steps per RL step need the pre-update log-probs: with the mode they are the rollout's (no actor
+    log-prob pass); they equal what the trainer computes on the first minibatch, bit for bit."""
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    passes: list[str] = []
+    compute = FSDPBackend.compute_logprobs
+
+    def counted(self, batch, *, model="actor", temperature=1.0):
+        passes.append(model)
+        return compute(self, batch, model=model, temperature=temperature)
+    monkeypatch.setattr(FSDPBackend, "compute_logprobs", counted)
+    records = install_spy(monkeypatch.setattr)
+    argv = args("two_minibatches", "--global-batch-size", "8")
+    argv[argv.index("--ci-train-rollout-logprob-abs-diff-threshold") + 1] = "1"  # later minibatches train moved weights
+    rs = train(argv)
+    assert passes == [] and all(r["old_logprobs_from_rollout"] == 1.0 for r in rs)
+    assert all(torch.equal(r["old"], r["rollout"]) for r in records)
+    assert assert_every_token_exact(records, first_minibatch_only=2) > 0
+    plain = args("two_minibatches_plain", "--global-batch-size", "8")
+    plain.remove("--true-on-policy")
+    plain[plain.index("--ci-train-rollout-logprob-abs-diff-threshold") + 1] = "1"
+    assert all(r["old_logprobs_from_rollout"] == 0.0 for r in train(plain)) and passes == ["actor"] * 3
+
+
+def test_two_runs_with_the_same_seeds_log_the_same_metrics(args):
+    a = train(args("first", "--micro-batch-size", "3"))
+    b = train(args("second", "--micro-batch-size", "3"))
+    assert_exact_rows(a)
+    assert untimed(a) == untimed(b)
+
+
+def test_the_gate_stops_a_run_whose_engine_computes_in_another_dtype(args, monkeypatch, capsys):
+    """An engine forced to FP64 (the trainer stays FP32): its log-probs differ by rounding, and the threshold-0 gate
+    stops the run at step 1."""
+    from polyrl.rollout.embedded import EmbeddedEngine
+    init = EmbeddedEngine.__init__
+
+    def fp64(self, *a, **kw):
+        init(self, *a, **{**kw, "dtype": torch.float64})
+    monkeypatch.setattr(EmbeddedEngine, "__init__", fp64)
+    from polyrl.cli import main
+    argv = args("fp64")
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("polyrl train: error: step 1: train_rollout_logprob_abs_diff_max ") and "threshold 0" in err
+    (row,) = rows(argv[argv.index("--run-dir") + 1])
+    assert 0 < row["train_rollout_logprob_abs_diff_max"] < 1e-4  # FP32 vs FP64 rounding, nothing else
+
+
+# ---- the shared function ----------------------------------------------------------------------------------------
+def test_engine_reports_the_scoring_function_whatever_its_batch(tiny_model):
+    """A sample's reported log-probs are sequence_logprobs of its tokens, the same whether it was generated alone or
+    in a batch of 8, and scoring the same shape again (after other shapes) gives the same bits."""
+    from polyrl.backends.true_on_policy import THREADS, sequence_logprobs
+    from polyrl.rollout.embedded import EmbeddedEngine
+    from polyrl.types import SamplingParams
+    eng = EmbeddedEngine(tiny_model, true_on_policy=True)
+    assert torch.get_num_threads() == THREADS
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 2], [1]]  # the tiny vocabulary has 14 ids
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, n=2, seed=5)
+    together = eng.generate(prompts, sp)
+    alone = [s for i in range(len(prompts))
+             for s in eng.generate([prompts[i]], SamplingParams(temperature=0.7, max_new_tokens=6, n=2,
+                                                                prompt_seeds=[_prompt_seed(sp, i)]))]
+    for a, b in zip(together, alone):
+        assert a.response_ids == b.response_ids and a.rollout_logprobs == b.rollout_logprobs
+        ids = torch.tensor(a.prompt_ids + a.response_ids)
+        with torch.no_grad():
+            want = sequence_logprobs(eng.model, ids, len(a.prompt_ids), temperature=0.7)[0]
+            sequence_logprobs(eng.model, torch.arange(20) % 10 + 3, 3, temperature=0.7)  # another shape between
+            again = sequence_logprobs(eng.model, ids, len(a.prompt_ids), temperature=0.7)[0]
+        assert a.rollout_logprobs == want.tolist() == again.tolist()
+    with pytest.raises(ValueError, match="top-p / top-k"):
+        eng.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=2))
+
+
+def _prompt_seed(sp, i: int) -> int:
+    from polyrl.rollout.sampling import prompt_seed
+    return prompt_seed(sp, sp.seed, i)
+
+
+def test_gradients_flow_through_the_scoring_function(tiny_model):
+    """The trainer differentiates the very function the engine runs without grad; the forward values agree."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import sequence_logprobs
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
+    logp, ent = sequence_logprobs(lm, ids, 3, temperature=1.0, with_entropy=True)
+    logp.sum().backward()
+    assert logp.shape == ent.shape == (4,) and lm.get_output_embeddings().weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert torch.equal(sequence_logprobs(lm, ids, 3, temperature=1.0)[0], logp.detach())
+
+
+# ---- start-up refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, words", [
+    (["--train-backend", "megatron"], "--true-on-policy is not honoured by --train-backend megatron"),
+    (["--rollout-engine", "sglang"], "--true-on-policy with --rollout-engine sglang"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:1"], "--true-on-policy with --rollout-external"),
+    (["--rollout-top-p", "0.9"], "--true-on-policy with --rollout-top-p 0.9"),
+    (["--rollout-top-k", "5"], "--true-on-policy with --rollout-top-k 5"),
+    (["--compile"], "--true-on-policy with --compile"),
+    (["--micro-batch-layout", "packed"], "--true-on-policy with --micro-batch-layout packed"),
+    (["--micro-batch-layout", "padded"], "--true-on-policy with --micro-batch-layout padded"),
+    (["--bf16"], "--true-on-policy with --bf16"),
+    (["--async"], "--true-on-policy with --async"),
+    (["--lora-rank", "4"], "--true-on-policy with --lora-rank"),
+    (["--rollout-max-context-len", "32"], "--true-on-policy with --rollout-max-context-len"),
+])
+def test_settings_that_cannot_stay_exact_are_refused_at_start_up(args, monkeypatch, capsys, extra, words):
+    from polyrl.cli import main
+    monkeypatch.setattr("polyrl.assemble.setup_command", lambda cfg: pytest.fail("refused before set-up"))
+    assert main(args("refused", *extra)) == 2
+    assert words in capsys.readouterr().err
+
+
+# ---- through polyrl serve, and on two ranks ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_exact_through_a_launched_polyrl_serve_that_batches(args, monkeypatch):
+    """--rollout-engine server: the server runs the mode too (--true-on-policy on its command line), batches the
+    step's concurrent requests into fewer engine calls, and its log-probs reach the trainer exactly (JSON floats
+    round-trip)."""
+    from polyrl.rollout.http_engine import HTTPEngine
+    records = install_spy(monkeypatch.setattr)
+    seen: list[dict] = []
+    close = HTTPEngine.close
+
+    def read_stats_then_close(self):
+        for s in self.servers:
+            if s.alive and not seen:  # through the engine's client, which holds the launched server's key
+                seen.append(self.http.call(s.url, "/get_server_info", method="GET", timeout=30)["internal_states"][0])
+        close(self)
+    monkeypatch.setattr(HTTPEngine, "close", read_stats_then_close)
+    rs = train(args("served", "--rollout-engine", "server", "--micro-batch-size", "3"))
+    assert_exact_rows(rs)
+    assert assert_every_token_exact(records) >= 3 * 16
+    (st,) = seen
+    assert st["prompts"] == 3 * 4 and st["engine_calls"] < st["prompts"]  # concurrent requests shared engine calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--micro-batch-size", "1"], ["--micro-batch-size", "3"], ["--micro-batch-size", "8"],
+                                   ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "50"]],
+                         ids=["mbs1", "mbs3", "mbs8", "uneven"])
+def test_exact_on_two_ranks(args, tmp_path, extra):
+    """Two ranks (gloo, FSDP2 sharded): each rank's engine scores its samples, the sharded trainer its own. With
+    token-budget micro-batches the ranks hold different sample counts per micro-batch: the fuller rank's count of
+    per-sample forwards is matched by padding forwards on the other."""
+    argv = args("two_ranks", *extra)
+    if "--use-dynamic-batch-size" in extra:  # rank 0 gets a 40-token prompt's group beside a short one, rank 1 two
+        data = tmp_path / "uneven.jsonl"  # short ones: 50-token bins split them 1,1,1,1,4 and 2,2,2,1,1
+        data.write_text("".join(json.dumps({"prompt": p, "label": "0"}) + "\n"
+                                for p in ["1+" * 19 + "1=", "12+3=", "4+56=", "7+8="] * 3))
+        argv.remove("--rollout-shuffle")
+        argv += ["--prompt-data", str(data)]
+    out = tmp_path / "records"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out),
+           *argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_exact_rows(rows(argv[argv.index("--run-dir") + 1]))
+    per_rank = [torch.load(out / f"rank{k}.pt") for k in (0, 1)]
+    records = per_rank[0] + per_rank[1]
+    assert {r["call"] for r in records} == {1, 2, 3}
+    counts = [[r["samples"] for r in rank] for rank in per_rank]  # samples per micro-batch, in order
+    assert len(counts[0]) == len(counts[1]) and (counts[0] != counts[1]) == ("--use-dynamic-batch-size" in extra)
+    assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 6
+
+
+if __name__ == "__main__":  # the two-rank worker: OUT_DIR, then `polyrl train`'s argv
+    out_dir, argv = sys.argv[1], sys.argv[2:]
+    recs = install_spy(setattr)
+    from polyrl.cli import main as polyrl_main
+    code = polyrl_main(argv)
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(recs, os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.pt"))
+    sys.exit(code)
