@@ -61,6 +61,16 @@ def to_train_batch(samples: list[Sample]) -> TrainBatch:
         multimodal=[s.multimodal for s in samples] if any(s.multimodal is not None for s in samples) else None)
 
 
+def rollout_mismatch(train: list[torch.Tensor], rollout: list[torch.Tensor], mask: list[torch.Tensor],
+                     d: Dist) -> dict[str, float]:
+    """|train - rollout| log-prob of every loss-masked response token of the step, over all ranks: the mean per token
+    and the worst token (per sample lists of [R_i] tensors)."""
+    diff = (torch.cat(train).float() - torch.cat(rollout).float()).abs() * torch.cat(mask)
+    total, n = d.sum([diff.sum().item(), torch.cat(mask).sum().item()])
+    (worst,) = d.max([diff.max().item() if diff.numel() else 0.0])
+    return {"train_rollout_logprob_abs_diff": total / max(n, 1.0), "train_rollout_logprob_abs_diff_max": worst}
+
+
 def reduce_reward_metrics(scored: dict, d: Dist) -> dict[str, float]:
     """The ranks' reward metrics, averaged (on the thread that runs the default group's collectives)."""
     return {k: v / d.world for k, v in zip(scored, d.sum(list(scored.values())))}
@@ -135,6 +145,11 @@ class Learner:
         if self.critic is not None:  # verl's order: the critic's update, then the actor's
             self.train_critic(batch, values, returns, m)
         self.minibatch_steps(backend, batch, self.loss_fn, m, "", with_entropy=True)
+        old = batch.token_fields.get("old_logprobs")
+        if old is not None and old is not batch.token_fields["rollout_logprobs"]:
+            # the trainer's own pre-update pass over every token: later minibatches meet updated weights
+            m.update(rollout_mismatch(batch.token_fields["old_logprobs"], batch.token_fields["rollout_logprobs"],
+                                      batch.token_fields["loss_mask"], d))
         if a.ref_update_interval and (step + 1) % a.ref_update_interval == 0:
             backend.sync_ref_from_actor()
 
@@ -145,8 +160,9 @@ class Learner:
         for k in range(self.n_minibatches):
             tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), loss_fn,
                                     temperature=self.temperature, with_entropy=with_entropy)
-            for key, v in tm.items():
-                m[prefix + key] = m.get(prefix + key, 0.0) + v / self.n_minibatches
+            for key, v in tm.items():  # averaged over the minibatches; a *_max metric is the largest of theirs
+                k = prefix + key
+                m[k] = max(m.get(k, v), v) if key.endswith("_max") else m.get(k, 0.0) + v / self.n_minibatches
 
     def critic_values(self, batch: TrainBatch) -> torch.Tensor | None:
         """The critic's pre-update values of this step's response tokens, flat [T] (None without a critic)."""
