@@ -570,11 +570,14 @@ class HTTPEngine:
     # ---- health and restarts ---------------------------------------------------------------------
     def _health_loop(self) -> None:
         interval = self.cfg.engines.rollout_health_check_interval
+        # a busy CPU server answers /health late: 1-10 s, and a third of the request timeout, which bounds
+        # detection anyway for a server with requests in flight
+        timeout = min(max(self.request_timeout / 3, 1.0), 10.0)
         while not self._stop_health.wait(interval):
             for s in list(self.servers):
-                if s.restarting:
+                if s.restarting or self._closed:
                     continue
-                ok = not s.exited() and self._answers(s, max(interval, 1.0))
+                ok = not s.exited() and self._answers(s, timeout)
                 if ok:
                     s.failures = 0
                     # an external server or another rank's view of a launched one: back, or given new weights by rank 0
@@ -584,7 +587,7 @@ class HTTPEngine:
                 s.failures += 1
                 if s.alive and (s.exited() or s.failures >= 2):
                     self._mark_down(s, f"exited with code {s.proc.returncode}" if s.exited() else
-                                    f"no answer to /health within {max(interval, 1.0):g} s, twice")
+                                    f"no answer to /health within {timeout:.3g} s, twice")
 
     def _refresh_version(self, s: Server) -> None:
         try:

@@ -54,7 +54,8 @@ from polyrl.weight_sync import buckets
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "polyrl_weight_update_group"
-RESYNC_GROUP = "polyrl_weight_resync_group"  # one server that came back gets the last weights on a group of its own
+RESYNC_GROUP = "polyrl_weight_resync_group"
+ABANDONED = "polyrl/abandoned"  # set in a group's store by the trainer when a broadcast on it failed  # one server that came back gets the last weights on a group of its own
 
 
 class WeightSyncError(RuntimeError):
@@ -190,9 +191,7 @@ class WeightReceiver:
         else:
             out = [(n, torch.empty(s, dtype=dtype_from_name(d), device=dev)) for n, d, s in zip(names, dtypes, shapes)]
             works = [pg.broadcast([_wire(t)], _broadcast_opts()) for _, t in out]  # all posted at once: no per-tensor round trip
-        for w in works:
-            if not w.wait(datetime.timedelta(seconds=timeout_s)):
-                raise WeightSyncError(f"broadcast did not finish within {timeout_s:.0f} s")
+        _wait_or_abandoned(works, self.groups[group_name][1], timeout_s)
         if nccl:
             torch.cuda.current_stream(dev).synchronize()  # the engine thread reads them next
         return out
@@ -202,6 +201,23 @@ class WeightReceiver:
         if g is not None:
             _shutdown(g[0])
         return g is not None
+
+
+def _wait_or_abandoned(works: list, store, timeout_s: float) -> None:
+    """Until the broadcasts completed; a trainer that gave up on them (a peer was lost) says so in the store."""
+    deadline = time.monotonic() + timeout_s
+    next_look = time.monotonic() + 0.2
+    while not all(w.is_completed() for w in works):
+        now = time.monotonic()
+        if now > next_look:  # a round trip to the trainer's store, so not at every poll
+            if store.check([ABANDONED]):
+                raise WeightSyncError("the trainer abandoned this broadcast (another server of the group failed)")
+            next_look = now + 0.2
+        if now > deadline:
+            raise WeightSyncError(f"broadcast did not finish within {timeout_s:.0f} s")
+        time.sleep(0.0005)
+    for w in works:
+        w.wait()  # raises a failed work's error
 
 
 def _shutdown(pg) -> None:
@@ -252,7 +268,10 @@ class _Targets:
         self.membership = tuple(e.membership for e in engines)
 
     def gone(self) -> list[str]:
-        """Targets their engine no longer counts as live (its health check found them dead or hung)."""
+        """Targets their engine no longer counts as live (its health check found them dead or hung), or all of
+        them once a server was restarted since (a new process at the same address is not in this group)."""
+        if tuple(getattr(e, "membership", 0) for e in self.engines) != self.membership:
+            return list(self.urls)
         live = {u for e in self.engines for u in e.weight_sync_urls()}
         return [u for u in self.urls if u not in live]
 
@@ -324,7 +343,8 @@ class _ServerTransport:
                 total = self._send(src, t, version)
                 break
             except WeightSyncError as err:
-                lost = [u for e in engines for u in e.lost_during_sync(t.urls, str(err))]  # raises without fault tolerance
+                # raises without fault tolerance
+                lost = [u for e, m in zip(engines, t.membership) for u in e.lost_during_sync(t.urls, str(err), m)]
                 if not lost or kept is None:
                     raise
                 for _ in src:  # the rest of the stream, into the host copy
@@ -428,7 +448,7 @@ class DistributedTransport(_ServerTransport):
         def drop():
             nonlocal broken
             broken = True
-            self._broken.append((pg, store))
+            self._abandon(pg, store)
         try:
             return self._broadcast_stream(pg, RESYNC_GROUP, stream, t, version, drop)
         finally:
@@ -474,6 +494,9 @@ class DistributedTransport(_ServerTransport):
                 gave_up, next_look = t.gone(), time.monotonic() + 0.5
             if gave_up or time.monotonic() > deadline:
                 drop()
+                # the others leave the abandoned group first (each answers once it has destroyed it), so that a
+                # rebuilt group of the same name is not destroyed by their late answer
+                concurrent.futures.wait([f for u, f in futs.items() if u not in gave_up], timeout=10)
                 why = f"{', '.join(gave_up)} gone; " if gave_up else f"not finished within {self.timeout_s:.0f} s; "
                 raise WeightSyncError(f"broadcasting {what} failed: {why}servers: {_answers(futs, 0)}")
             time.sleep(0.0005)
@@ -482,12 +505,23 @@ class DistributedTransport(_ServerTransport):
                 w.wait()
         except Exception as e:
             drop()
-            raise WeightSyncError(f"broadcasting {what} failed: {e}; servers: {_answers(futs, 5)}") from None
+            concurrent.futures.wait(list(futs.values()), timeout=10)  # as above: the servers leave the group first
+            raise WeightSyncError(f"broadcasting {what} failed: {e}; servers: {_answers(futs, 0)}") from None
 
     def _drop(self) -> None:
         if self.pg is not None:
-            self._broken.append((self.pg, self._store))  # destroying it now could wait for its stuck work
+            self._abandon(self.pg, self._store)
         self.pg = self._store = self._key = self._members = None
+
+    def _abandon(self, pg, store) -> None:
+        """A group whose broadcast failed: the servers still waiting in it see ABANDONED in its store and give up
+        at once (their weight-update thread is free for the next group) rather than at the timeout. Kept alive:
+        destroying it now could wait for its stuck work."""
+        try:
+            store.set(ABANDONED, "1")
+        except Exception:  # the store is ours and local: failing here leaves the servers their own timeout
+            pass
+        self._broken.append((pg, store))
 
     def close(self) -> None:
         """The servers the group was built with leave it (/destroy_weights_update_group), then we do."""

@@ -33,7 +33,7 @@ class FakeEngine:
         self.membership = 0
         self.pushed: list[tuple[int, list]] = []
 
-    def lost_during_sync(self, urls: list[str], err: str) -> list[str]:
+    def lost_during_sync(self, urls: list[str], err: str, since: int) -> list[str]:
         return []
 
     def set_weight_source(self, source, transport) -> None:
