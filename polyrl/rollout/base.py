@@ -99,13 +99,14 @@ class ServerEngines(RolloutEngine, Protocol):
     shares_devices: bool  # the servers run on the trainer's GPUs (placement plan `shared`)
 
     def weight_sync_urls(self) -> list[str]:
-        """Servers that must receive the next weights: every live one (restarted ones included)."""
+        """Servers that must receive the next weights: every live one (a restarted one once it holds the current ones)."""
 
     def weights_pushed(self, version: int, urls: list[str] | None = None) -> None:
         """Record that these servers (None: all) now hold weights `version`."""
 
-    def lost_during_sync(self, urls: list[str], why: str) -> list[str]:
-        """Servers of `urls` found dead during a push (raises without fault tolerance)."""
+    def lost_during_sync(self, urls: list[str], why: str, since: int) -> list[str]:
+        """Servers of `urls` found dead, hung, or restarted since `membership` was `since`, during a push that
+        failed with `why` (raises without fault tolerance)."""
 
     def set_weight_source(self, source, transport) -> None:
         """How a restarted server gets the current weights: source() -> (stream, version), pushed by transport."""

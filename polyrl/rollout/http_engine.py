@@ -646,7 +646,7 @@ class HTTPEngine:
         self._weight_source = (source, transport) if source is not None else None
 
     def weight_sync_urls(self) -> list[str]:
-        """Servers that must receive the next weights: every live one (restarted ones included)."""
+        """Servers that must receive the next weights: every live one (a restarted one once it holds the current ones)."""
         return [s.url for s in self.servers if s.alive]
 
     def weights_pushed(self, version: int, urls: list[str] | None = None) -> None:
