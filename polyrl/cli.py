@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.metrics import PROGRESS, RunStopped, stop_consoles
     from polyrl.rollout.http_engine import EngineDeadError
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
+    from polyrl.weight_sync.distributed import WeightSyncError
     PROGRESS.update(step=None, phase=None)
     _received.clear()
     old_handlers = _install_signal_handlers()
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_consoles()
             code, how = _SIGNALS.get(_received[0] if _received else "SIGINT")
             return err(_interrupt_line(args.command, cfg, how), code)
-        if isinstance(e, (EngineDeadError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
+        if isinstance(e, (EngineDeadError, WeightSyncError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
             return err(f"polyrl {args.command}: error: {e}", 1)
         if isinstance(e, (ConfigError, DataError, CheckpointError)):
             return err(f"polyrl {args.command}: error: {e}", 2)
