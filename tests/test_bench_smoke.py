@@ -125,3 +125,103 @@ def test_decode_kernels_help_without_torch():
     a = load("decode_kernels.py").parse_args(["--batch", "64", "256", "--sweep"])
     assert a.batch == [64, 256] and a.sweep and a.block_size == [16]  # the engine's page size unless asked
     assert load("decode_kernels.py").parse_args(["--block-size", "16", "64"]).block_size == [16, 64]
+
+
+def test_regress_help_and_dry_run_without_torch():
+    for args in (["--help"], ["--dry-run"]):
+        out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "regress.py"), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    assert "rollout_throughput.py" in json.loads(out.stdout)["stages"]["rollout"]
+    rg = load("regress.py")
+    with pytest.raises(SystemExit) as e:
+        rg.parse_args(["--only", "rollout,decode"])
+    assert e.value.code == 2
+    # the shipped baseline: an H100's, every metric at the script's own setting and cited
+    base = rg.load_baseline(rg.DEFAULT_BASELINE)
+    assert "H100" in base["device"] and set(base["metrics"]) == set(rg.METRICS)
+    for key, rec in base["metrics"].items():
+        assert rec["setting"] == rg.METRICS[key].setting and rec["value"] > 0
+        assert rec["source"].startswith("bench/RESULTS.md") or rec["source"].startswith("measured by")
+
+
+def test_regress_verdicts_follow_each_metrics_direction_and_band():
+    rg = load("regress.py")
+    tok, step = rg.METRICS["rollout_tok_s"], rg.METRICS["grpo_step_s"]  # bands 7% and 10%
+    assert rg.verdict(tok, 92.0, 100.0)[1] == "slower" and rg.verdict(tok, 94.0, 100.0)[1].startswith("same")
+    assert rg.verdict(tok, 108.0, 100.0)[1] == "faster"
+    assert rg.verdict(step, 1.12, 1.0)[1] == "slower" and rg.verdict(step, 0.88, 1.0)[1] == "faster"
+    assert rg.verdict(step, 1.05, 1.0) == (1.05, "same (within 10%)")
+    assert rg.device_mismatch({"device": "NVIDIA H100 80GB HBM3"}, "NVIDIA H100 80GB HBM3") is None
+    why = rg.device_mismatch({"device": "NVIDIA H100 80GB HBM3"}, "NVIDIA H200")
+    assert "NVIDIA H100 80GB HBM3" in why and "NVIDIA H200" in why
+    assert rg.device_mismatch(None, "NVIDIA H200") is None  # no baseline yet: --update starts one
+
+
+def test_regress_grpo_step_is_the_median_after_warmup(tmp_path):
+    rg = load("regress.py")
+    p = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "time/step": t, "time/rollout": 0.4, "time/train": 0.3} for i, t in
+            enumerate([9.0, 5.0, 0.70, 0.72, 0.90, 0.71], start=1)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "time/st')  # a killed run's half line
+    step, info = rg.grpo_step_from_metrics(str(p), warmup=2)
+    assert step == 0.715 and "median of 4 steps" in info  # steps 3-6; warm-up and the broken line left out
+    with pytest.raises(RuntimeError, match="3 needed"):
+        rg.grpo_step_from_metrics(str(p), warmup=4)
+
+
+# Stand-ins for the three GPU stages: each writes the file its reader parses, with the figure given in argv.
+FAKE_STAGE = """
+import json, os, sys, time
+stage, work, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
+if value < 0:
+    time.sleep(60)
+elif stage == "rollout":
+    json.dump({"engine": {"tok_s": value, "runs": [{"tok_s": value}], "roofline": {"tok_s": 4 * value}}},
+              open(os.path.join(work, "rollout.json"), "w"))
+elif stage == "train":
+    open(os.path.join(work, "train.jsonl"), "a").write(json.dumps(
+        {"mfu": value, "step_s": 0.3, "tokens_per_s": 1, "peak_mem_gib": 1.0}) + "\\n")
+else:
+    d = os.path.join(work, "grpo", "polyrl_run0")
+    os.makedirs(d, exist_ok=True)
+    open(os.path.join(d, "metrics.jsonl"), "w").write(
+        "".join(json.dumps({"step": i, "time/step": value}) + "\\n" for i in range(1, 9)))
+"""
+
+
+def test_regress_compares_updates_and_refuses_another_device(tmp_path, monkeypatch, capsys):
+    rg = load("regress.py")
+    today = {"rollout": 90000.0, "train": 0.33, "grpo": 0.70}  # rollout 10% below its baseline: slower
+    monkeypatch.setattr(rg, "stage_command", lambda stage, work: [sys.executable, "-c", FAKE_STAGE, stage, work,
+                                                                  str(today[stage])])
+    monkeypatch.setattr(rg, "gpu_name", lambda: "FAKE GPU")
+    base = {"device": "FAKE GPU", "metrics": {k: {"value": v, "setting": rg.METRICS[k].setting, "date": "2026-01-01"}
+                                              for k, v in (("rollout_tok_s", 100000.0), ("train_mfu", 0.32),
+                                                           ("grpo_step_s", 0.80))}}
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(base))
+    argv = ["--baseline", str(path), "--workdir", str(tmp_path / "w")]
+    assert rg.main(argv + ["--update"]) == 1  # a slower metric fails the gate
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "metric" not in line}
+    assert table[rg.METRICS["rollout_tok_s"].label] == ["90,000", "100,000 (2026-01-01)", "0.900", "slower"]
+    assert table[rg.METRICS["train_mfu"].label][2:] == ["1.031", "same (within 5%)"]
+    assert table[rg.METRICS["grpo_step_s"].label][2:] == ["0.875", "faster"]  # 0.70 s against 0.80 s
+    new = json.loads(path.read_text())
+    assert new["device"] == "FAKE GPU" and new["metrics"]["rollout_tok_s"]["value"] == 90000.0
+    assert new["metrics"]["grpo_step_s"]["command"] == "PYTHONPATH=. python3 bench/regress.py"
+    # today's figures are now the baseline: the same run is "same" everywhere and passes
+    assert rg.main(argv) == 0
+    # a stage past its wall limit is killed and reported; --update then writes nothing
+    monkeypatch.setitem(rg.STAGE_TIMEOUT_S, "train", 1)
+    today["train"] = -1.0
+    assert rg.main(argv + ["--only", "train", "--update"]) == 1
+    out = capsys.readouterr()
+    assert "FAILED" in out.out and "killed at its 1 s limit" in out.out and "not written" in out.err
+    assert json.loads(path.read_text()) == new
+    # another device kind: refused before anything runs, both names printed
+    monkeypatch.setattr(rg, "gpu_name", lambda: "OTHER GPU")
+    assert rg.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'FAKE GPU'" in err and "'OTHER GPU'" in err
