@@ -23,6 +23,7 @@ import shutil
 
 import torch
 
+from polyrl.config import ConfigError
 from polyrl.dist import barrier, is_main, rank as trainer_rank
 from polyrl.metrics import notice, redact_secrets, set_phase
 
@@ -207,3 +208,19 @@ def load_checkpoint(path: str, backend, critic=None) -> dict:
         raise CheckpointError(f"--load {path}: could not read the checkpoint ({type(e).__name__}: {e})") from e
     notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")
     return state
+
+
+def resume_latest(cfg, restart: int, limit) -> None:
+    """A trainer started again after a rank died (restart number `restart` of `limit`): point `cfg` at the newest
+    complete checkpoint under --save, or start afresh when the first attempt completed none."""
+    ck = cfg.checkpoint
+    if not ck.save:
+        raise ConfigError("this run was restarted after a rank died, and without --save it has no checkpoint to resume "
+                          "from: add --save DIR --save-interval N to survive a lost rank")
+    latest = latest_complete(ck.save)
+    if latest is None:
+        cfg.log.overwrite = True  # the first attempt logged steps that no checkpoint holds: they are trained again
+        notice(f"restart {restart} of {limit}: no complete checkpoint in {ck.save} yet; starting afresh")
+    else:
+        ck.load = latest
+        notice(f"restart {restart} of {limit}: resuming from {latest}")

@@ -75,19 +75,8 @@ def resume_after_restart(cfg) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:
         return
-    from polyrl.checkpoint import latest_complete
-    from polyrl.metrics import notice
-    ck, limit = cfg.checkpoint, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    if not ck.save:
-        raise ConfigError("torchrun restarted this run after a rank died, and without --save it has no checkpoint to resume "
-                          "from: add --save DIR --save-interval N to survive a lost rank")
-    latest = latest_complete(ck.save)
-    if latest is None:
-        cfg.log.overwrite = True  # the first attempt logged steps that no checkpoint holds: they are trained again
-        notice(f"restart {restart} of {limit}: no complete checkpoint in {ck.save} yet; starting afresh")
-    else:
-        ck.load = latest
-        notice(f"restart {restart} of {limit}: resuming from {latest}")
+    from polyrl.checkpoint import resume_latest
+    resume_latest(cfg, restart, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
 
 
 def run_eval(cfg) -> dict:

@@ -473,6 +473,9 @@ class MegatronConfig:
                                              "--use-megatron-fsdp)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
+    enable_mtp_training: bool = opt(False, "train the checkpoint's multi-token-prediction layers (MiMo) with an MTP loss "
+                                           "beside the policy loss (megatron-core MTP); not built yet: refused")
+    mtp_loss_scaling_factor: float = opt(0.2, "weight of the MTP loss (--enable-mtp-training); not built yet: refused")
 
 
 @dataclass
@@ -487,6 +490,9 @@ class RayConfig:
                                 "actor, weights from tensor); default: engine actors on GPUs of their own (--rollout-num-gpus), "
                                 "weights from distributed")
     ray_num_cpus: int = opt(0, "local Ray instance only: logical CPUs (0 = this machine's)")
+    max_restarts: int = opt(0, "times the train actors are started again after one dies; each restart resumes from the "
+                               "newest complete checkpoint under --save, and the engine actors stay up and get the resumed "
+                               "weights (under torchrun: pass torchrun's own --max-restarts; polyrl resumes the same way)")
 
 
 @dataclass
@@ -659,7 +665,7 @@ _RULES: dict[str, Any] = {
 }
 VALUE_RANGES: dict[str, str] = {
     # cluster / data
-    "seed": "in [0, 2**32)", "rollout_max_prompt_len": ">= 1",
+    "seed": "in [0, 2**32)", "rollout_max_prompt_len": ">= 1", "mtp_loss_scaling_factor": ">= 0",
     # rollout
     "rollout_batch_size": ">= 1", "n_samples_per_prompt": ">= 1", "rollout_temperature": ">= 0",
     "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",
@@ -694,7 +700,7 @@ VALUE_RANGES: dict[str, str] = {
     "num_layers_per_virtual_pipeline_stage": ">= 1", "context_parallel_size": ">= 1", "expert_model_parallel_size": ">= 1",
     "expert_tensor_parallel_size": ">= 1", "moe_router_topk": ">= 1", "recompute_num_layers": ">= 1",
     # ray
-    "actor_num_nodes": ">= 1", "actor_num_gpus_per_node": ">= 1", "ray_num_cpus": ">= 0",
+    "actor_num_nodes": ">= 1", "actor_num_gpus_per_node": ">= 1", "ray_num_cpus": ">= 0", "max_restarts": ">= 0",
 }
 _HINTS = {"eps_clip_c": "; it is the dual-clip constant, leave it unset to disable dual clip",
           "rollout_top_k": " (-1 keeps every token)", "clip_grad": " (0 turns clipping off)",
@@ -753,6 +759,10 @@ def validate(cfg: Config, command: str = "train") -> None:
             raise ConfigError(
                 f"--rollout-batch-size ({r.rollout_batch_size}) x --n-samples-per-prompt ({r.n_samples_per_prompt}) = {per_step} "
                 f"samples per step is not divisible by --global-batch-size ({gbs}); pick a divisor of {per_step}")
+    mg = cfg.megatron
+    if mg.enable_mtp_training or mg.mtp_loss_scaling_factor != MegatronConfig.mtp_loss_scaling_factor:
+        raise ConfigError("--enable-mtp-training / --mtp-loss-scaling-factor: MTP training is not built yet on any backend "
+                          "(MiMo's MTP layers are kept and exported as loaded, untrained); drop them")
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("--use-kl-loss needs a positive --kl-loss-coef")
     if b.use_dynamic_batch_size and not b.max_tokens_per_gpu:
@@ -1017,7 +1027,13 @@ def _validate_ray(cfg: Config) -> None:
         if y.colocate or y.actor_num_nodes != 1 or y.actor_num_gpus_per_node != 1 or y.ray_address:
             raise ConfigError("--colocate, --actor-num-nodes, --actor-num-gpus-per-node and --ray-address place Ray actors: "
                               "add --use-ray (under torchrun, --nproc-per-node sets the ranks)")
+        if y.max_restarts:
+            raise ConfigError("--max-restarts restarts Ray's train actors: add --use-ray, or under torchrun pass it to "
+                              "torchrun itself (torchrun --max-restarts N ... -m polyrl train --save DIR ...)")
         return
+    if y.max_restarts and not cfg.checkpoint.save:
+        raise ConfigError(f"--max-restarts {y.max_restarts} resumes restarted train actors from --save: add --save DIR "
+                          "--save-interval N")
     if os.environ.get("RANK") is not None:
         raise ConfigError("--use-ray places the train ranks itself: run `polyrl train --use-ray ...` once, not under torchrun")
     if e.rollout_external:

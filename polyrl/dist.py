@@ -37,6 +37,12 @@ def barrier() -> None:
         dist.barrier()
 
 
+def restart_count() -> int:
+    """How many times this run's trainer was started again after a rank died (torchrun --max-restarts sets
+    TORCHELASTIC_RESTART_COUNT; polyrl's Ray driver sets POLYRL_RESTART_COUNT for its actors)."""
+    return int(os.environ.get("POLYRL_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def init_distributed(device: str, backend: str = "auto") -> None:
     """Join the process group torchrun set up, or make a one-rank group for a plain launch
     (FSDP2 and DCP always run inside a process group, even alone)."""

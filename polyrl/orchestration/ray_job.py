@@ -27,7 +27,9 @@ import os
 import tempfile
 import time
 
+from polyrl.checkpoint import resume_latest
 from polyrl.config import Config, ConfigError
+from polyrl.metrics import notice
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +113,10 @@ class TrainRayActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def train(self, cfg: Config, rank: int, world: int, master: tuple[str, int]) -> dict:
+    def train(self, cfg: Config, rank: int, world: int, master: tuple[str, int], restart: int = 0) -> dict:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # Ray sets CUDA_VISIBLE_DEVICES to its GPU
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),  # Ray sets CUDA_VISIBLE_DEVICES to its GPU
+                          POLYRL_RESTART_COUNT=str(restart))
         logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
         if cfg.rollout.async_training:
             from polyrl.loop_async import train
@@ -211,14 +214,23 @@ def train_on_ray(cfg: Config) -> dict:
                               for k, e in enumerate(engines)], timeout + 30, "engine actors starting their servers")
             run_cfg.engines.rollout_external, run_cfg.engines.rollout_external_engine_addrs = True, urls
         train_cls = ray.remote(num_cpus=0)(TrainRayActor)
-        actors = [train_cls.options(scheduling_strategy=at(i), resources={unit: 1}).remote() for i in range(world)]
-        master = _get(ray, [actors[0].master.remote()], 120, "train actor 0 (its address)")[0]
-        pids = _get(ray, [a.pid.remote() for a in actors + engines], 120, "actors (their pids)")
-        os.makedirs(cfg.log.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.log.run_dir, "ray_actors.json"), "w") as f:
-            json.dump({"train": pids[:world], "engines": pids[world:]}, f)
-        refs = [a.train.remote(run_cfg, rank, world, master) for rank, a in enumerate(actors)]
-        return _supervise(ray, refs)
+        for restart in range(cfg.ray.max_restarts + 1):
+            actors = [train_cls.options(scheduling_strategy=at(i), resources={unit: 1}).remote() for i in range(world)]
+            master = _get(ray, [actors[0].master.remote()], 120, "train actor 0 (its address)")[0]
+            pids = _get(ray, [a.pid.remote() for a in actors + engines], 120, "actors (their pids)")
+            os.makedirs(cfg.log.run_dir, exist_ok=True)
+            with open(os.path.join(cfg.log.run_dir, "ray_actors.json"), "w") as f:
+                json.dump({"train": pids[:world], "engines": pids[world:], "restart": restart}, f)
+            refs = [a.train.remote(run_cfg, rank, world, master, restart) for rank, a in enumerate(actors)]
+            try:
+                return _supervise(ray, refs)
+            except TrainActorDied as e:
+                if restart == cfg.ray.max_restarts:
+                    raise
+                notice(f"{e}")
+                for a in actors:  # the survivors wait in collectives with the dead one: the whole trainer starts again
+                    ray.kill(a, no_restart=True)
+                resume_latest(run_cfg, restart + 1, cfg.ray.max_restarts)  # the engine actors keep running
     finally:
         for a in engines:
             try:

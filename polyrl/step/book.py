@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from typing import Callable
 
 from polyrl.checkpoint import save_checkpoint
 from polyrl.config import Config
-from polyrl.dist import Dist
+from polyrl.dist import Dist, restart_count
 from polyrl.metrics import MetricsLogger, Timer
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
@@ -25,7 +24,7 @@ class Book:
         self.cfg, self.d, self.logger, self.cursor, self.engine = cfg, d, logger, cursor, engine
         self.evaluate, self.save, self.device = evaluate, save, device
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts: this attempt
+        self.restarts = restart_count()  # torchrun's or Ray's --max-restarts: which attempt this is
 
     def start(self, step: int) -> None:
         """Before the first step of a run from scratch: the eval curve starts from the initial policy."""

@@ -145,3 +145,39 @@ def test_a_killed_train_actor_ends_the_run_with_a_message(tiny_model, arith_data
     assert p.returncode not in (0, None)
     assert "train actor 1" in out and "died" in out, out[-3000:]
     assert_nothing_left(run)
+
+
+KILLER = '''
+import os, signal
+_calls = [0]
+def digits(sample):
+    """partial credit, and a SIGKILL of train actor 1 at its first reward of step 3 on the first attempt"""
+    _calls[0] += 1
+    if os.environ["RANK"] == "1" and os.environ.get("POLYRL_RESTART_COUNT") == "0" and _calls[0] == 9:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sum(c.isdigit() for c in sample.response) / 6.0
+'''
+
+
+def test_max_restarts_resumes_the_train_actors_and_keeps_the_engine_actors(tiny_model, arith_data, tmp_path):
+    rm = tmp_path / "rm.py"
+    rm.write_text(KILLER)
+    run = tmp_path / "run"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "polyrl", "train", "--hf-checkpoint", tiny_model, "--prompt-data",
+                        arith_data["train"], "--custom-rm-path", f"{rm}:digits", "--rollout-batch-size", "4",
+                        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--lr", "1e-3",
+                        "--num-rollout", "4", "--seed", "3", "--device", "cpu", "--quiet", "--run-dir", str(run),
+                        "--save", str(tmp_path / "ck"), "--save-interval", "1", "--use-ray",
+                        "--actor-num-gpus-per-node", "2", "--rollout-engine", "server", "--rollout-num-gpus", "1",
+                        "--max-restarts", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "train actor 1 (rank 1) died" in p.stderr and "restart 1 of 1: resuming from" in p.stderr
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r.get("restarts", 0) for r in rows] == [0, 0, 1, 1]
+    # the engine actor stayed up and holds the resumed weights: the restarted trainer's log-probs are the engine's
+    assert json.load(open(run / "ray_actors.json"))["restart"] == 1
+    logs = [f for f in os.listdir(run / "engines") if f.endswith(".log")]
+    assert logs and all(open(run / "engines" / f).read().count("listening on") == 1 for f in logs)  # started once
+    assert all(r["train_rollout_logprob_abs_diff_max"] < LOGPROB_TOL for r in rows)
+    assert_nothing_left(run)
