@@ -150,6 +150,8 @@ _HINTS = {
     ("multimodal_keys", "megatron"): " or use --train-backend fsdp (Megatron's HF-wrapped vision tower is not built yet)",
     ("freeze_vision_tower", "megatron"): " or use --train-backend fsdp (image prompts train on FSDP only)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
+    ("enable_mtp_training", "fsdp"): " (MTP training is not built yet on any backend)",
+    ("mtp_loss_scaling_factor", "fsdp"): " (MTP training is not built yet on any backend)",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache
 
-from polyrl import multimodal
+from polyrl import hf_families, multimodal
 from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import decode_all
 from polyrl.rollout.gpu import ops
@@ -42,9 +42,10 @@ class EmbeddedEngine(InProcessEngine):
         # vision-language checkpoints: the HF class with the vision tower, and the processor that makes pixel inputs
         self.processor = multimodal.VisionProcessor.from_pretrained(hf_checkpoint, self.tokenizer)
         auto = AutoModelForImageTextToText if self.processor is not None else AutoModelForCausalLM
-        self.model = auto.from_pretrained(
-            hf_checkpoint, dtype=dtype, attn_implementation=attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
-        ).to(self.device).eval()
+        attn = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
+        if hf_families.dense_attention_reason(AutoConfig.from_pretrained(hf_checkpoint)) is not None:
+            attn = "eager"  # attention sinks (GPT-OSS): SDPA has none
+        self.model = auto.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation=attn).to(self.device).eval()
         self.model.requires_grad_(False)
         self.max_batch = max_batch
         self.version = 0
@@ -141,7 +142,10 @@ class EmbeddedEngine(InProcessEngine):
         # SGLang's routed_experts: every forwarded token (the prompt, then each sampled token but the last)
         routes: list[list[torch.Tensor]] | None = [[] for _ in range(B)] if sp.return_routed_experts else None
 
-        cache = DynamicCache()
+        text_cfg = self.model.config.get_text_config()
+        # hybrid linear-attention models (Qwen3.5) keep recurrent states: the cache is laid out from the config
+        cache = DynamicCache(config=text_cfg) if "linear_attention" in (getattr(text_cfg, "layer_types", None) or ()) \
+            else DynamicCache()
         vision, pixels = self.processor is not None, {}
         if vision:  # Qwen-VL: 3D positions over the image tokens, text positions after them continue from the largest
             pixels, pos = self._vision_prefill(flat, ids, mms)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
+from polyrl import hf_families
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
@@ -176,9 +177,21 @@ class FSDPBackend:
         from polyrl.backends.fsdp.attention import resolve
         # linear-attention (recurrent) layers, e.g. Qwen3-Next's gated DeltaNet: HF's torch path carries
         # state across a packed row, so these models take padded rows with dense attention
+        hf_families.register()  # MiMo (no remote code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
         recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+        # attention sinks / sliding windows: polyrl's packed masks and varlen kernel express neither, HF's eager
+        # attention on padded rows does (it builds each layer's causal or sliding mask from the padding mask)
+        dense_why = hf_families.dense_attention_reason(self.hf_config)
+        if dense_why is not None:
+            if model_cfg.attn_implementation not in ("auto", "eager") or batch_cfg.micro_batch_layout == "packed":
+                raise ValueError(f"--attn-implementation {model_cfg.attn_implementation} / --micro-batch-layout "
+                                 f"{batch_cfg.micro_batch_layout}: {self.hf_config.model_type} has {dense_why}, which only "
+                                 "HF's eager attention on padded rows computes; use --attn-implementation auto or eager")
+            log.info("FSDP: %s has %s: HF eager attention on padded rows instead of polyrl's packed / varlen path",
+                     self.hf_config.model_type, dense_why)
+            requested, recurrent = "eager", True  # recurrent: padded rows (below)
         self.attn_impl = resolve(requested, self.device.type, self.dtype)
         self.layout = batch_cfg.micro_batch_layout
         if recurrent and self.layout == "packed":

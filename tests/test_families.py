@@ -1,0 +1,186 @@
+"""GPT-OSS, MiMo (with MTP layers) and Qwen3.5 (text) on CPU: the FSDP backend's log-probs equal an HF forward in FP32
+(GPT-OSS on its logged eager / padded fall-back), a GRPO step through the CLI, MiMo's MTP weights kept through load
+and export, the embedded engine's transformers path generating, the GPU path's reasons, and the MTP flags refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from polyrl import hf_families
+
+
+def _family_model(family: str, tok):
+    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    common = dict(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    if family == "gpt_oss":  # sliding window 3 < the samples' lengths, so the window changes the result
+        cfg = GptOssConfig(**common, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=3, rope_parameters={
+                               "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0})
+        cls = GptOssForCausalLM
+    elif family == "mimo":
+        cfg = hf_families.MiMoConfig(**common, intermediate_size=96, num_hidden_layers=2, num_nextn_predict_layers=1)
+        cls = hf_families.MiMoForCausalLM
+    else:
+        cfg = Qwen3_5TextConfig(**common, intermediate_size=96, num_hidden_layers=4, linear_num_key_heads=2,
+                                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+        cls = Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    with torch.no_grad():  # sinks and router biases are zero at init: random, so they matter
+        for n, p in model.named_parameters():
+            if n.endswith(("sinks", "router.bias", "_proj_bias")):
+                p.normal_(std=0.5)
+    return model
+
+
+FAMILIES = ["gpt_oss", "mimo", "qwen3_5_text"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    from polyrl.tasks.arithmetic import build_tokenizer
+
+    hf_families.register()
+    path = str(tmp_path_factory.mktemp(request.param))
+    tok = build_tokenizer()
+    tok.save_pretrained(path)
+    _family_model(request.param, tok).save_pretrained(path)
+    return request.param, path
+
+
+def _backend(path: str):
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    from polyrl.dist import init_distributed
+
+    init_distributed("cpu")
+    return FSDPBackend(ModelConfig(hf_checkpoint=path), OptimizerConfig(lr=1e-2), BatchConfig(), device="cpu")
+
+
+def test_fsdp_logprobs_equal_hf_forward(family_dir, caplog):
+    """Each sample alone through the plain HF model (eager attention where the family needs it) vs the backend's
+    micro-batch of samples of different lengths. FP32; only summation order differs (padding rows change GEMM
+    shapes), so 1e-5 is ~100x the observed differences."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.types import TrainBatch
+
+    family, path = family_dir
+    with caplog.at_level(logging.INFO, logger="polyrl.backends.fsdp.backend"):
+        be = _backend(path)
+    dense = family == "gpt_oss"
+    assert be.layout == "padded" and (be.attn_impl == "eager") == dense
+    assert ("HF eager attention on padded rows" in caplog.text) == dense  # the fall-back and its reason are logged
+    g = torch.Generator().manual_seed(1)
+    lens, plens = [9, 6, 12], [3, 2, 5]
+    ids = [torch.randint(3, be.hf_config.vocab_size, (n,), generator=g) for n in lens]
+    got = be.compute_logprobs(TrainBatch(input_ids=ids, prompt_lens=plens))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="eager" if dense else "sdpa").eval()
+    with torch.no_grad():
+        for x, p, lp in zip(ids, plens, got):
+            logits = ref_model(x[None]).logits[0].float()
+            want = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, x[p:, None])[:, 0]
+            torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_packed_layout_is_refused_for_sinks(family_dir):
+    family, path = family_dir
+    if family == "mimo":
+        pytest.skip("MiMo's Qwen2 decoder packs")
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    from polyrl.dist import init_distributed
+
+    init_distributed("cpu")
+    with pytest.raises(ValueError, match="packed"):
+        FSDPBackend(ModelConfig(hf_checkpoint=path), OptimizerConfig(), BatchConfig(micro_batch_layout="packed"),
+                    device="cpu")
+
+
+def test_grpo_step_through_the_cli(family_dir, arith_data, tmp_path):
+    """One GRPO step (embedded engine's transformers path on CPU, FSDP backend), then the exported HF directory has
+    every tensor of the checkpoint, MiMo's MTP layers included and, untrained, unchanged."""
+    from safetensors.torch import load_file
+
+    from polyrl.cli import main
+
+    family, path = family_dir
+    if family == "qwen3_5_text":  # generation itself works (test_embedded_engine_generates_on_cpu); batches do not yet
+        pytest.xfail("the embedded engine drops finished rows with cache.batch_select_indices, which transformers' "
+                     "linear-attention cache layers lack")
+    run = tmp_path / "run"
+    rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
+    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
+    assert main(["train", "--hf-checkpoint", path, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:r",
+                 "--quiet", "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--rollout-max-response-len", "4", "--run-dir", str(run), "--save-hf", str(tmp_path / "hf")]) == 0
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert len(rows) == 1 and rows[0]["grad_norm"] > 0 and not rows[0]["skipped_step"], rows  # a real step
+    # the engine's sampled log-probs and the trainer's agree (FP32 both, different batching: summation order only)
+    assert rows[0]["train_rollout_logprob_abs_diff_max"] < 1e-3, rows
+    before, after = load_file(os.path.join(path, "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(after) == set(before)
+    mtp = [n for n in before if ".mtp_layers." in n]
+    assert bool(mtp) == (family == "mimo")
+    assert all(torch.equal(before[n], after[n]) for n in mtp)
+
+
+def test_fsdp_export_keeps_mimo_mtp_weights(tmp_path):
+    from polyrl.tasks.arithmetic import build_tokenizer
+
+    hf_families.register()
+    tok = build_tokenizer()
+    tok.save_pretrained(tmp_path)
+    model = _family_model("mimo", tok)
+    model.save_pretrained(tmp_path)
+    be = _backend(str(tmp_path))
+    got = dict(be.export_weights())
+    want = model.state_dict()
+    assert set(got) == set(want) and any(".mtp_layers.0.input_proj" in n for n in got)
+    assert all(torch.equal(got[n].float(), want[n]) for n in want)
+
+
+def test_embedded_engine_generates_on_cpu(family_dir):
+    """The transformers path (every CPU run) samples from each family; greedy equals HF's own generate."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.rollout.embedded import make_embedded_engine
+    from polyrl.types import SamplingParams
+    from tests.conftest import hf_greedy
+
+    family, path = family_dir
+    eng = make_embedded_engine(path, device="cpu")
+    prompt = [5, 9, 12, 7]  # arithmetic tokens of the tiny tokenizer
+    out = eng.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0))[0]
+    assert 1 <= len(out.response_ids) <= 5 and len(out.rollout_logprobs) == len(out.response_ids)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                               attn_implementation="eager" if family == "gpt_oss" else "sdpa").eval()
+    assert out.response_ids == hf_greedy(ref, prompt, 5, eng.tokenizer.eos_token_id, eng.tokenizer.pad_token_id)
+
+
+def test_gpu_path_names_why_not(family_dir):
+    from polyrl.rollout.gpu import unsupported_reason
+
+    family, path = family_dir
+    why = unsupported_reason(path)
+    assert why and {"gpt_oss": "attention sinks", "mimo": "MTP", "qwen3_5_text": "DeltaNet"}[family] in why
+
+
+@pytest.mark.parametrize("flag", [["--enable-mtp-training"], ["--mtp-loss-scaling-factor", "0.5"]])
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_mtp_flags_are_refused_everywhere(flag, backend, tiny_model, arith_data, capsys):
+    from polyrl.cli import main
+
+    code = main(["train", "--train-backend", backend, "--hf-checkpoint", tiny_model, "--prompt-data",
+                 arith_data["train"], "--rm-type", "arithmetic", *flag])
+    assert code == 2 and "MTP training is not built yet" in capsys.readouterr().err
