@@ -80,14 +80,19 @@ def wait_for(cond, seconds: float, what: str) -> None:
 
 
 def generate_while(eng: HTTPEngine, ps, sp, victims: list[int], sig: int) -> list:
-    """generate() on a thread; once every victim server has a request in flight, send it `sig`. Returns the samples."""
+    """generate() on a thread; once every victim server has a request in flight, send it `sig`. Returns the samples.
+    The victims are stopped (SIGSTOP) before the call, so their requests stay in flight however fast the tiny model
+    answers: the signal always lands mid-rollout (a stopped server is what a hung one looks like)."""
     out: dict = {}
+    for k in victims:
+        os.kill(eng.servers[k].proc.pid, signal.SIGSTOP)
     t = threading.Thread(target=lambda: out.setdefault("samples", eng.generate(ps, sp)), daemon=True)
     t.start()
     for k in victims:
         s = eng.servers[k]
         wait_for(lambda: s.outstanding > 0, 60, f"engine {k} to get a request")
-        os.kill(s.proc.pid, sig)
+        if sig != signal.SIGSTOP:
+            os.kill(s.proc.pid, sig)
     t.join(400)
     assert not t.is_alive(), "generate did not return"
     assert "samples" in out, "generate raised (see the log above)"
@@ -207,10 +212,10 @@ def test_without_fault_tolerance_a_death_during_the_sync_or_a_hang_names_the_eng
                 eng.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5))
             except EngineDeadError as e:
                 out["error"] = e
+        os.kill(s.proc.pid, signal.SIGSTOP)  # hung before the call: its requests stay in flight however fast the model
         t = threading.Thread(target=run, daemon=True)
         t.start()
         wait_for(lambda: s.outstanding > 0, 60, "engine 0 to get a request")
-        os.kill(s.proc.pid, signal.SIGSTOP)
         t.join(120)
         assert not t.is_alive(), "generate did not stop on a hung engine"
         assert "error" in out
