@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from polyrl.config import Config
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.http_engine import EngineDeadError, HTTPEngine
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import DistributedTransport
+from tests.rollout.test_http_engine import engine_cfg as http_engine_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +30,10 @@ pytestmark = pytest.mark.slow
 LOGPROB_TOL = 1e-4
 
 
-def engine_cfg(model: str, tmp_path, n: int, fault_tolerant: bool) -> Config:
-    cfg = Config()
-    cfg.model.hf_checkpoint = model
-    cfg.cluster.device = "cpu"
-    cfg.rollout.rollout_engine = "server"
-    cfg.log.run_dir = str(tmp_path)
-    e = cfg.engines
-    e.rollout_num_engines = n
-    e.use_fault_tolerance = fault_tolerant
-    e.rollout_engine_startup_timeout = 180
-    e.rollout_request_timeout = 10  # a hung server's requests give up after this (the health check is faster)
-    e.rollout_health_check_interval = 0.5
-    return cfg
+def engine_cfg(model: str, tmp_path, n: int, fault_tolerant: bool):
+    # a hung server's requests give up after 10 s (the health check is faster)
+    return http_engine_cfg(model, tmp_path, n, use_fault_tolerance=fault_tolerant, rollout_engine_startup_timeout=180,
+                           rollout_request_timeout=10)
 
 
 def trainer_weights(model_dir: str, step: int) -> dict[str, torch.Tensor]:
