@@ -25,8 +25,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests --durations=15
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed.
+# Three workers share one GPU (pytest-xdist, in the GPU image): 511 s on one H100 with megatron-core, inside one
+# 10-minute device call (bench/RESULTS.md#regress-2026-11-25); GPU_WORKERS=0 runs them one after another.
+GPU_WORKERS ?= 3
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -m "gpu or multigpu" -p no:cacheprovider -rs
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -m "gpu or multigpu" -p no:cacheprovider -rs \
+		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS))
 
 clean:
 	rm -rf $(VENV) runs
