@@ -807,6 +807,14 @@ def mode_provider(a) -> None:
          and calls > 0 and abs(m["grad_norm"] - m_plain["grad_norm"]) > 1e-3 * m_plain["grad_norm"])
 
 
+
+MODES = {  # the modes that take the parsed arguments
+    "layouts": mode_layouts, "resume": mode_resume, "sft-fsdp": mode_sft_fsdp,
+    "attention": mode_attention, "hf-wrap": mode_hf_wrap, "replay": mode_replay,
+    "offload": mode_offload, "recompute": mode_recompute,
+    "optimizer-cpu-offload": mode_optimizer_cpu_offload, "provider": mode_provider,
+}
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -836,26 +844,8 @@ def main() -> None:
         print(json.dumps(build_bridge_families(a.arg1)))
     elif a.mode == "fsdp-ref":
         mode_fsdp_ref(a.arg1, a.arg2)
-    elif a.mode == "layouts":
-        mode_layouts(a)
-    elif a.mode == "resume":
-        mode_resume(a)
-    elif a.mode == "sft-fsdp":
-        mode_sft_fsdp(a)
-    elif a.mode == "attention":
-        mode_attention(a)
-    elif a.mode == "hf-wrap":
-        mode_hf_wrap(a)
-    elif a.mode == "replay":
-        mode_replay(a)
-    elif a.mode == "offload":
-        mode_offload(a)
-    elif a.mode == "recompute":
-        mode_recompute(a)
-    elif a.mode == "optimizer-cpu-offload":
-        mode_optimizer_cpu_offload(a)
-    elif a.mode == "provider":
-        mode_provider(a)
+    elif a.mode in MODES:
+        MODES[a.mode](a)
     else:
         raise SystemExit(f"unknown mode {a.mode}")
     if dist.is_initialized():
