@@ -115,9 +115,6 @@ def test_grpo_step_through_the_cli(family_dir, arith_data, tmp_path):
     from polyrl.cli import main
 
     family, path = family_dir
-    if family == "qwen3_5_text":  # generation itself works (test_embedded_engine_generates_on_cpu); batches do not yet
-        pytest.xfail("the embedded engine drops finished rows with cache.batch_select_indices, which transformers' "
-                     "linear-attention cache layers lack")
     run = tmp_path / "run"
     rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
     rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
@@ -166,6 +163,26 @@ def test_embedded_engine_generates_on_cpu(family_dir):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                attn_implementation="eager" if family == "gpt_oss" else "sdpa").eval()
     assert out.response_ids == hf_greedy(ref, prompt, 5, eng.tokenizer.eos_token_id, eng.tokenizer.pad_token_id)
+
+
+def test_embedded_engine_drops_finished_rows(family_dir):
+    """A batch whose first row leaves after one token (aborted) goes on decoding the others from the cache's remaining
+    rows: each equals the same prompt generated alone (for Qwen3.5, the linear-attention states are selected too)."""
+    from polyrl.rollout.embedded import make_embedded_engine
+    from polyrl.types import SamplingParams
+
+    family, path = family_dir
+    eng = make_embedded_engine(path, device="cpu")
+    prompts = [[5, 9, 12, 7], [6, 8], [7, 7, 11]]  # different lengths: left padding differs per row
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+    batched = eng.generate(prompts, sp, should_stop=lambda i: i == 0)
+    assert batched[0].finish_reason == "abort" and len(batched[0].response_ids) == 1
+    for p, got in zip(prompts[1:], batched[1:]):
+        alone = eng.generate([p], sp)[0]
+        assert got.response_ids == alone.response_ids and got.finish_reason == alone.finish_reason
+        # FP32, the same tokens, a different batch (padding): the log-probs differ by summation order only
+        assert max(abs(a - b) for a, b in zip(got.rollout_logprobs, alone.rollout_logprobs)) < 1e-4
+    assert any(len(s.response_ids) > 1 for s in batched[1:])  # some row did decode after the first one left
 
 
 def test_gpu_path_names_why_not(family_dir):

@@ -192,7 +192,9 @@ class EmbeddedEngine(InProcessEngine):
                 break
             if len(keep) < len(done_l):  # drop finished rows from the batch and the cache
                 kt = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(kt)
+                # reorder_cache with a subset keeps those rows in every layer type (linear-attention states included),
+                # where batch_select_indices exists only on key/value layers
+                cache.reorder_cache(kt)
                 rows, tok, attn, next_pos = rows[kt.cpu()], tok[kt], attn[kt], next_pos[kt]
                 seeds, inv_temp, noise, counters = seeds[kt], inv_temp[kt], noise[kt], counters[kt]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
