@@ -90,6 +90,12 @@ def _plain_transport(cfg: Config, plan: Plan) -> WeightTransport:
                          hf_checkpoint=cfg.model.hf_checkpoint)
 
 
+def engine_needs_first_push(cfg: Config, plan: Plan) -> bool:
+    """Whether the engine may hold other weights than --hf-checkpoint's before the first push: external servers (another
+    run may have updated them), and an engine that loaded the checkpoint unquantized under --rollout-quantization."""
+    return plan.engine == "external" or cfg.rollout.rollout_quantization != "none"
+
+
 def load_tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
 
@@ -194,11 +200,8 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
         rollout = EngineRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
                                 saver=files if g.save_debug_rollout_data else None)
     learner = ScoringLearner(d) if g.debug_rollout_only else Learner(cfg, backend, d, critic)
-    # external servers may hold weights another run pushed, and an engine that loaded the checkpoint holds it unquantized
-    # (--rollout-quantization): they get the trainer's weights before the first rollout
     handoff_cls = FrozenHandoff if (g.debug_rollout_only or g.train_only) else Handoff
-    handoff = handoff_cls(backend, engine, transport, engine_lock,
-                          push_at_start=plan.engine == "external" or r.rollout_quantization != "none")
+    handoff = handoff_cls(backend, engine, transport, engine_lock, push_at_start=engine_needs_first_push(cfg, plan))
     logger = logger_from_config(cfg, total_steps=r.num_rollout, enabled=d.is_main, title=title)
     evaluate = None
     if cfg.data.eval_prompt_data and cfg.log.eval_interval:

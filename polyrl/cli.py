@@ -89,7 +89,7 @@ def run_eval(cfg) -> dict:
     plan = plan_here(cfg)
     device, d = asm.setup_command(cfg)
     engine = asm.build_engine(cfg, plan)
-    if cfg.checkpoint.load or cfg.rollout.rollout_quantization != "none":  # the engine loaded --hf-checkpoint as it is
+    if cfg.checkpoint.load or asm.engine_needs_first_push(cfg, plan):  # the model evaluated is the trainer's
         backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
         if cfg.checkpoint.load:
             load_checkpoint(cfg.checkpoint.load, backend)
