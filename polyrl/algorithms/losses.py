@@ -20,6 +20,18 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
+def merge_metric(acc: dict, key: str, value, parts: int = 1) -> None:
+    """Fold one micro-batch's (or rank's, or minibatch's) metric into acc: a `*_max` metric keeps the largest value, the
+    others add up (divided by parts for a mean over them). Tensors stay on their device (no sync per metric)."""
+    if key.endswith("_max") and key in acc:
+        old = acc[key]
+        acc[key] = torch.maximum(old, value) if isinstance(old, torch.Tensor) else max(old, value)
+    elif key.endswith("_max"):
+        acc[key] = value
+    else:
+        acc[key] = acc.get(key, 0.0) + (value / parts if parts != 1 else value)
+
+
 def seq_sum(x: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """Sum of per-token x for each sequence. x: [T] -> [S]"""
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_ids, x)

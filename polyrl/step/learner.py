@@ -11,7 +11,7 @@ import torch
 
 from polyrl.algorithms.advantages import KL_IN_REWARD_ESTIMATORS, advantages_and_returns
 from polyrl.algorithms.distill import opd_advantages, opd_metrics, opd_sums
-from polyrl.algorithms.losses import CriticSettings, LossSettings, critic_loss, explained_variance, rl_loss
+from polyrl.algorithms.losses import CriticSettings, LossSettings, critic_loss, explained_variance, merge_metric, rl_loss
 from polyrl.backends.base import TrainBackend
 from polyrl.config import Config
 from polyrl.dist import Dist
@@ -161,8 +161,7 @@ class Learner:
             tm = backend.train_step(batch.select(list(range(k * per_rank, (k + 1) * per_rank))), loss_fn,
                                     temperature=self.temperature, with_entropy=with_entropy)
             for key, v in tm.items():  # averaged over the minibatches; a *_max metric is the largest of theirs
-                k = prefix + key
-                m[k] = max(m.get(k, v), v) if key.endswith("_max") else m.get(k, 0.0) + v / self.n_minibatches
+                merge_metric(m, prefix + key, v, self.n_minibatches)
 
     def critic_values(self, batch: TrainBatch) -> torch.Tensor | None:
         """The critic's pre-update values of this step's response tokens, flat [T] (None without a critic)."""

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
 from polyrl import hf_families
+from polyrl.algorithms.losses import merge_metric
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
@@ -480,9 +481,8 @@ class FSDPBackend:
             (loss * scale).backward()
             loss_total += loss.detach().double()
             for k, v in metrics.items():
-                if idx:  # *_max metrics: the largest over micro-batches (and ranks, below), the others add up
-                    v = v.detach().double()
-                    sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
+                if idx:  # the largest over micro-batches (and ranks, below) for *_max, else the sum
+                    merge_metric(sums, k, v.detach().double())
         max_norm = self.ocfg.clip_grad if self.ocfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):

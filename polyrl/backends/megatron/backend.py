@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from polyrl.algorithms.losses import merge_metric
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.megatron import compat
 from polyrl.backends.parallel_dims import ParallelDims
@@ -402,9 +403,8 @@ class MegatronBackend:
                 loss = loss * 0.0
             elif report:
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                for k, v in metrics.items():  # *_max metrics: the largest over micro-batches and ranks
-                    v = float(v.detach())
-                    sums[k] = max(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
+                for k, v in metrics.items():  # the largest over micro-batches and ranks for *_max, else the sum
+                    merge_metric(sums, k, float(v.detach()))
             return loss * scale, {}
 
         for c in self.model:
@@ -420,7 +420,7 @@ class MegatronBackend:
         total: dict[str, float] = {}
         for p in parts:
             for k, v in p.items():
-                total[k] = max(total[k], v) if k.endswith("_max") and k in total else total.get(k, 0.0) + v
+                merge_metric(total, k, v)
         loss_total = total.pop("loss", 0.0)
         skipped = not math.isfinite(grad_norm) or not math.isfinite(loss_total)
         if skipped:  # a NaN/inf never reaches the weights (nor the Adam moments)
