@@ -115,8 +115,26 @@ def check_setup(cfg: Config, command: str) -> None:
     computed before any model is built)."""
     refuse_unhonoured(cfg, command)
     refuse_for_true_on_policy(cfg, command)
+    refuse_for_model(cfg, command)
     if command in ENGINE_COMMANDS:
         plan_here(cfg)
+
+
+def refuse_for_model(cfg: Config, command: str) -> None:
+    """ConfigError for flags the FSDP backend cannot run this checkpoint's architecture with (read from its
+    config.json, before any weight loads)."""
+    import os
+    if command not in ("train", "sft") or cfg.cluster.train_backend != "fsdp":
+        return
+    path = cfg.model.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return  # a missing checkpoint is named where it is loaded
+    from transformers import AutoConfig
+    from polyrl import hf_families
+    problem = hf_families.fsdp_layout_problem(AutoConfig.from_pretrained(path), cfg.model.attn_implementation,
+                                              cfg.batch.micro_batch_layout)
+    if problem is not None:
+        raise ConfigError(f"--train-backend fsdp with {path}: {problem}")
 
 
 def refuse_unhonoured(cfg: Config, command: str = "train") -> None:

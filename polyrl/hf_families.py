@@ -99,3 +99,19 @@ def dense_attention_reason(config: Any) -> str | None:
     if why is None and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         why = "sliding-window layers"
     return why
+
+
+def fsdp_layout_problem(config: Any, attn_implementation: str, micro_batch_layout: str) -> str | None:
+    """Why the FSDP backend cannot run this model with these flags (None: it can), for the start-up check and the
+    backend alike: dense-attention families need HF eager attention on padded rows, linear-attention (recurrent)
+    layers need padded rows."""
+    dense_why = dense_attention_reason(config)
+    if dense_why is not None and (attn_implementation not in ("auto", "eager") or micro_batch_layout == "packed"):
+        return (f"--attn-implementation {attn_implementation} / --micro-batch-layout {micro_batch_layout}: "
+                f"{config.model_type} has {dense_why}, which only HF's eager attention on padded rows computes; use "
+                "--attn-implementation auto or eager with --micro-batch-layout auto or padded")
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()) and micro_batch_layout == "packed":
+        return ("--micro-batch-layout packed: this model has linear-attention (recurrent) layers, whose HF "
+                "implementation carries state across packed sequences; use padded or auto")
+    return None
+

@@ -93,14 +93,21 @@ def test_fsdp_logprobs_equal_hf_forward(family_dir, caplog):
             torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fsdp_packed_layout_is_refused_for_sinks(family_dir):
+def test_fsdp_packed_layout_is_refused_for_sinks(family_dir, arith_data, capsys):
+    """Sinks / sliding windows (GPT-OSS) and linear attention (Qwen3.5) cannot pack: refused at start-up from the
+    checkpoint's config.json (exit 2, before any weight loads), and by the backend for direct callers."""
     family, path = family_dir
     if family == "mimo":
         pytest.skip("MiMo's Qwen2 decoder packs")
     from polyrl.backends.fsdp.backend import FSDPBackend
+    from polyrl.cli import main
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     from polyrl.dist import init_distributed
 
+    assert main(["train", "--hf-checkpoint", path, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--micro-batch-layout", "packed", "--num-rollout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--micro-batch-layout packed" in err and "--train-backend fsdp" in err, err
     init_distributed("cpu")
     with pytest.raises(ValueError, match="packed"):
         FSDPBackend(ModelConfig(hf_checkpoint=path), OptimizerConfig(), BatchConfig(micro_batch_layout="packed"),

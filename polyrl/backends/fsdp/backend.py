@@ -184,20 +184,17 @@ class FSDPBackend:
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
         # attention sinks / sliding windows: polyrl's packed masks and varlen kernel express neither, HF's eager
         # attention on padded rows does (it builds each layer's causal or sliding mask from the padding mask)
+        problem = hf_families.fsdp_layout_problem(self.hf_config, model_cfg.attn_implementation,
+                                                  batch_cfg.micro_batch_layout)
+        if problem is not None:  # the CLI refuses these at start-up (capabilities.check_setup); direct callers here
+            raise ValueError(problem)
         dense_why = hf_families.dense_attention_reason(self.hf_config)
         if dense_why is not None:
-            if model_cfg.attn_implementation not in ("auto", "eager") or batch_cfg.micro_batch_layout == "packed":
-                raise ValueError(f"--attn-implementation {model_cfg.attn_implementation} / --micro-batch-layout "
-                                 f"{batch_cfg.micro_batch_layout}: {self.hf_config.model_type} has {dense_why}, which only "
-                                 "HF's eager attention on padded rows computes; use --attn-implementation auto or eager")
             log.info("FSDP: %s has %s: HF eager attention on padded rows instead of polyrl's packed / varlen path",
                      self.hf_config.model_type, dense_why)
             requested, recurrent = "eager", True  # recurrent: padded rows (below)
         self.attn_impl = resolve(requested, self.device.type, self.dtype)
         self.layout = batch_cfg.micro_batch_layout
-        if recurrent and self.layout == "packed":
-            raise ValueError("--micro-batch-layout packed: this model has linear-attention (recurrent) layers, whose "
-                             "HF implementation carries state across packed sequences; use padded or auto")
         if self.layout == "auto":  # varlen kernels read boundaries for free; dense attention prefers short rows
             varlen = self.attn_impl in ("varlen", "flash_attention_2", "flash_attention_3")
             self.layout = "packed" if varlen and not recurrent else "padded"
