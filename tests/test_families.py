@@ -1,5 +1,5 @@
-"""GPT-OSS, MiMo (with MTP layers) and Qwen3.5 (text) on CPU: the FSDP backend's log-probs equal an HF forward in FP32
-(GPT-OSS on its logged eager / padded fall-back), a GRPO step through the CLI, MiMo's MTP weights kept through load
+"""GPT-OSS, MiMo (with MTP layers), MiMo-V2-Flash and Qwen3.5 (text) on CPU: the FSDP backend's log-probs equal an HF forward in FP32
+(GPT-OSS and MiMo-V2-Flash on their logged eager / padded fall-back), a GRPO step through the CLI, MiMo's MTP weights kept through load
 and export, the embedded engine's transformers path generating, the GPU path's reasons, and the MTP flags refused."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from polyrl import hf_families
 
 
 def _family_model(family: str, tok):
-    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (GptOssConfig, GptOssForCausalLM, MiMoV2FlashConfig, MiMoV2FlashForCausalLM,
+                              Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
     common = dict(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -26,6 +27,12 @@ def _family_model(family: str, tok):
                                "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0})
         cls = GptOssForCausalLM
+    elif family == "mimo_v2_flash":  # a dense then a sparse layer, full then sliding; v heads narrower than q/k
+        cfg = MiMoV2FlashConfig(**{**common, "head_dim": 16}, v_head_dim=8, intermediate_size=96, num_hidden_layers=2,
+                                layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
+                                sliding_window=3, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=2, topk_group=1)
+        cls = MiMoV2FlashForCausalLM
     elif family == "mimo":
         cfg = hf_families.MiMoConfig(**common, intermediate_size=96, num_hidden_layers=2, num_nextn_predict_layers=1)
         cls = hf_families.MiMoForCausalLM
@@ -39,10 +46,14 @@ def _family_model(family: str, tok):
         for n, p in model.named_parameters():
             if n.endswith(("sinks", "router.bias", "_proj_bias")):
                 p.normal_(std=0.5)
+        for n, b in model.named_buffers():  # MiMo-V2-Flash's routing bias: zero at init, random so it picks experts
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(std=0.5)
     return model
 
 
-FAMILIES = ["gpt_oss", "mimo", "qwen3_5_text"]
+FAMILIES = ["gpt_oss", "mimo", "mimo_v2_flash", "qwen3_5_text"]
+DENSE = ("gpt_oss", "mimo_v2_flash")  # sinks and sliding windows: HF eager attention on padded rows
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -77,7 +88,7 @@ def test_fsdp_logprobs_equal_hf_forward(family_dir, caplog):
     family, path = family_dir
     with caplog.at_level(logging.INFO, logger="polyrl.backends.fsdp.backend"):
         be = _backend(path)
-    dense = family == "gpt_oss"
+    dense = family in DENSE
     assert be.layout == "padded" and (be.attn_impl == "eager") == dense
     assert ("HF eager attention on padded rows" in caplog.text) == dense  # the fall-back and its reason are logged
     g = torch.Generator().manual_seed(1)
@@ -168,7 +179,7 @@ def test_embedded_engine_generates_on_cpu(family_dir):
     out = eng.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0))[0]
     assert 1 <= len(out.response_ids) <= 5 and len(out.rollout_logprobs) == len(out.response_ids)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                               attn_implementation="eager" if family == "gpt_oss" else "sdpa").eval()
+                                               attn_implementation="eager" if family in DENSE else "sdpa").eval()
     assert out.response_ids == hf_greedy(ref, prompt, 5, eng.tokenizer.eos_token_id, eng.tokenizer.pad_token_id)
 
 
@@ -197,7 +208,7 @@ def test_gpu_path_names_why_not(family_dir):
 
     family, path = family_dir
     why = unsupported_reason(path)
-    assert why and {"gpt_oss": "attention sinks", "mimo": "MTP", "qwen3_5_text": "DeltaNet"}[family] in why
+    assert why and {"gpt_oss": "attention sinks", "mimo": "MTP", "mimo_v2_flash": "attention sinks", "qwen3_5_text": "DeltaNet"}[family] in why
 
 
 @pytest.mark.parametrize("flag", [["--enable-mtp-training"], ["--mtp-loss-scaling-factor", "0.5"]])

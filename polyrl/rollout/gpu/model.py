@@ -31,6 +31,8 @@ NOT_YET = {
                "the clamped SwiGLU, which the paged-attention path does not have",
     "mimo": "MiMo's Qwen2 decoder is not wired to this path's Qwen2 kernels yet (its MTP layers would have to be "
             "skipped on load)",
+    "mimo_v2_flash": "MiMo-V2-Flash needs learned attention sinks, sliding-window layers, value heads narrower than "
+                     "the query/key heads and group-limited sigmoid routing, which the paged-attention path does not have",
     "qwen3_5_text": "Qwen3.5's gated DeltaNet layers are recurrent (no paged KV cache for them)",
 }
 _ROTARY = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding",
