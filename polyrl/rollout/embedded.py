@@ -47,6 +47,8 @@ class EmbeddedEngine(InProcessEngine):
             attn = "eager"  # attention sinks (GPT-OSS): SDPA has none
         self.model = auto.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation=attn).to(self.device).eval()
         self.model.requires_grad_(False)
+        # the context: a row stops ("length") when its prompt and response fill it, as SGLang's scheduler cuts them
+        self.max_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_batch = max_batch
         self.version = 0
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -70,6 +72,10 @@ class EmbeddedEngine(InProcessEngine):
         "abort", the tokens so far kept), so an aborted or expired server request stops costing compute.
         images[i]: prompt i's images (paths, data URLs or PIL images; None: text only), whose expanded image tokens the
         prompt holds; its samples carry the pixel inputs (Sample.multimodal)."""
+        for i, p in enumerate(prompts):
+            if self.max_len and len(p) >= self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_len} tokens, which "
+                                 "leaves no room for a response (shorten it or set --rollout-max-prompt-len)")
         mms = self._pixel_inputs(prompts, images)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         # (prompt index, prompt, sample seed): each sample draws from its own counter-based stream (the GPU path's
@@ -182,6 +188,8 @@ class EmbeddedEngine(InProcessEngine):
                 elif sp.stop and self._hit_stop_string(responses[r], sp.stop):
                     finish[r] = "stop"
                     done_l[j] = True
+                elif self.max_len and lens[r] + len(responses[r]) >= self.max_len:
+                    done_l[j] = True  # the context is full: "length"
             if should_stop is not None:
                 for j, r in enumerate(rows.tolist()):
                     if not done_l[j] and should_stop(flat[r][0]):

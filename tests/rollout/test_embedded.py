@@ -88,3 +88,22 @@ def test_update_weights_in_place_changes_the_policy(tiny_model):
         assert "not.a.weight" in str(err)
     else:
         raise AssertionError("unknown weight name accepted")
+
+
+def test_rows_stop_at_the_models_context(tiny_model):
+    """The transformers path cuts each row where prompt + response fill max_position_embeddings (finish "length"), as
+    SGLang's scheduler does, and refuses a prompt that leaves no room, naming it."""
+    import pytest
+
+    e = EmbeddedEngine(tiny_model)
+    ctx = e.max_len
+    assert ctx == e.model.config.max_position_embeddings
+    short, long_ = [5, 6, 7], [5] * (ctx - 3)
+    out = e.generate([short, long_], SamplingParams(n=8, max_new_tokens=8, temperature=1.0, seed=0))
+    fill = [s for s in out if s.prompt_ids == long_]
+    assert all(len(s.response_ids) + len(long_) <= ctx for s in fill)
+    # 8 samples each need 3 tokens without EOS to fill the context: some do whatever the CPU's rounding
+    assert any(s.finish_reason == "length" and len(long_) + len(s.response_ids) == ctx for s in fill)
+    assert any(len(s.response_ids) > 3 for s in out if s.prompt_ids == short)  # the other row went on
+    with pytest.raises(ValueError, match=f"prompt 1 has {ctx} tokens; the model's context is {ctx}"):
+        e.generate([short, [5] * ctx], SamplingParams(max_new_tokens=2))
