@@ -16,7 +16,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -575,6 +575,8 @@ def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] |
     tell which flags the user actually gave (they override --config). only: "section.field" names,
     when a command takes just those fields of its sections."""
     parser.add_argument("--config", default=None, metavar="PATH", help="YAML file with the same fields (flags override it)")
+    takes: set[str] = set()  # the settings this command reads: a YAML file may set no others
+    parser.set_defaults(_takes=takes)
     for name, cls in _sections():
         if sections is not None and name not in sections:
             continue
@@ -585,6 +587,7 @@ def add_config_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] |
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tp, is_list = _base_type(f.type)
             kw: dict[str, Any] = dict(dest=f"{name}.{f.name}", default=argparse.SUPPRESS)
+            takes.add(kw["dest"])
             shown = default not in (None, []) and not (tp is bool and default is False)  # unset or off says nothing
             help_ = f.metadata.get("help", "") + (f" (default: {default})" if shown else "")
             if tp is bool:
@@ -613,7 +616,8 @@ def _field_index() -> dict[str, str]:
     return {f.name: sname for sname, cls in _sections() for f in dataclasses.fields(cls)}
 
 
-def load_yaml(cfg: Config, path: str) -> None:
+def load_yaml(cfg: Config, path: str, takes: Callable[[str, str], bool] | None = None, command: str = "") -> None:
+    """takes(section, field): whether the command reads that setting; a YAML key it would ignore is an error."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
     with open(path) as fh:
@@ -621,13 +625,21 @@ def load_yaml(cfg: Config, path: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping at the top level")
     index = _field_index()
+
+    def put(section: str, key: str, value: Any) -> None:
+        field = next((f for f in dataclasses.fields(getattr(cfg, section)) if f.name == key), None)
+        if takes is not None and field is not None and not takes(section, key):
+            raise ConfigError(f"--config {path}: polyrl {command} does not use {section}.{key} ({_flag(field)}); "
+                              "drop it from the file or use a file for this command")
+        _apply(cfg, section, key, value, f"--config {path}")
+
     for k, v in data.items():
         k = k.replace("-", "_")
         if isinstance(v, dict) and hasattr(cfg, k):  # nested section
             for kk, vv in v.items():
-                _apply(cfg, k, kk.replace("-", "_"), vv, f"--config {path}")
+                put(k, kk.replace("-", "_"), vv)
         elif k in index:
-            _apply(cfg, index[k], k, v, f"--config {path}")
+            put(index[k], k, v)
         else:
             raise ConfigError(f"--config {path}: unknown setting {k!r}")
 
@@ -635,7 +647,9 @@ def load_yaml(cfg: Config, path: str) -> None:
 def config_from_args(ns: argparse.Namespace) -> Config:
     cfg = Config()
     if getattr(ns, "config", None):
-        load_yaml(cfg, ns.config)
+        takes = getattr(ns, "_takes", None)
+        load_yaml(cfg, ns.config, None if takes is None else (lambda sec, key: f"{sec}.{key}" in takes),
+                  getattr(ns, "command", "") or "")
     for dest, value in vars(ns).items():
         if "." in dest:
             section, key = dest.split(".", 1)

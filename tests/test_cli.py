@@ -467,3 +467,18 @@ def test_help_shows_value_kinds_not_config_paths_and_a_short_usage():
     assert out.startswith("usage: polyrl train [options]\n")
     assert "--rollout-batch-size N" in out and "--hf-checkpoint PATH" in out and "--rm-url URL" in out
     assert "ROLLOUT." not in out and "MODEL." not in out and "_" not in out.split("\n", 1)[0]
+
+
+def test_yaml_settings_a_command_does_not_use_are_refused(tmp_path, tiny_model, capsys):
+    """A YAML file cannot slip in what the command's flags would refuse: polyrl serve reads no learning rate, polyrl sft
+    no rollout settings. Exit 2 naming the file, the setting and its flag."""
+    from polyrl.cli import main
+
+    (tmp_path / "serve.yaml").write_text("optimizer:\n  lr: 0.5\n")
+    assert main(["serve", "--config", str(tmp_path / "serve.yaml"), "--hf-checkpoint", tiny_model]) == 2
+    assert "polyrl serve does not use optimizer.lr (--lr)" in capsys.readouterr().err
+    (tmp_path / "sft.yaml").write_text("rollout_temperature: 0.7\n")
+    assert main(["sft", "--config", str(tmp_path / "sft.yaml"), "--hf-checkpoint", tiny_model]) == 2
+    assert "polyrl sft does not use rollout.rollout_temperature (--rollout-temperature)" in capsys.readouterr().err
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(tmp_path / "sft.yaml")]))
+    assert cfg.rollout.rollout_temperature == 0.7  # train reads it
