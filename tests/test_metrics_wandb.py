@@ -1,15 +1,14 @@
 """--use-wandb: the metrics.jsonl keys go to Weights & Biases too, from rank 0, under RUN_DIR/wandb.
 
-wandb is not a test dependency (about 75 MB installed with its own needs), so the logging path is tested
-with a fake `wandb` module put in sys.modules; the offline test with the real package runs where it is
-installed (`pip install 'polyrl[wandb]'`) and is skipped elsewhere.
+The fake `wandb` module put in sys.modules checks what polyrl hands to wandb.init/log per rank; the last test runs
+the real package (a test dependency) offline and reads back the run file it wrote.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import json
+import math
 import sys
 import types
 
@@ -98,20 +97,70 @@ def test_wandb_flags_without_use_wandb_or_outside_training(tiny_model, arith_dat
     assert "polyrl eval writes its results to RUN_DIR: drop --use-wandb" in capsys.readouterr().err
 
 
-def test_offline_run_writes_its_directory_under_the_run_dir(tiny_model, arith_data, tmp_path, monkeypatch):
-    if importlib.util.find_spec("wandb") is None:
-        pytest.skip("wandb is not installed (pip install 'polyrl[wandb]'); the fake-module tests above cover the logging path")
-    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):  # nothing outside tmp_path
-        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_DIR", raising=False)
-    run = tmp_path / "run"
-    assert main(_args(tiny_model, arith_data, run, "--num-rollout", "2", "--use-wandb", "--wandb-mode", "offline")) == 0
-    (offline,) = list((run / "wandb").glob("offline-run-*"))
-    (log,) = list(offline.glob("run-*.wandb"))
-    data = log.read_bytes()  # the run's records: every metrics key and the values as JSON text
-    for key in _rows(run)[-1]:
-        if key != "step":
-            assert key.encode() in data, key
-    assert json.dumps(_rows(run)[-1]["reward/mean"]).encode() in data
+def _wandb_records(path):
+    """The protobuf records of a run-*.wandb file: a 7-byte header (":W&B", magic 0xBEE1, version) then LevelDB's log
+    format (32 KiB blocks; each chunk has crc32, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4; a block tail shorter
+    than a chunk header is zero padding), each whole record a wandb_internal_pb2.Record."""
+    import struct
 
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = open(path, "rb").read()
+    assert data[:6] == b":W&B\xe1\xbe", data[:7]
+    pos, block, records, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            records.append(pb.Record.FromString(buf))
+            buf = b""
+    return records
+
+
+def _nan_as_str(v):
+    return "nan" if isinstance(v, float) and math.isnan(v) else v
+
+
+def _key(item):
+    return item.key or ".".join(item.nested_key)
+
+
+def test_real_offline_run_logs_the_metrics_jsonl_rows_and_no_secret(tiny_model, arith_data, tmp_path, monkeypatch):
+    import wandb  # a test dependency: the real package, offline, everything under tmp_path, no network
+    home = tmp_path / "wandb_home"
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(home))
+    for var, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_CONSOLE", "off")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    secret = "sk-polyrl-wandb-7c2e91"
+    run = tmp_path / "run"
+    try:  # launched engine servers, so the run's config really holds an api key for wandb to be given
+        assert main(_args(tiny_model, arith_data, run, "--num-rollout", "2", "--rollout-engine", "server",
+                          "--api-key", secret, "--use-wandb", "--wandb-project", "proj", "--wandb-run-name", "name",
+                          "--wandb-mode", "offline")) == 0
+    finally:
+        wandb.teardown()  # stop wandb's service process now, not at interpreter exit
+    (offline,) = list((run / "wandb").glob("offline-run-*"))  # --run-dir wins over WANDB_DIR
+    (log,) = list(offline.glob("run-*.wandb"))
+    records = _wandb_records(log)
+    (run_rec,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run_rec.project, run_rec.display_name) == ("proj", "name")
+    config = {u.key: json.loads(u.value_json) for u in run_rec.config.update}
+    assert config["rollout"]["rollout_batch_size"] == 2 and config["log"]["use_wandb"] is True
+    assert config["engines"]["api_key"] == "<redacted>" and config["rollout"]["rollout_engine"] == "server"
+    history = [{_key(i): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    rows = _rows(run)
+    assert [h["_step"] for h in history] == [r["step"] for r in rows] == [1, 2]
+    for h, row in zip(history, rows):  # every metrics.jsonl value, as wandb stored it (JSON both ways: floats exact)
+        assert {k: _nan_as_str(h[k]) for k in row if k != "step"} == {k: _nan_as_str(v) for k, v in row.items() if k != "step"}
+        assert set(h) - set(row) <= {"_step", "_runtime", "_timestamp"}, set(h) - set(row)
+    files = [p for p in (*run.rglob("*"), *home.rglob("*")) if p.is_file()]
+    assert log in files
+    for f in files:  # the key is in no file wandb (or the run) wrote: not the config, logs or metadata
+        assert secret.encode() not in f.read_bytes(), f
