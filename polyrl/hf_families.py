@@ -115,3 +115,18 @@ def fsdp_layout_problem(config: Any, attn_implementation: str, micro_batch_layou
                 "implementation carries state across packed sequences; use padded or auto")
     return None
 
+
+def dequantized_load(config: Any) -> dict:
+    """from_pretrained keyword arguments that load an MXFP4 checkpoint (GPT-OSS) with its experts dequantized to BF16
+    (trainable, and the tensors weight sync names), and strip the quantization from `config`, so a model built from
+    it and saved (--save-hf) is a plain BF16/FP32 checkpoint. {} for an unquantized checkpoint."""
+    q = getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    if method is None:
+        return {}
+    if str(getattr(method, "value", method)) != "mxfp4":
+        raise ValueError(f"checkpoint quantized with {method}: polyrl loads unquantized or MXFP4 (GPT-OSS) checkpoints")
+    from transformers import Mxfp4Config
+    del config.quantization_config
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+

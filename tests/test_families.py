@@ -150,6 +150,59 @@ def test_grpo_step_through_the_cli(family_dir, arith_data, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in mtp)
 
 
+def test_gpt_oss_mxfp4_checkpoint_trains_and_exports_unquantized(arith_data, tmp_path):
+    """An MXFP4 checkpoint (experts as E2M1 blocks + power-of-two scales, `quantization_config` mxfp4): the FSDP backend
+    and the engine both read the experts dequantized (bit-equal to polyrl.backends.mxfp4, itself equal to transformers'
+    dequantizer), a GRPO step runs, and --save-hf writes a plain checkpoint (no quantization_config) that loads back
+    with its trained experts."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.backends.mxfp4 import dequantize_mxfp4
+    from polyrl.cli import main
+    from polyrl.tasks.arithmetic import build_tokenizer
+
+    src = tmp_path / "mxfp4"
+    tok = build_tokenizer()
+    tok.save_pretrained(src)
+    _family_model("gpt_oss", tok).save_pretrained(src)
+    sd, g, quant = load_file(str(src / "model.safetensors")), torch.Generator().manual_seed(0), {}
+    for layer in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            E, cols, rows = sd.pop(name).shape  # HF [E, in, out]; MXFP4 stores [E, out, in / 32, 16]
+            quant[name] = (torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8, generator=g),
+                           torch.randint(124, 130, (E, rows, cols // 32), dtype=torch.uint8, generator=g))
+            sd[name + "_blocks"], sd[name + "_scales"] = quant[name]
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((src / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (src / "config.json").write_text(json.dumps(conf))
+
+    got = dict(_backend(str(src)).export_weights())
+    for name, (blocks, scales) in quant.items():  # E2M1 x 2^k is exact in BF16 and FP32
+        assert torch.equal(got[name].float(), dequantize_mxfp4(blocks, scales).float()), name
+
+    rm = tmp_path / "rm.py"
+    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
+    out = tmp_path / "hf"
+    assert main(["train", "--hf-checkpoint", str(src), "--prompt-data", arith_data["train"], "--custom-rm-path",
+                 f"{rm}:r", "--quiet", "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--rollout-max-response-len", "4", "--lr", "1e-2", "--run-dir", str(tmp_path / "run"),
+                 "--save-hf", str(out)]) == 0
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    # the engine read the same dequantized experts: its log-probs and the trainer's differ by summation order only
+    assert row["grad_norm"] > 0 and row["train_rollout_logprob_abs_diff_max"] < 1e-3, row
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    saved = load_file(str(out / "model.safetensors"))
+    assert not any(n.endswith(("_blocks", "_scales")) for n in saved)
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    for name in quant:
+        assert torch.equal(back[name], saved[name].float())
+        assert not torch.equal(saved[name].float(), got[name].float())  # trained (lr 1e-2), not the read weights
+
+
 def test_fsdp_export_keeps_mimo_mtp_weights(tmp_path):
     from polyrl.tasks.arithmetic import build_tokenizer
 

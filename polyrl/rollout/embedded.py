@@ -43,9 +43,12 @@ class EmbeddedEngine(InProcessEngine):
         self.processor = multimodal.VisionProcessor.from_pretrained(hf_checkpoint, self.tokenizer)
         auto = AutoModelForImageTextToText if self.processor is not None else AutoModelForCausalLM
         attn = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
-        if hf_families.dense_attention_reason(AutoConfig.from_pretrained(hf_checkpoint)) is not None:
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+        if hf_families.dense_attention_reason(config) is not None:
             attn = "eager"  # attention sinks (GPT-OSS): SDPA has none
-        self.model = auto.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation=attn).to(self.device).eval()
+        # MXFP4 experts dequantized: the trainer's weight sync sends them under their unquantized names
+        self.model = auto.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation=attn,
+                                          **hf_families.dequantized_load(config)).to(self.device).eval()
         self.model.requires_grad_(False)
         # the context: a row stops ("length") when its prompt and response fill it, as SGLang's scheduler cuts them
         self.max_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)

@@ -52,15 +52,18 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
-                with_entropy: bool = False, sequences: list | None = None, **attn_kwargs):
+                with_entropy: bool = False, sequences: list | None = None, idle_vision: bool = False, **attn_kwargs):
         """sequences (--true-on-policy): [(ids [L_i], P_i)] each scored alone by the engine's function, in place of the
-        laid-out micro-batch (the other tensors are then None)."""
+        laid-out micro-batch (the other tensors are then None). idle_vision: run the vision tower on a dummy image
+        (multimodal.idle_vision_term), for a rank without images while other ranks have some."""
         if sequences is not None:
             return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy)
+        idle = multimodal.idle_vision_term(self.lm) if idle_vision else None
         hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
         weight = self.lm.get_output_embeddings().weight
-        return chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
-                                with_entropy=with_entropy)
+        logp, ent = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
+                                     with_entropy=with_entropy)
+        return (logp if idle is None else logp + idle), ent
 
 
 class ValueModel(nn.Module):
@@ -180,6 +183,8 @@ class FSDPBackend:
         # state across a packed row, so these models take padded rows with dense attention
         hf_families.register()  # MiMo (no remote code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
+        # several ranks on a vision-language model: a micro-batch without images still runs the vision tower
+        self.vision_every_forward = dist.get_world_size() > 1 and multimodal.is_vision_language(self.hf_config)
         recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
         # attention sinks / sliding windows: polyrl's packed masks and varlen kernel express neither, HF's eager
@@ -232,6 +237,7 @@ class FSDPBackend:
         shards it, and receives rank 0's weights by broadcast (tied embeddings stay tied:
         they are one Parameter in the root FSDP group). value: the critic (a causal LM's body, or a saved critic)."""
         config = AutoConfig.from_pretrained(path)
+        dequant = hf_families.dequantized_load(config)  # MXFP4 experts (GPT-OSS) -> BF16 on read, saved unquantized
         attn = self.attn_impl
         # vision-language checkpoints (Qwen2.5-VL, Qwen3-VL): the HF class with the vision tower
         cls = AutoModelForImageTextToText if multimodal.is_vision_language(config) else AutoModelForCausalLM
@@ -241,7 +247,7 @@ class FSDPBackend:
         full_sd, buffers = {}, {}
         if self.dp_rank == 0:
             src, info = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, output_loading_info=True,
-                                            **({"num_labels": 1} if value else {}))
+                                            **({"num_labels": 1} if value else {}), **dequant)
             if value and "score.weight" in info["missing_keys"]:
                 zero_value_head(src.score)
             if lora:  # rank 0's freshly initialized adapters (B = 0: the base model's outputs) reach every rank below
@@ -381,6 +387,8 @@ class FSDPBackend:
             lm = model.lm
             pos = multimodal.train_position_ids(lm, mb.input_ids, mb.multimodal, lm.config.image_token_id, pos, self.layout)
             varlen = {**varlen, **multimodal.concat_inputs(mb.multimodal, self.device)}
+        if self.vision_every_forward and "pixel_values" not in varlen and isinstance(model, PolicyModel):
+            varlen["idle_vision"] = True  # the vision blocks are FSDP units: every rank runs them in every forward
         logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
         return mb, logp, ent, seq, None
 
