@@ -17,6 +17,7 @@ import base64
 import binascii
 import io
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -225,6 +226,32 @@ def concat_inputs(mms: list[dict | None], device) -> dict[str, torch.Tensor]:
         return {}
     return {"pixel_values": torch.cat([m["pixel_values"] for m in mms]).to(device),
             "image_grid_thw": torch.cat([m["image_grid_thw"] for m in mms]).to(device)}
+
+
+def idle_vision_term(lm) -> torch.Tensor:
+    """0 times the vision tower's output on the smallest image it takes (one merged token, zero pixels): the forward of
+    a rank whose micro-batch has no image runs it, before the decoder as a real image would be, so that the vision
+    blocks' FSDP all-gathers, and in the backward their reduce-scatters (of zero gradients), match the ranks whose
+    micro-batches have images. Adding it changes no log-prob (x + 0.0 == x)."""
+    vl = lm.model
+    visual = vl.visual
+    merge = int(visual.spatial_merge_size)
+    w = visual.patch_embed.proj.weight
+    pixels = torch.zeros(merge * merge, math.prod(w.shape[1:]), dtype=w.dtype, device=w.device)
+    grid = torch.tensor([[1, merge, merge]], device=w.device)
+    out = vl.get_image_features(pixels, grid)
+    return 0.0 * sum(t.float().sum() for t in _tensors(out))
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    """Every tensor in a (nested) model output: the vision tower's features, merged features and deepstack lists."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
 
 
 def is_vision_language(config) -> bool:
