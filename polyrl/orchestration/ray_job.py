@@ -89,6 +89,9 @@ def _init(cfg: Config, slots: int) -> bool:
     ray = _import_ray()
     address = cfg.ray.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        if cfg.ray.ray_num_cpus:  # a running cluster's CPUs are its nodes' own: the flag would be silently ignored
+            raise ConfigError(f"--ray-num-cpus sizes the local Ray instance; this run joins the cluster at {address} "
+                              "(--ray-address or RAY_ADDRESS), whose nodes declare their own CPUs: drop --ray-num-cpus")
         ray.init(address=address, log_to_driver=True)
         return False
     resources = {} if cfg.cluster.device == "cuda" else {CPU_SLOT: slots}
