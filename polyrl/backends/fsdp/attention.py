@@ -20,6 +20,12 @@ def available() -> bool:
 
 
 def _varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if kwargs.get("is_causal") is False:
+        # a vision tower's bidirectional attention over one image (Qwen-VL calls it once per image or window; the
+        # text's cu_seqlens ride along in kwargs and are not this call's)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling,
+                                                               enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     cu = kwargs["cu_seq_lens_q"]
     max_len = kwargs["max_length_q"]
     # HF hands [1, heads, L, head_dim]; the kernel wants [L, heads, head_dim]
