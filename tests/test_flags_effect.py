@@ -2,8 +2,8 @@
 --rollout-stop and --rollout-stop-token-ids (each response ends at the first stop), --rollout-seed (same seed same
 samples, another seed other samples), --disable-grpo-std-normalization (the advantages the loss saw),
 --update-weight-buffer-size (the buckets each weight push is cut into), --custom-generate-concurrency (calls in
-flight), --rollout-engine-log-dir (where server logs go), --weight-sync disk (every step reaches the server) and
---sglang-router-policy (the router's policy). The samples of a step are read back from --save-debug-rollout-data;
+flight), --rollout-engine-log-dir (where server logs go), --weight-sync disk (every step reaches the server),
+--sglang-router-policy (the router's policy) and --dist-backend (the backend the process group is made with). The samples of a step are read back from --save-debug-rollout-data;
 sampling draws each token from (seed, position) per response, so a response does not depend on when the others in
 its batch stopped."""
 
@@ -227,3 +227,34 @@ def test_sglang_router_policy_reaches_the_router(base, tmp_path, monkeypatch):
     cmds = [c for c in started if "polyrl.rollout.router" in c]
     assert len(cmds) == 1 and cmds[0][cmds[0].index("--policy") + 1] == "round_robin", started
     assert len(samples) == 16
+
+
+def test_dist_backend_is_the_backend_of_the_process_group(monkeypatch):
+    """CUDA runs are checked through the call that makes the group (this machine has no NCCL); a CPU run makes it."""
+    import torch
+    import torch.distributed as dist
+
+    from polyrl.assemble import setup_command
+    from polyrl.config import Config
+    real_init, asked = dist.init_process_group, []
+
+    def init(backend=None, **kw):  # record what the group was asked for, then make a one-rank gloo group
+        asked.append(backend)
+        real_init(backend="gloo", **kw)
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    for device, flag, want in (("cuda", "gloo", "gloo"), ("cuda", "nccl", "cpu:gloo,cuda:nccl"),
+                               ("cuda", "auto", "cpu:gloo,cuda:nccl"), ("cpu", "auto", "gloo"), ("cpu", "gloo", "gloo")):
+        cfg = Config()
+        cfg.cluster.device, cfg.cluster.dist_backend = device, flag
+        monkeypatch.setattr(dist, "init_process_group", init)
+        device_out, rank = setup_command(cfg)
+        assert (device_out, rank.rank, rank.world) == (device, 0, 1)
+        assert asked[-1] == want, (device, flag, asked)
+        dist.destroy_process_group()
+    monkeypatch.setattr(dist, "init_process_group", real_init)
+    cfg = Config()
+    cfg.cluster.device, cfg.cluster.dist_backend = "cpu", "gloo"
+    setup_command(cfg)
+    assert dist.get_backend() == "gloo"  # (2 ranks in a gloo group under Ray: tests/orchestration/test_ray_flags.py)
