@@ -47,6 +47,9 @@ NEEDS: dict[str, Need] = {
     "save_hf_adapter": Need("backend", "lora"),
     # the engine kind, the device and the settings it cannot keep exact: polyrl.backends.true_on_policy
     "true_on_policy": Need("backend", "true_on_policy"),
+    "enable_mtp_training": Need("backend", "mtp_training"),
+    "mtp_loss_scaling_factor": Need("backend", "mtp_training"),
+    "mtp_detach_encoder": Need("backend", "mtp_training"),
     "multimodal_keys": Need("backend", "images"),
     "freeze_vision_tower": Need("backend", "images"),
     # rollout engines
@@ -131,10 +134,13 @@ def refuse_for_model(cfg: Config, command: str) -> None:
         return  # a missing checkpoint is named where it is loaded
     from transformers import AutoConfig
     from polyrl import hf_families
-    problem = hf_families.fsdp_layout_problem(AutoConfig.from_pretrained(path), cfg.model.attn_implementation,
-                                              cfg.batch.micro_batch_layout)
+    hf_config = AutoConfig.from_pretrained(path)
+    problem = hf_families.fsdp_layout_problem(hf_config, cfg.model.attn_implementation, cfg.batch.micro_batch_layout)
     if problem is not None:
         raise ConfigError(f"--train-backend fsdp with {path}: {problem}")
+    if cfg.model.enable_mtp_training and not hf_families.mtp_depths(hf_config):
+        raise ConfigError(f"--enable-mtp-training: {path} has no multi-token-prediction layers "
+                          f"({getattr(hf_config, 'model_type', '?')}; MiMo checkpoints carry them)")
 
 
 def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
@@ -168,8 +174,10 @@ _HINTS = {
     ("multimodal_keys", "megatron"): " or use --train-backend fsdp (Megatron's HF-wrapped vision tower is not built yet)",
     ("freeze_vision_tower", "megatron"): " or use --train-backend fsdp (image prompts train on FSDP only)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
-    ("enable_mtp_training", "fsdp"): " (MTP training is not built yet on any backend)",
-    ("mtp_loss_scaling_factor", "fsdp"): " (MTP training is not built yet on any backend)",
+    ("enable_mtp_training", "megatron"): " or use --train-backend fsdp (megatron-core's MTP block is not wired to the "
+                                         "Megatron backend's forward yet)",
+    ("mtp_loss_scaling_factor", "megatron"): " or use --train-backend fsdp",
+    ("mtp_detach_encoder", "megatron"): " or use --train-backend fsdp",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",

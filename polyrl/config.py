@@ -380,6 +380,14 @@ class ModelConfig:
     lora_target_modules: str = opt("all-linear", "LoRA targets: all-linear (every Linear but the output layer) or a "
                                                  "comma list of module names, e.g. q_proj,k_proj,v_proj,o_proj")
     lora_dropout: float = opt(0.0, "dropout on the LoRA adapters' input while training")
+    enable_mtp_training: bool = opt(False, "train the checkpoint's multi-token-prediction layers (MiMo's mtp_layers) with "
+                                           "an MTP loss beside the policy loss, so they stay a usable draft model after "
+                                           "RL (FSDP backend)")
+    mtp_loss_scaling_factor: float = opt(0.2, "weight of the MTP loss (--enable-mtp-training): the mean over MTP depths "
+                                              "of each depth's token-mean cross-entropy")
+    mtp_detach_encoder: bool = opt(True, "--enable-mtp-training: the MTP loss reads the main model's hidden states, "
+                                         "embeddings and output layer detached, so only the MTP layers learn from it "
+                                         "(--no-mtp-detach-encoder: it trains the whole model)")
 
     def lora_targets(self) -> str | list[str]:
         """peft's target_modules from --lora-target-modules."""
@@ -473,9 +481,6 @@ class MegatronConfig:
                                              "--use-megatron-fsdp)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
-    enable_mtp_training: bool = opt(False, "train the checkpoint's multi-token-prediction layers (MiMo) with an MTP loss "
-                                           "beside the policy loss (megatron-core MTP); not built yet: refused")
-    mtp_loss_scaling_factor: float = opt(0.2, "weight of the MTP loss (--enable-mtp-training); not built yet: refused")
 
 
 @dataclass
@@ -773,10 +778,14 @@ def validate(cfg: Config, command: str = "train") -> None:
             raise ConfigError(
                 f"--rollout-batch-size ({r.rollout_batch_size}) x --n-samples-per-prompt ({r.n_samples_per_prompt}) = {per_step} "
                 f"samples per step is not divisible by --global-batch-size ({gbs}); pick a divisor of {per_step}")
-    mg = cfg.megatron
-    if mg.enable_mtp_training or mg.mtp_loss_scaling_factor != MegatronConfig.mtp_loss_scaling_factor:
-        raise ConfigError("--enable-mtp-training / --mtp-loss-scaling-factor: MTP training is not built yet on any backend "
-                          "(MiMo's MTP layers are kept and exported as loaded, untrained); drop them")
+    m = cfg.model
+    if not m.enable_mtp_training and (m.mtp_loss_scaling_factor != ModelConfig.mtp_loss_scaling_factor
+                                      or m.mtp_detach_encoder != ModelConfig.mtp_detach_encoder):
+        raise ConfigError("--mtp-loss-scaling-factor / --no-mtp-detach-encoder set the MTP loss of "
+                          "--enable-mtp-training: add it, or drop them")
+    if m.enable_mtp_training and (m.true_on_policy or m.lora_rank):
+        raise ConfigError(f"--enable-mtp-training with {'--true-on-policy' if m.true_on_policy else '--lora-rank'}: the "
+                          "MTP loss runs in the packed / padded training forward with the full model; drop one of them")
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("--use-kl-loss needs a positive --kl-loss-coef")
     if b.use_dynamic_batch_size and not b.max_tokens_per_gpu:

@@ -4,7 +4,8 @@ MiMo-7B (`model_type: mimo`) ships remote code only: a Qwen2 decoder plus multi-
 `model.mtp_layers.{i}`. `MiMoForCausalLM` here is written from the checkpoint's tensor names (no remote code runs):
 the decoder is transformers' Qwen2, so training and generation see exactly Qwen2's forward, and the MTP layers are
 modules of the model, so loading, checkpoints and weight export keep them under their names. The main forward
-does not run them (MTP training is not built), so they get no gradient and stay as loaded.
+does not run them; --enable-mtp-training trains them on the FSDP backend (polyrl.backends.fsdp.mtp), otherwise they
+stay as loaded.
 
 `register()` makes AutoConfig / AutoModelForCausalLM know `mimo`; the CLI and the FSDP backend call it (explicitly:
 no import side effect).
@@ -49,12 +50,14 @@ class MiMoMTPLayer(nn.Module):
         self.mlp = Qwen2MLP(config)
 
     def forward(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
+                **attn_kwargs) -> torch.Tensor:
         """input_embeds, hidden_states [B, L, H] (the embedding of token t+1 beside the hidden state at t) -> [B, L, H]
-        before the shared output layer."""
+        before the shared output layer. attn_kwargs: what the attention kernel reads beside the mask (cu_seqlens of a
+        packed varlen row)."""
         x = self.input_proj(torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(input_embeds)], -1))
         attn, _ = self.self_attn(self.input_layernorm(x), position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask)
+                                 attention_mask=attention_mask, **attn_kwargs)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.final_layernorm(x)
@@ -76,6 +79,11 @@ class MiMoForCausalLM(Qwen2ForCausalLM):
         super().__init__(config)
         self.model = MiMoModel(config)
         self.post_init()
+
+
+def mtp_depths(config: Any) -> int:
+    """How many multi-token-prediction layers a checkpoint's modules carry (the ones polyrl builds: MiMo's)."""
+    return int(getattr(config, "num_nextn_predict_layers", 0) or 0) if getattr(config, "model_type", None) == "mimo" else 0
 
 
 def register() -> None:

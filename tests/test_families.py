@@ -1,6 +1,6 @@
 """GPT-OSS, MiMo (with MTP layers), MiMo-V2-Flash and Qwen3.5 (text) on CPU: the FSDP backend's log-probs equal an HF forward in FP32
 (GPT-OSS and MiMo-V2-Flash on their logged eager / padded fall-back), a GRPO step through the CLI, MiMo's MTP weights kept through load
-and export, the embedded engine's transformers path generating, the GPU path's reasons, and the MTP flags refused."""
+and export, the embedded engine's transformers path generating, and the GPU path's reasons (MTP training: tests/backends/test_fsdp_mtp.py)."""
 
 from __future__ import annotations
 
@@ -262,13 +262,3 @@ def test_gpu_path_names_why_not(family_dir):
     family, path = family_dir
     why = unsupported_reason(path)
     assert why and {"gpt_oss": "attention sinks", "mimo": "MTP", "mimo_v2_flash": "attention sinks", "qwen3_5_text": "DeltaNet"}[family] in why
-
-
-@pytest.mark.parametrize("flag", [["--enable-mtp-training"], ["--mtp-loss-scaling-factor", "0.5"]])
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_mtp_flags_are_refused_everywhere(flag, backend, tiny_model, arith_data, capsys):
-    from polyrl.cli import main
-
-    code = main(["train", "--train-backend", backend, "--hf-checkpoint", tiny_model, "--prompt-data",
-                 arith_data["train"], "--rm-type", "arithmetic", *flag])
-    assert code == 2 and "MTP training is not built yet" in capsys.readouterr().err

@@ -26,6 +26,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "lora", "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
         "images",  # vision-language HF models: pixel inputs and multimodal RoPE in the log-prob forward
         "true_on_policy",  # per-sequence forwards through polyrl.backends.true_on_policy (CPU, FP32)
+        "mtp_training",  # --enable-mtp-training: the MTP layers' loss beside the policy loss (polyrl.backends.fsdp.mtp)
     }),
     "megatron": frozenset({
         "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider, optimizer CPU offload

@@ -22,6 +22,7 @@ from polyrl import hf_families
 from polyrl.algorithms.losses import merge_metric
 from polyrl.backends.base import LossFn, plan_micro_batches
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
+from polyrl.backends.fsdp.mtp import mtp_logprobs, mtp_loss, mtp_token_counts, mtp_token_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl import multimodal
@@ -34,11 +35,16 @@ from polyrl.types import TrainBatch
 log = logging.getLogger(__name__)
 
 
+def decoder_hidden(lm: nn.Module, input_ids, position_ids, attention_mask, attn_kwargs: dict) -> torch.Tensor:
+    """The HF decoder body's last hidden states [B, L, H]."""
+    base = getattr(lm, lm.base_model_prefix)
+    return base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                use_cache=False, **attn_kwargs).last_hidden_state
+
+
 def response_hidden(lm: nn.Module, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs: dict) -> torch.Tensor:
     """The HF decoder body's last hidden states at the positions that predict a response token: [R, H]."""
-    base = getattr(lm, lm.base_model_prefix)
-    hidden = base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                  use_cache=False, **attn_kwargs).last_hidden_state
+    hidden = decoder_hidden(lm, input_ids, position_ids, attention_mask, attn_kwargs)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_idx)
 
 
@@ -46,10 +52,13 @@ class PolicyModel(nn.Module):
     """Wraps an HF causal LM so one FSDP forward returns per-token log-probs (and entropy)
     of the targets, computed from hidden states in chunks: no [T, V] logits tensor."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, mtp_detach: bool | None = None):
+        """mtp_detach: None, or (--enable-mtp-training) whether the MTP loss reads the main model detached; a training
+        forward then also returns the MTP layers' log-probs [D, R] (polyrl.backends.fsdp.mtp)."""
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.mtp_detach = mtp_detach
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
                 with_entropy: bool = False, sequences: list | None = None, idle_vision: bool = False, **attn_kwargs):
@@ -59,11 +68,16 @@ class PolicyModel(nn.Module):
         if sequences is not None:
             return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy)
         idle = multimodal.idle_vision_term(self.lm) if idle_vision else None
-        hidden = response_hidden(self.lm, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs)
+        full = decoder_hidden(self.lm, input_ids, position_ids, attention_mask, attn_kwargs)
+        hidden = full.reshape(-1, full.shape[-1]).index_select(0, gather_idx)
         weight = self.lm.get_output_embeddings().weight
         logp, ent = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size,
                                      with_entropy=with_entropy)
-        return (logp if idle is None else logp + idle), ent
+        logp = logp if idle is None else logp + idle
+        if self.mtp_detach is None or not self.training:
+            return logp, ent
+        return logp, ent, mtp_logprobs(self.lm, full, input_ids, position_ids, attention_mask, gather_idx, attn_kwargs,
+                                       detach=self.mtp_detach, chunk_size=self.chunk_size)
 
 
 class ValueModel(nn.Module):
@@ -183,6 +197,11 @@ class FSDPBackend:
         # state across a packed row, so these models take padded rows with dense attention
         hf_families.register()  # MiMo (no remote code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
+        # --enable-mtp-training: the MTP layers' depths (the CLI refuses a checkpoint without them)
+        self.mtp_depths = hf_families.mtp_depths(self.hf_config) if model_cfg.enable_mtp_training and role == "actor" else 0
+        if model_cfg.enable_mtp_training and role == "actor" and not self.mtp_depths:
+            raise ValueError(f"--enable-mtp-training: {model_cfg.hf_checkpoint} has no multi-token-prediction layers")
+        self._mtp_logp = None
         # several ranks on a vision-language model: a micro-batch without images still runs the vision tower
         self.vision_every_forward = dist.get_world_size() > 1 and multimodal.is_vision_language(self.hf_config)
         recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
@@ -265,7 +284,8 @@ class FSDPBackend:
         compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None))
         if compiled:
             apply_compile(lm)
-        root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size)
+        mtp = self.mcfg.mtp_detach_encoder if self.mcfg.enable_mtp_training and train and not value else None
+        root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size, mtp)
         offload = self.mcfg.fsdp_cpu_offload or (not train and self.device.type == "cuda")  # reference lives on CPU
         # One CPU rank in FP32 has nothing to shard, cast or offload: FSDP2's hooks and DTensor
         # dispatch would be pure overhead there (~15% of a tiny model's step). DCP checkpoints of
@@ -374,6 +394,7 @@ class FSDPBackend:
                  record: bool = False):
         """(micro-batch, log-probs [R], entropy [R] | None, sample of each token [R], tail): tail is None, or (with
         --true-on-policy on several ranks) a zero the loss adds so that padding forwards take part in the backward."""
+        self._mtp_logp = None
         if self.exact and isinstance(model, PolicyModel):
             return self._forward_exact(model, batch, idx, temperature, with_entropy)
         if not idx:  # this rank has no samples for this micro-batch: run a 2-token dummy for the collectives
@@ -389,7 +410,8 @@ class FSDPBackend:
             varlen = {**varlen, **multimodal.concat_inputs(mb.multimodal, self.device)}
         if self.vision_every_forward and "pixel_values" not in varlen and isinstance(model, PolicyModel):
             varlen["idle_vision"] = True  # the vision blocks are FSDP units: every rank runs them in every forward
-        logp, ent = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
+        logp, ent, *mtp = model(ids, pos, mask, gidx, tgt, temperature, with_entropy, **varlen)
+        self._mtp_logp = mtp[0] if mtp else None  # --enable-mtp-training, a training forward: train_step reads it
         return mb, logp, ent, seq, None
 
     def _forward_exact(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float,
@@ -457,11 +479,15 @@ class FSDPBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
         self.model.train()
+        depths = self.mtp_depths
+        mtp_counts = (mtp_token_counts(batch.response_lens, batch.token_fields["loss_mask"], depths)
+                      if depths and len(batch) else [0.0] * depths)
         local = torch.tensor([float(torch.cat(batch.token_fields["loss_mask"]).sum()) if len(batch) else 0.0, float(len(batch)),
-                              float(sum(int(x.numel()) for x in batch.input_ids))], dtype=torch.float64)
+                              float(sum(int(x.numel()) for x in batch.input_ids)), *mtp_counts], dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(local)
         num_tokens, num_seqs, routed_tokens = float(local[0]), float(local[1]), float(local[2])
+        mtp_counts = local[3:].tolist()  # the MTP loss's global token counts per depth
         scale = float(dist.get_world_size())  # FSDP averages gradients over ranks; the loss already has the global denominator
         # loss and metrics add up on the device and cross once after the last micro-batch (no host sync per micro-batch)
         sums: dict[str, torch.Tensor] = {}
@@ -483,7 +509,12 @@ class FSDPBackend:
                 loss = loss + aux * (sum(int(x.numel()) for x in mb.input_ids) / routed_tokens)
             if not idx:
                 loss = loss * 0.0
-            (loss * scale).backward()
+            extra = 0.0  # the MTP loss trains but is reported apart from the policy loss (metric mtp_loss)
+            if self._mtp_logp is not None:
+                term, per_depth = mtp_loss(self._mtp_logp, mtp_token_weights(seq, fields["loss_mask"], depths), mtp_counts)
+                extra = term * (self.mcfg.mtp_loss_scaling_factor if idx else 0.0)
+                metrics = {**metrics, "mtp_loss": per_depth.mean()}
+            ((loss + extra) * scale).backward()
             loss_total += loss.detach().double()
             for k, v in metrics.items():
                 if idx:  # the largest over micro-batches (and ranks, below) for *_max, else the sum
