@@ -374,7 +374,7 @@ class ModelConfig:
             return self.compile
         return device_type == "cuda" and model_type in COMPILE_BY_DEFAULT
 
-    lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning; FSDP backend, needs peft): only the adapters train, the "
+    lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning; FSDP (needs peft) or Megatron): only the adapters train, the "
                             "reference model is the base with the adapters off, engines get merged weights")
     lora_alpha: int = opt(16, "LoRA alpha (adapter scale alpha / rank)")
     lora_target_modules: str = opt("all-linear", "LoRA targets: all-linear (every Linear but the output layer) or a "
@@ -1115,9 +1115,9 @@ def _validate_lora(cfg: Config) -> None:
         if given:
             raise ConfigError(f"{', '.join(given)} configure LoRA: add --lora-rank R (> 0), or drop them")
         return
-    if cfg.cluster.train_backend != "fsdp":
-        raise ConfigError(f"--lora-rank is supported on --train-backend fsdp only (got {cfg.cluster.train_backend}): "
-                          "use --train-backend fsdp, or drop --lora-rank")
+    if cfg.cluster.train_backend == "megatron" and cfg.megatron.use_megatron_fsdp:
+        raise ConfigError("--lora-rank with --use-megatron-fsdp: megatron's LoRA runs on its DDP / distributed optimizer; "
+                          "drop --use-megatron-fsdp")
     targets = m.lora_targets()
     if isinstance(targets, list) and not all(targets):
         raise ConfigError(f"--lora-target-modules {m.lora_target_modules!r}: expected all-linear or a comma list of "
@@ -1130,7 +1130,7 @@ def _validate_lora(cfg: Config) -> None:
                           "adapters off and stays that; drop --ref-update-interval")
     if ck.save_hf_adapter and not ck.save_hf:
         raise ConfigError("--save-hf-adapter chooses what --save-hf writes: add --save-hf OUT_DIR")
-    if importlib.util.find_spec("peft") is None:
+    if cfg.cluster.train_backend == "fsdp" and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora-rank needs the peft package: pip install 'polyrl[lora]' (or pip install peft)")
 
 

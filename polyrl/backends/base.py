@@ -33,6 +33,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "offload",  # offload()/onload() empty weights, main params, grad buffers and Adam state to pinned host memory
         "gradient_checkpointing",  # megatron's full recompute of every layer
         "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
+        "lora",  # adapters on the column / row-parallel linears (polyrl/backends/megatron/lora.py)
     }),
 }
 

@@ -160,7 +160,7 @@ def test_two_ranks_match_one_rank_and_merge_sharded_adapters(tiny_model, tmp_pat
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--lora-rank", "4", "--train-backend", "megatron"], "--lora-rank is supported on --train-backend fsdp only"),
+    (["--lora-rank", "4", "--train-backend", "megatron", "--use-megatron-fsdp"], "--lora-rank with --use-megatron-fsdp"),
     (["--lora-alpha", "32"], "--lora-alpha configure LoRA: add --lora-rank"),
     (["--lora-rank", "4", "--save-hf-adapter"], "--save-hf-adapter chooses what --save-hf writes"),
     (["--lora-rank", "4", "--lora-target-modules", "q_proj,,v_proj"], "--lora-target-modules"),

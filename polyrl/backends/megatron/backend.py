@@ -101,12 +101,20 @@ class MegatronBackend:
             log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
                         "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")
         path = (model_cfg.critic_load or model_cfg.hf_checkpoint) if role == "critic" else model_cfg.hf_checkpoint
+        self.seed = seed
+        self.lora = None  # --lora-rank: lora.Lora of the actor's adapters (set by _build); the critic trains in full
+        if model_cfg.lora_rank > 0 and role == "actor" and self.ddp_config.use_megatron_fsdp:
+            raise ValueError("--lora-rank with --use-megatron-fsdp: LoRA on megatron is built for the DDP / distributed "
+                             "optimizer path; drop --use-megatron-fsdp")
         self.model = self._build(path, train=True)
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer,
                                             cpu_offload=mg.optimizer_cpu_offload)
         self._offloader = None  # --offload-train: offload.StorageOffloader, made at the first offload()
         self.offloaded_bytes: dict[str, int] = {}  # what the last offload() moved or released, per kind
-        self.ref_model = self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False) if need_ref else None
+        # with LoRA the reference is the actor with its adapters off: no second model
+        self.ref_model = (self._build(model_cfg.ref_load or model_cfg.hf_checkpoint, train=False)
+                          if need_ref and self.lora is None else None)
+        self._lora_ref = need_ref and self.lora is not None
         # --opd-teacher-load: kept like the reference model (resident, frozen, not in checkpoints: a resume reads its
         # directory again), but of any size: its own HF and transformer configs, RoPE tables and vocabulary
         self.teacher_hf_config, self._teacher_rope = None, None
@@ -145,6 +153,10 @@ class MegatronBackend:
         if train and self.role == "critic":
             mm.add_value_heads(chunks, config)
         mm.load_hf_weights(chunks, path, hf_config, config)
+        if train and self.role == "actor" and self.mcfg.lora_rank > 0:  # adapters before DDP: it buffers trainable params only
+            from polyrl.backends.megatron import lora
+            self.lora = lora.attach(chunks, hf_config, config, self.mcfg, self.seed,
+                                    lambda c: mm.chunk_layer_offset(config, c))
         if train:
             return mm.wrap_chunks(chunks, config, self.ddp_config)
         out = [mm.half_module(config, c) for c in chunks]
@@ -331,7 +343,8 @@ class MegatronBackend:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, model: str = "actor", temperature: float = 1.0) -> list[torch.Tensor]:
         self.onload()  # (a no-op unless offloaded)
-        m = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
+        lora_ref = model == "ref" and self._lora_ref
+        m = {"actor": self.model, "ref": self.model if lora_ref else self.ref_model, "teacher": self.teacher_model}[model]
         if m is None:
             raise ValueError(f"compute_logprobs(model={model!r}): this backend was built without that model")
         glob, counts = self._gather_batch(batch, with_fields=False)
@@ -348,7 +361,9 @@ class MegatronBackend:
 
         for c in m:
             c.eval()
-        self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False, route_mode=mode)
+        with self.lora.disabled() if lora_ref else contextlib.nullcontext():
+            self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False,
+                      route_mode=mode)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, found if self._reporting_rank() else {})
         merged: dict[int, torch.Tensor] = {}
@@ -456,10 +471,17 @@ class MegatronBackend:
             return uneven_dtensor_to_full_tensor(p).to(self.dtype)  # fp32 main weights -> compute dtype
         return p.detach()
 
-    def _named_params(self, chunk) -> dict[str, torch.Tensor]:
+    def _named_params(self, chunk, adapters: bool = False):
         """GPTModel-level names -> parameters. Under Megatron-FSDP the module's own parameters
         switch between gathered compute buffers (freed after use) and sharded ones, so the
-        optimizer's sharded (up-to-date) parameters are read instead."""
+        optimizer's sharded (up-to-date) parameters are read instead. LoRA: the base weights with
+        the adapters merged in (this rank's shards), or with adapters=True the adapters alone."""
+        if self.lora is not None and any(chunk is c for c in self.model):
+            from polyrl.backends.megatron import lora
+            named = self.mm.bridge_tensors(self.mm.unwrap(chunk))
+            if adapters:
+                return {n: p for n, p in named.items() if lora.is_adapter(n)}
+            return self.lora.merged(named)
         if self.ddp_config.use_megatron_fsdp:
             out = {}
             for n, p in chunk.param_and_grad_buffer.optimizer_named_parameters:
@@ -471,10 +493,11 @@ class MegatronBackend:
             return out
         return self.mm.bridge_tensors(self.mm.unwrap(chunk))
 
-    def _megatron_stream(self, model: list) -> Iterator[tuple[str, torch.Tensor]]:
+    def _megatron_stream(self, model: list, adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(megatron name with global layer and expert indices, full tensor) for every parameter,
-        on every rank: gathered over TP / expert-TP and EP, broadcast over PP."""
-        from polyrl.backends.megatron import bridge
+        on every rank: gathered over TP / expert-TP and EP, broadcast over PP. adapters: LoRA's
+        adapter parameters instead (lora.gather_adapter joins their TP shards)."""
+        from polyrl.backends.megatron import bridge, lora
 
         ps, mm = self.ps, self.mm
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -496,19 +519,22 @@ class MegatronBackend:
             for v in range(len(model)):
                 meta = None
                 if stage == pp_rank:
-                    meta = (mm.chunk_layer_offset(self.config, mm.unwrap(model[v])), list(self._named_params(model[v])))
+                    meta = (mm.chunk_layer_offset(self.config, mm.unwrap(model[v])),
+                            list(self._named_params(model[v], adapters)))
                 if pp > 1:
                     box = [meta]
                     dist.broadcast_object_list(box, src=src, group=pp_group)
                     meta = box[0]
                 offset, names = meta
-                params = self._named_params(model[v]) if stage == pp_rank else {}
+                params = self._named_params(model[v], adapters) if stage == pp_rank else {}
                 for name in names:
                     expert = ".local_experts." in name
                     full: list[torch.Tensor] | None = None
                     if stage == pp_rank:
                         t = self._local_tensor(params[name])
-                        if not fsdp:
+                        if adapters:
+                            t = lora.gather_adapter(name, gather(t, tp_group))
+                        elif not fsdp:
                             t = bridge.gather_from_tp(name, gather(t, etp_group if expert else tp_group),
                                                       self.hf_config)
                         full = gather(t, ep_group) if expert else [t]
@@ -568,8 +594,11 @@ class MegatronBackend:
                     rp[n].copy_(self._local_tensor(p))
 
     def save_hf(self, path: str, tokenizer=None, *, adapter: bool = False) -> None:
+        """adapter (--save-hf-adapter, LoRA only): a peft adapter directory (PeftModel.from_pretrained loads it onto
+        the base model) instead of the merged model."""
         if adapter:
-            raise ValueError("--save-hf-adapter writes LoRA adapters, which only --train-backend fsdp trains")
+            self._save_adapter(path, tokenizer)
+            return
         sd = {}
         for name, t in self.export_weights():
             if dist.get_rank() == 0:
@@ -597,6 +626,26 @@ class MegatronBackend:
             _replace_dir(tmp, path)
         dist.barrier()
 
+    def _save_adapter(self, path: str, tokenizer=None) -> None:
+        from polyrl.backends.megatron import lora
+        if self.lora is None:
+            raise ValueError("--save-hf-adapter writes LoRA adapters: train with --lora-rank R")
+        with self._resident():
+            tensors = {}
+            for name, t in lora.stream_to_peft(self._megatron_stream(self.model, adapters=True)):
+                if dist.get_rank() == 0:
+                    tensors[name] = t.to("cpu", copy=True)
+        if dist.get_rank() == 0:
+            from polyrl.backends.fsdp.backend import _replace_dir
+            m = self.mcfg
+            tmp = path.rstrip("/") + ".tmp"
+            lora.write_peft_dir(tmp, tensors, lora.adapter_config(m.lora_rank, m.lora_alpha, m.lora_dropout,
+                                                                  self.lora.hf_targets, m.hf_checkpoint))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _replace_dir(tmp, path)
+        dist.barrier()
+
     # ---- checkpoints ----------------------------------------------------------------------
     def _ckpt_metadata(self) -> dict:
         return {"distrib_optim_sharding_type": "fsdp_dtensor" if self.ddp_config.use_megatron_fsdp
@@ -616,7 +665,11 @@ class MegatronBackend:
             # the GPTModel itself: Float16Module's sharded dict carries a `module.` prefix its
             # load_state_dict does not accept
             for i, m in enumerate(self.model):
-                sd[f"model{i}"] = self.mm.unwrap(m).sharded_state_dict(metadata=md)
+                msd = self.mm.unwrap(m).sharded_state_dict(metadata=md)
+                if self.lora is not None:  # the adapters only: the frozen base is re-read from --hf-checkpoint
+                    from polyrl.backends.megatron import lora
+                    msd = {k: v for k, v in msd.items() if lora.is_adapter(k)}
+                sd[f"model{i}"] = msd
             if self.ref_model is not None:
                 for i, m in enumerate(self.ref_model):
                     sd[f"ref{i}"] = _prefix_keys(self.mm.unwrap(m).sharded_state_dict(metadata=md), "ref.")
@@ -677,7 +730,15 @@ class MegatronBackend:
             from megatron.core import dist_checkpointing
             loaded = dist_checkpointing.load(sd, ckpt)
             for i, m in enumerate(self.model):
-                self.mm.unwrap(m).load_state_dict(loaded[f"model{i}"])
+                if self.lora is not None:
+                    missing, unexpected = self.mm.unwrap(m).load_state_dict(loaded[f"model{i}"], strict=False)
+                    from polyrl.backends.megatron import lora
+                    missing = [k for k in missing if lora.is_adapter(k)]
+                    if missing or unexpected:
+                        raise RuntimeError(f"{path}: a LoRA checkpoint of other adapters (--lora-rank / "
+                                           f"--lora-target-modules): missing {missing[:4]}, unexpected {unexpected[:4]}")
+                else:
+                    self.mm.unwrap(m).load_state_dict(loaded[f"model{i}"])
             if self.ref_model is not None:
                 for i, m in enumerate(self.ref_model):
                     self.mm.unwrap(m).load_state_dict(loaded[f"ref{i}"])
