@@ -1,7 +1,7 @@
 """Megatron backend on GPU: parity with the FSDP backend (per-token log-probs, BF16), HF round
 trip through export, grad-norm parity across layouts, resume, Megatron-FSDP vs DDP, GRPO through
 the CLI. Each test launches tests/backends/megatron/harness.py (torchrun for several GPUs) and
-reads its RESULT lines; tolerances live in the harness (LOGP_TOL, GRAD_TOL).
+reads its RESULT lines; tolerances live in the harness (LOGP_TOL, LOGP_TOL_MOE, GRAD_TOL).
 
 Skipped with a reason on CPU, without megatron-core, or with fewer GPUs than a layout needs.
 """
@@ -146,6 +146,18 @@ def test_four_gpu_layouts(refs):
                      "--layouts", "tp=2,pp=2;tp=2,cp=2;pp=2,vpp=1"], nproc=4), 9)
     _assert_ok(_run(["layouts", "--models", models.split(",")[3], "--refs", ref.split(",")[3],
                      "--layouts", "ep=4;tp=2,pp=2"], nproc=4), 3)
+
+
+@pytest.mark.multigpu
+def test_fp32_four_gpu_layouts(refs32):
+    """The 4-GPU layouts in FP32: the same function as FSDP to FP32_LOGP_TOL, so what BF16 allows them is rounding."""
+    _need(4)
+    models, ref = refs32
+    dense = ",".join(models.split(",")[:3]), ",".join(ref.split(",")[:3])
+    _assert_ok(_run(["layouts", "--models", dense[0], "--refs", dense[1], "--layouts", "tp=2,pp=2;tp=2,cp=2;pp=2,vpp=1",
+                     "--checks", "logprobs,grad", "--fp32"], nproc=4), 18)
+    _assert_ok(_run(["layouts", "--models", models.split(",")[3], "--refs", ref.split(",")[3],
+                     "--layouts", "ep=4;tp=2,pp=2", "--checks", "logprobs,grad", "--fp32"], nproc=4), 4)
 
 
 @pytest.mark.multigpu
