@@ -291,7 +291,7 @@ def logits_dim(model) -> int:
 
 
 def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, mem_fraction: float = 0.4,
-                         cuda_graph: bool = True, **kw) -> InProcessEngine:
+                         cuda_graph: bool = True, quantization: str = "none", **kw) -> InProcessEngine:
     """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged KV cache,
     continuous batching, CUDA graphs; gpu_engine, mem_fraction and cuda_graph are its settings); anything else, and
     every CPU run, the transformers path (EmbeddedEngine)."""
@@ -302,7 +302,7 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
         why = unsupported_reason(hf_checkpoint)
         if why is None:
             return GPUEngine(hf_checkpoint, device=device, mem_fraction=mem_fraction, cuda_graph=cuda_graph,
-                             **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
+                             quantization=quantization, **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
         log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
                     device, hf_checkpoint, why)
     return EmbeddedEngine(hf_checkpoint, device=device, **kw)
@@ -312,7 +312,8 @@ def embedded_engine_kwargs(cfg) -> dict:
     """The embedded engine's settings from the config (also what `polyrl serve` runs)."""
     r = cfg.rollout
     return dict(max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
-                cuda_graph=r.rollout_cuda_graph, true_on_policy=cfg.model.true_on_policy)
+                cuda_graph=r.rollout_cuda_graph, true_on_policy=cfg.model.true_on_policy,
+                quantization=r.rollout_quantization)
 
 
 def engine_from_config(cfg, device: str) -> InProcessEngine:

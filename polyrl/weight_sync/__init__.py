@@ -92,7 +92,7 @@ class FP8Transport:
 
     def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
         from polyrl.weight_sync.quantize import dequantize_stream, quantize_stream, stream_nbytes
-        if not self.in_process:
+        if not self.in_process or getattr(engine, "loads_fp8_weights", False):  # the GPU engine's FP8 linears
             return self.inner.push(quantize_stream(stream), engine, version)
         moved = [0]
         self.inner.push(dequantize_stream(stream_nbytes(quantize_stream(stream), moved)), engine, version)

@@ -98,11 +98,15 @@ class GPUEngine(InProcessEngine):
                  max_batch: int = 0, mem_fraction: float = 0.4, cuda_graph: bool = True, block_size: int = 16,
                  max_prefill_tokens: int = 16384, num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  use_triton: bool | None = None, decode_splits: int | None = None, ignore_eos: bool = False,
-                 profile: bool = False):
+                 profile: bool = False, quantization: str = "none"):
         """max_batch: most sequences decoding at once (0: MAX_RUNNING). mem_fraction: share of the
         GPU's memory for weights + KV cache + workspace; the KV cache gets what is left
         (num_kv_blocks overrides it, e.g. on CPU). ignore_eos: never stop on EOS (benchmarks
-        with random weights). profile: time GPU work with events (last_stats)."""
+        with random weights). profile: time GPU work with events (last_stats). quantization: "fp8" keeps the decoder
+        linears in FP8 with block scales and runs them with FP8 kernels (--rollout-quantization fp8; the memory saved
+        goes to the KV cache), and update_weights takes the quantized stream as it is."""
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"--rollout-quantization {quantization!r}: the GPU engine runs none or fp8")
         cfg = load_config(hf_checkpoint)
         spec, why = spec_from_config(cfg)
         if spec is None:
@@ -129,7 +133,7 @@ class GPUEngine(InProcessEngine):
         self.max_running = max_batch or MAX_RUNNING
         self.max_len = min(spec.max_pos, max_model_len or spec.max_pos)
 
-        self.model = DenseLM(spec, self.device, dtype, self.ops)
+        self.model = DenseLM(spec, self.device, dtype, self.ops, fp8=quantization == "fp8")
         self.model.load(iter_checkpoint(hf_checkpoint), strict=True)
         cos, sin = rope_tables(cfg, spec, self.max_len, dtype)
         if num_kv_blocks is None:
@@ -177,9 +181,16 @@ class GPUEngine(InProcessEngine):
         self._graph_ptrs = (0, 0)  # the weights' and KV cache's addresses the graphs were captured with
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
-        log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB), "
-                 "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30, num_kv_blocks,
-                 block_size, self.kv.nbytes / 2**30, self.cuda_graph, use_triton)
+        self.rescore = None  # --true-on-policy: polyrl.backends.true_on_policy.EngineScorer
+        log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB%s, KV cache %d blocks x %d tokens (%.2f GiB), "
+                 "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30,
+                 " (linears FP8)" if self.model.fp8 else "", num_kv_blocks, block_size, self.kv.nbytes / 2**30,
+                 self.cuda_graph, use_triton)
+
+    @property
+    def loads_fp8_weights(self) -> bool:
+        """Whether update_weights should get the FP8 stream as it is (its linears are FP8), not dequantized."""
+        return self.model.fp8
 
     @property
     def reports_routed_experts(self) -> bool:
@@ -281,7 +292,12 @@ class GPUEngine(InProcessEngine):
                 self._process(prev)
         self._detok.finish()
         self._finish_stats()
+        if self.rescore is not None:  # --true-on-policy: report the trainer's scoring of each sample, not the decode's
+            self.rescore(self._results, sp)
         return self._results  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, float]:
+        return self.rescore.stats() if self.rescore is not None else {}
 
     def _fits(self, g: _Group) -> bool:
         return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n) <= self.alloc.num_free
@@ -602,7 +618,8 @@ class GPUEngine(InProcessEngine):
             raise RuntimeError("update_weights while the weights sleep without a host copy (the engine shares this "
                                "process with the trainer): wake(('weights',)) first, then push every weight")
         # an in-process trainer's export writes straight into the views (polyrl.weight_sync.direct), else name by name
-        seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") else None
+        # (not into FP8 views: the direct copy knows no scales)
+        seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") and not self.model.fp8 else None
         if seen is None:
             seen = self.model.load(weights, strict=False)
         if self._stale or not self._host_valid:
@@ -617,7 +634,8 @@ class GPUEngine(InProcessEngine):
             if self._stale:
                 for name in missing:
                     v = self.model.hf[name]
-                    v.copy_(self._cpu_flat.as_strided(v.shape, v.stride(), v.storage_offset()), non_blocking=True)
+                    host = self._cpu_flat.view(torch.uint8).view(v.dtype)  # FP8 views count offsets in their dtype
+                    v.copy_(host.as_strided(v.shape, v.stride(), v.storage_offset()), non_blocking=True)
             self._stale, self._host_valid = False, True
         n = len(seen)
         if self.is_cuda:
@@ -679,9 +697,10 @@ class GPUEngine(InProcessEngine):
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every weight update_weights accepts."""
-        return {n: tuple(v.shape) for n, v in self.model.hf.items()}
+        return self.model.wire_shapes()
 
     def get_weight(self, name: str) -> torch.Tensor:
-        """A CPU copy of one HF-named weight (a view into the flat buffer, awake or asleep), in the engine's dtype."""
+        """A CPU copy of one HF-named weight (a view into the flat buffer, awake or asleep), in the engine's dtype (an
+        FP8 linear dequantized, as its kernel multiplies by it)."""
         self._restore()
-        return self.model.hf[name].detach().to("cpu", copy=True)
+        return self.model.read(name).detach().to("cpu", copy=True)

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.backends import varlen
+from polyrl.rollout.gpu import fp8 as fp8_layout
 from polyrl.rollout.gpu import ops as ref_ops
+from polyrl.weight_sync.quantize import FP8_DTYPE, SCALE_SUFFIX, Dequantizer, quantize_fp8_block
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # families the transformers path runs and this path does not, and what is missing here
@@ -133,11 +135,16 @@ class DenseLM:
     """Weights + forward. `ops` is `polyrl.rollout.gpu.ops` (torch, any device) or
     `polyrl.rollout.gpu.triton_ops` layered over it (CUDA)."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, ops=ref_ops):
-        self.spec, self.device, self.dtype, self.ops = spec, device, dtype, ops
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, ops=ref_ops, fp8: bool = False):
+        """fp8: the decoder linears (polyrl.rollout.gpu.fp8.FP8_KEYS) are held as float8_e4m3fn with float32 block
+        scales, inside the same flat buffer (each region a byte view of it), and run by ops.fp8_linear."""
+        self.spec, self.device, self.dtype, self.ops, self.fp8 = spec, device, dtype, ops, fp8
         s = spec
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         self._qkv_rows = (q, kv, kv)
+        # rows of each HF part of the FP8 matrices, and their scale layout (fp8.row_div)
+        self.fp8_parts = {"qkv_w": [q, kv, kv], "o_w": [s.hidden], "gu_w": [s.inter, s.inter], "down_w": [s.hidden]}
+        self.row_div = {k: fp8_layout.row_div(p) for k, p in self.fp8_parts.items()}
         self.layout: list[tuple[str, tuple[int, ...]]] = [("embed", (s.vocab, s.hidden)), ("norm", (s.hidden,))]
         if not s.tied:
             self.layout.append(("lm_head", (s.vocab, s.hidden)))
@@ -156,11 +163,25 @@ class DenseLM:
                                 (f"{i}.edown", (s.experts, s.hidden, s.moe_inter))]
             else:
                 self.layout += [(f"{i}.gu_w", (2 * s.inter, s.hidden)), (f"{i}.down_w", (s.hidden, s.inter))]
+        # key -> dtype of its region: the model dtype unless FP8 (the matrix in float8, its scales in float32)
+        self.kinds: dict[str, torch.dtype] = {}
+        if fp8:
+            for i in range(s.layers):
+                for k in fp8_layout.FP8_KEYS:
+                    key = f"{i}.{k}"
+                    if key not in dict(self.layout):
+                        continue
+                    shape = dict(self.layout)[key]
+                    self.kinds[key] = FP8_DTYPE
+                    self.kinds[key + fp8_layout.SCALE] = torch.float32
+                    self.layout.append((key + fp8_layout.SCALE, fp8_layout.scale_grid(self.fp8_parts[k], shape[1])))
+        el = torch.empty((), dtype=dtype).element_size()
         self.offsets: dict[str, int] = {}
         n = 0
         for key, shape in self.layout:
             self.offsets[key] = n
-            n += -(-torch.Size(shape).numel() // 64) * 64  # 128-byte aligned views (GEMM-friendly)
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=self.kinds.get(key, dtype)).element_size()
+            n += -(-nbytes // (64 * el)) * 64  # 128-byte aligned views (GEMM-friendly), in model-dtype elements
         self.numel = n
         self.flat = torch.empty(n, dtype=dtype, device=device)
         self.bind(self.flat)
@@ -172,7 +193,7 @@ class DenseLM:
     def bind(self, flat: torch.Tensor) -> None:
         """(Re)build every view over `flat` (GPU buffer when awake, CPU copy while asleep)."""
         self.flat = flat
-        self.w = {k: flat[self.offsets[k]:self.offsets[k] + torch.Size(sh).numel()].view(sh) for k, sh in self.layout}
+        self.w = {k: self._view(flat, k, sh) for k, sh in self.layout}
         if self.spec.tied:
             self.w["lm_head"] = self.w["embed"]
         s, (q, kv, _) = self.spec, self._qkv_rows
@@ -206,8 +227,81 @@ class DenseLM:
                 hf[a + "o_proj.bias"] = self.w[f"{i}.o_b"]
             if s.qk_norm:
                 hf.update({a + "q_norm.weight": self.w[f"{i}.qn"], a + "k_norm.weight": self.w[f"{i}.kn"]})
+        # FP8: each HF part of an FP8 matrix also has its weight_scale_inv, a view of the matrix's scale rows (or, where
+        # the engine keeps one scale row per weight row, filled by expanding the streamed grid: self.scale_expand)
+        self.scale_of: dict[str, str] = {}  # HF weight name -> its scale's HF name
+        self.fp8_of: dict[str, tuple[str, int]] = {}  # HF name of an FP8 part -> (layout key, part index)
+        self.scale_expand: dict[str, tuple[int, ...]] = {}  # scale name -> the streamed (block-grid) shape
+        if self.fp8:
+            for i in range(s.layers):
+                p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+                names = {"qkv_w": [a + "q_proj", a + "k_proj", a + "v_proj"], "o_w": [a + "o_proj"],
+                         "gu_w": [m + "gate_proj", m + "up_proj"], "down_w": [m + "down_proj"]}
+                for k, mods in names.items():
+                    key = f"{i}.{k}"
+                    if key not in self.kinds:
+                        continue
+                    parts, sc = self.fp8_parts[k], self.w[key + fp8_layout.SCALE]
+                    for j, mod in enumerate(mods):
+                        lo, hi = fp8_layout.part_scale_rows(parts, j)
+                        hf[mod + SCALE_SUFFIX] = sc[lo:hi]
+                        self.scale_of[mod + ".weight"] = mod + SCALE_SUFFIX
+                        self.fp8_of[mod + ".weight"] = (key, j)
+                        if self.row_div[k] == 1:
+                            self.scale_expand[mod + SCALE_SUFFIX] = fp8_layout.scale_grid([parts[j]], sc.shape[1])
         self.hf = hf
         self.layers = [{k.split(".", 1)[1]: v for k, v in self.w.items() if k.startswith(f"{i}.")} for i in range(s.layers)]
+
+    def _view(self, flat: torch.Tensor, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The region of `key` as a tensor of its own dtype (FP8 matrices and their scales reinterpret the bytes)."""
+        numel, kind = torch.Size(shape).numel(), self.kinds.get(key)
+        o = self.offsets[key]
+        if kind is None:
+            return flat[o:o + numel].view(shape)
+        el = flat.element_size()
+        nbytes = numel * torch.empty((), dtype=kind).element_size()
+        return flat[o:o + -(-nbytes // el)].view(torch.uint8)[:nbytes].view(kind).view(shape)
+
+    def wire_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> the shape a weight sync sends it in."""
+        return {n: self.scale_expand.get(n, tuple(v.shape)) for n, v in self.hf.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        """One HF-named weight as the engine uses it: an FP8 part dequantized to the model dtype (what the kernel
+        multiplies by), a scale in its streamed shape, anything else the view itself."""
+        if name in self.fp8_of:
+            key, j = self.fp8_of[name]
+            k = key.split(".", 1)[1]
+            sc = self.hf[self.scale_of[name]]
+            if self.row_div[k] == 1:
+                sc = sc[::fp8_layout.BLOCK[0]]
+            return fp8_layout.dequantize(self.hf[name], sc, fp8_layout.BLOCK[0], self.dtype)
+        if name in self.scale_expand:
+            return self.hf[name][::fp8_layout.BLOCK[0]]
+        return self.hf[name]
+
+    def _fp8_stream(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream as the views take it: FP8 parts and their scales as they come (a float weight for an FP8 part is
+        quantized here, on the engine's device, into the same pair), scales expanded where the engine keeps one row
+        per weight row; FP8 weights the engine keeps in its own dtype (MoE experts, or an engine without FP8)
+        dequantized once their scales arrive."""
+        deq = Dequantizer()
+        for name, t in weights:
+            if name in self.fp8_of or (name in self.scale_expand or (name.endswith(SCALE_SUFFIX) and name in self.hf)):
+                if name in self.fp8_of and t.dtype != FP8_DTYPE:
+                    q, sc = quantize_fp8_block(t.to(self.device, non_blocking=True))
+                    yield name, q
+                    name, t = self.scale_of[name], sc
+                if name in self.scale_expand:
+                    if tuple(t.shape) != self.scale_expand[name]:
+                        raise ValueError(f"{name}: got shape {tuple(t.shape)}, the rollout model has "
+                                         f"{self.scale_expand[name]}")
+                    t = t.to(self.device).repeat_interleave(fp8_layout.BLOCK[0], 0)[:self.hf[name].shape[0]]
+                yield name, t
+            else:
+                yield from deq.feed(((name, t),))
+        if deq.unpaired():
+            raise ValueError("weight sync ended with unpaired FP8 tensors: " + ", ".join(deq.unpaired()))
 
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool) -> set[str]:
@@ -215,7 +309,7 @@ class DenseLM:
         (rotary buffers excepted); with strict=True every weight must arrive."""
         seen = set()
         dsts, srcs = [], []
-        for name, t in weights:
+        for name, t in self._fp8_stream(weights):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             try:
@@ -262,15 +356,16 @@ class DenseLM:
         their top-k experts (other layers' rows are left as they are) -> logits [R, V] in the
         model dtype."""
         s, o, W = self.spec, self.ops, self.w
+        lin = self._linear
         h = F.embedding(ids, W["embed"])
         res = None
         for i, L in enumerate(self.layers):
             x, res = o.add_rmsnorm(h, res, L["ln1"], s.eps)
-            qkv = F.linear(x, L["qkv_w"], L.get("qkv_b"))
+            qkv = lin(x, L, "qkv_w", L.get("qkv_b"))
             q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
                                    L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
             a = attn(q, k, v, kv.k[i], kv.v[i])
-            h = F.linear(a.reshape(a.shape[0], -1), L["o_w"], L.get("o_b"))
+            h = lin(a.reshape(a.shape[0], -1), L, "o_w", L.get("o_b"))
             x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
             if "router" in L:
                 gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
@@ -278,13 +373,20 @@ class DenseLM:
                     routes[:, i] = experts
                 h = o.moe_experts(x, L["egu"], L["edown"], gates, experts)
             else:
-                h = F.linear(o.silu_mul(F.linear(x, L["gu_w"])), L["down_w"])
+                h = lin(o.silu_mul(lin(x, L, "gu_w")), L, "down_w")
         if logits_rows is not None:
             h, res = h[logits_rows], res[logits_rows]
         x, _ = o.add_rmsnorm(h, res, W["norm"], s.eps)
         if out is None:
             return F.linear(x, W["lm_head"])
         return torch.mm(x, W["lm_head"].t(), out=out)
+
+    def _linear(self, x: torch.Tensor, L: dict, key: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8:
+            sc = L.get(key + fp8_layout.SCALE)
+            if sc is not None:
+                return self.ops.fp8_linear(x, L[key], sc, bias, self.row_div[key])
+        return F.linear(x, L[key], bias)
 
 
 class PrefillAttn:

@@ -222,3 +222,12 @@ def filter_thresholds(logits: torch.Tensor, inv_temp: torch.Tensor, top_k: int, 
         n_keep = keep.sum(-1).clamp(min=1)
         thr = torch.maximum(thr, xs.gather(-1, (n_keep - 1)[:, None]).squeeze(-1))
     return thr
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               row_div: int = 128) -> torch.Tensor:
+    """x: [T, K] in the model dtype; w: float8_e4m3fn [N, K]; scale: its block scales (polyrl.rollout.gpu.fp8) ->
+    F.linear(x, dequantized w cast to x's dtype, bias): the CPU emulation's numerics (the weights dequantized in
+    fp32, rounded to the model dtype, then an ordinary matmul), which the Triton kernel reproduces."""
+    from polyrl.rollout.gpu.fp8 import dequantize
+    return F.linear(x, dequantize(w, scale, row_div, x.dtype), bias)

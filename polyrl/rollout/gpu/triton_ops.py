@@ -527,3 +527,95 @@ def grouped_linear(x, w, offs):
 
 def moe_experts(x, gate_up, down, gates, experts):
     return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
+
+
+# ---- FP8 linears (--rollout-quantization fp8) ---------------------------------------------------
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                       stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # weight-only FP8: one program per (BN weight rows, BM tokens, K split). The weight tile is loaded as FP8 (the
+    # bytes that bound decode), scaled by its block's scale in fp32 and rounded to the activations' dtype (the
+    # rounding the CPU emulation's dequantized weights get), then multiplied with fp32 accumulation. The weight is
+    # the left operand (y^T = w x^T): decode has few tokens, and the MMA's wide side is the weight rows'.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mn = offs_n < N
+    mm = offs_m < M
+    rk = tl.arange(0, BK)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    s_rows = s_ptr + (offs_n // ROW_DIV).to(tl.int64) * stride_sn
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + rk
+        mk = ks < k_hi
+        w = tl.load(w_rows + ks[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        s = tl.load(s_rows + k0 // 128, mask=mn, other=0.0)
+        xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
+        wb = (w.to(tl.float32) * s[:, None]).to(xt.dtype)
+        acc = tl.dot(wb, xt, acc)
+    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    msk = mn[:, None] & mm[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
+    else:  # fp32 partial sums [SPLIT, M, N], summed in a fixed order by _fp8_reduce_kernel (deterministic)
+        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
+
+
+@triton.jit
+def _fp8_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for sp in tl.static_range(SPLIT):
+        acc += tl.load(p_ptr + sp * MN + offs, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+_SMS: dict[int, int] = {}
+
+
+def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None = None):
+    """ops.fp8_linear's contract (same weight rounding; fp32 sums in another order): one launch, plus a reduction
+    launch where K is split. No host syncs, so it runs inside a captured CUDA graph. FP32 activations take the torch
+    reference (the kernel's dot is a 16-bit one)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return _ref.fp8_linear(x, w, scale, bias, row_div)
+    from polyrl.rollout.gpu.fp8 import kernel_config
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M:
+        return y
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    c = config or kernel_config(M, N, K, _SMS[dev])
+    split = c["split"]
+    grid = (triton.cdiv(N, c["BN"]), triton.cdiv(M, c["BM"]), split)
+    b = bias if bias is not None else scale
+    launch = dict(ROW_DIV=row_div, HAS_BIAS=bias is not None, SPLIT=split, BM=c["BM"], BN=c["BN"], BK=c["BK"],
+                  num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if split == 1:
+        _fp8_linear_kernel[grid](x, w, scale, b, y, M, N, K, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
+                                 0, c["k_per_split"], **launch)
+        return y
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _fp8_linear_kernel[grid](x, w, scale, b, part, M, N, K, x.stride(0), w.stride(0), scale.stride(0), N, M * N,
+                             c["k_per_split"], **launch)
+    BLOCK = 1024
+    _fp8_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
+                                                    BLOCK=BLOCK, num_warps=4)
+    return y

@@ -1,0 +1,241 @@
+"""The GPU engine's FP8 linears (--rollout-quantization fp8). On CPU: the scale layout of fused matrices, the kernel's
+launch settings, and the FP8 engine (torch reference ops) against the unquantized engine fed the dequantized weights.
+On CUDA (gpu): the Triton kernel against the CPU emulation, under a CUDA graph, the FP8 engine's greedy tokens against
+the BF16 engine's, and a GRPO step with FP8 rollout on the GPU path."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from polyrl.rollout.gpu import fp8 as L
+from polyrl.rollout.gpu import ops
+from polyrl.rollout.gpu.engine import GPUEngine
+from polyrl.types import SamplingParams
+from polyrl.weight_sync import FP8Transport, InMemoryTransport
+from polyrl.weight_sync.quantize import FP8_DTYPE, dequantize_stream, quantize_fp8_block, quantize_stream
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+TEXTS = ["12+34=", "5+6=", "99+1=", "123+456=", "7+70=", "1+2+3+4+5="]
+
+
+# ---- pure: layout and launch settings ---------------------------------------------------------------
+def test_fused_scale_layout():
+    # Qwen2.5-7B's q|k|v: every part a whole number of 128-row blocks, so the stacked grids are the fused grid
+    parts = [3584, 512, 512]
+    assert L.row_div(parts) == 128 and L.scale_grid(parts, 3584) == (36, 28)
+    assert [L.part_scale_rows(parts, j) for j in range(3)] == [(0, 28), (28, 32), (32, 36)]
+    # the last part may end in a partial block; an unaligned earlier part switches to one scale row per weight row
+    assert L.row_div([256, 128, 100]) == 128 and L.scale_grid([256, 128, 100], 200) == (4, 2)
+    assert L.row_div([64, 32, 32]) == 1 and L.scale_grid([64, 32, 32], 64) == (128, 1)
+    assert L.part_scale_rows([64, 32, 32], 1) == (64, 96)
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 64, 100, 256, 512, 4096])
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (37888, 3584), (96, 200)])
+def test_kernel_config_covers_k_once(M, N, K):
+    c = L.kernel_config(M, N, K, sms=132)
+    assert 128 % c["BK"] == 0 and c["k_per_split"] % c["BK"] == 0  # one scale per k-tile of a weight row
+    assert (c["split"] - 1) * c["k_per_split"] < K <= c["split"] * c["k_per_split"]  # every split non-empty
+    assert c["BM"] >= 16 and (M > 128 or c["BM"] >= M)
+
+
+def _sharp(tmp_path_factory, name, **kw):
+    from polyrl.tasks.arithmetic import build_model
+    d = str(tmp_path_factory.mktemp(name))
+    m, _ = build_model(d, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    m.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("shape", [dict(hidden=256, heads=2, kv_heads=1, layers=2),  # head_dim 128: block grids align
+                                   dict(hidden=64, heads=4, kv_heads=2, layers=2)],  # k/v of 32 rows: per-row scales
+                         ids=["aligned", "per-row"])
+def test_fp8_engine_on_cpu_equals_the_emulation(tmp_path_factory, shape):
+    """The FP8 engine (weights FP8 in its buffer, torch reference ops) computes exactly what the unquantized engine
+    computes after loading the dequantized stream: the reference FP8 linear dequantizes in fp32 and rounds to the model
+    dtype as the Dequantizer + the engine's cast do, so greedy tokens and log-probs are equal, not close. Its buffer
+    is smaller (1 byte per linear weight plus the scales), it takes the quantized stream as it is, and get_weight
+    returns the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+    path = _sharp(tmp_path_factory, "fp8cpu", **shape)
+    kw = dict(device="cpu", dtype=torch.float32, num_kv_blocks=256, block_size=4)
+    q8, ref = GPUEngine(path, quantization="fp8", **kw), GPUEngine(path, **kw)
+    assert q8.loads_fp8_weights and not ref.loads_fp8_weights
+    lin = sum(v.numel() for k, v in ref.model.w.items() if k.split(".", 1)[-1] in L.FP8_KEYS)
+    assert q8.model.nbytes <= ref.model.nbytes - 3 * lin + 4 * lin // 128 * 2 + 64 * 4 * 4 * shape["layers"]
+    hf = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    # the trainer's push: FP8Transport hands the FP8 engine the quantized stream, the other one the dequantized one
+    FP8Transport(InMemoryTransport(1 << 16), in_process=True).push(iter(hf.items()), q8, 1)
+    ref.update_weights(dequantize_stream(quantize_stream(iter(hf.items()))), 1)
+    for name, t in hf.items():
+        assert torch.equal(q8.get_weight(name), ref.get_weight(name)), name
+    assert q8.model.hf["model.layers.0.self_attn.q_proj.weight"].dtype == FP8_DTYPE
+    ids = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    a, b = q8.generate(ids, sp), ref.generate(ids, sp)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
+    assert len({tuple(s.response_ids) for s in a}) > 1  # not a degenerate model
+    # a float weight pushed to the FP8 engine is quantized on load; a scale of the wrong grid is refused
+    name = "model.layers.1.mlp.down_proj.weight"
+    q8.update_weights([(name, hf[name] * 2)], 2)
+    assert torch.equal(q8.get_weight(name), L.dequantize(*quantize_fp8_block(hf[name] * 2), 128, torch.float32))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        q8.update_weights([("model.layers.0.self_attn.k_proj.weight_scale_inv", torch.ones(9, 9))], 3)
+
+
+def test_fp8_engine_refuses_other_quantizations(tiny_model):
+    with pytest.raises(ValueError, match="--rollout-quantization 'int4'"):
+        GPUEngine(tiny_model, device="cpu", dtype=torch.float32, num_kv_blocks=64, quantization="int4")
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+def _bound(x, wd, y64):
+    """|kernel - exact| for y = x @ wd^T computed with fp32 sums and one rounding to BF16: each output rounds once
+    (unit roundoff 2^-8 of |y|) after a sum of K products in fp32, whose error is at most K * 2^-24 * sum |x w| in any
+    order of summation (split-K partials included)."""
+    K = x.shape[1]
+    return 2.0**-8 * y64.abs() + K * 2.0**-24 * (x.double().abs() @ wd.double().abs().t())
+
+
+@pytest.mark.parametrize("M", [1, 7, 64, 200, 1100])
+@pytest.mark.parametrize("N,K,parts", [(768, 512, [512, 128, 128]), (320, 200, [192, 64, 64]), (384, 1024, [384])],
+                         ids=["aligned", "per-row-partial", "long-k"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, bias):
+    """The Triton kernel rounds each dequantized weight to BF16 exactly as the CPU emulation does (q * scale in fp32,
+    then one rounding), so both are the same matmul up to fp32 summation order and the final BF16 rounding: each is
+    within _bound of the exact product of those BF16 weights, and so within twice that of the other."""
+    from polyrl.rollout.gpu import triton_ops
+    g = torch.Generator().manual_seed(M * 7 + N)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 0.1
+    rd = L.row_div(parts)
+    # the engine's layout: each part quantized on its own, grids stacked (expanded to one row per weight row if needed)
+    qs, ss = zip(*(quantize_fp8_block(p) for p in w.split(parts)))
+    q = torch.cat(qs)
+    s = torch.cat([x.repeat_interleave(128, 0)[:n] if rd == 1 else x for x, n in zip(ss, parts)])
+    assert tuple(s.shape) == L.scale_grid(parts, K)
+    x = (torch.randn(M, K, generator=g)).to(torch.bfloat16)
+    b = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    emul = ops.fp8_linear(x, q, s, b, rd)  # CPU: dequantize, round to BF16, matmul
+    wd = L.dequantize(q, s, rd, torch.bfloat16)
+    y64 = x.double() @ wd.double().t() + (b.double() if bias else 0)
+    bound = _bound(x, wd, y64)
+    configs = [None]
+    if M <= 64:  # the split-K path and the unsplit one on the same shape
+        c = L.kernel_config(M, N, K, 132)
+        configs.append({**c, "split": 1, "k_per_split": -(-K // c["BK"]) * c["BK"]})
+        configs.append({**c, "split": 2, "k_per_split": -(-(-(-K // c["BK"])) // 2) * c["BK"]})
+    for cfg in configs:
+        if cfg is not None and (cfg["split"] - 1) * cfg["k_per_split"] >= K:
+            continue
+        y = triton_ops.fp8_linear(x.cuda(), q.cuda(), s.cuda(), b.cuda() if bias else None, rd, config=cfg).cpu()
+        err = (y.double() - y64).abs()
+        assert (err <= bound).all(), (cfg, (err - bound).max().item())
+        assert ((y.double() - emul.double()).abs() <= 2 * bound).all(), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place():
+    """A captured FP8 linear replays against whatever the weight and scale buffers hold (weight sync writes in place)."""
+    from polyrl.rollout.gpu import triton_ops
+    N, K, M = 512, 384, 24
+    q, s = quantize_fp8_block(torch.randn(N, K, device="cuda"))
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    eager = triton_ops.fp8_linear(x, q, s)
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        triton_ops.fp8_linear(x, q, s)
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = triton_ops.fp8_linear(x, q, s)
+    g.replay()
+    assert torch.equal(out, eager)
+    q2, s2 = quantize_fp8_block(torch.randn(N, K, device="cuda"))
+    q.copy_(q2)
+    s.copy_(s2)
+    g.replay()
+    assert torch.equal(out, triton_ops.fp8_linear(x, q, s))
+    assert not torch.equal(out, eager)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_gpu_engine import _model_dir
+    return _model_dir(tmp_path_factory, "qwen2", scale=4.0, name="fp8_qwen2")  # head_dim 64, k/v 128 rows: aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_engine_greedy_tokens_against_bf16(gpu_model, record_property):
+    """Greedy tokens of the FP8 engine (Triton FP8 linears, CUDA graphs) against (a) the BF16 engine fed the same
+    dequantized weights (the emulation: same weights, only summation order differs) and (b) the BF16 engine on the
+    unquantized weights. Agreement is recorded, not asserted equal: near-ties flip. Floors: (a) >= 0.5 of the
+    responses identical, since only fp32 summation order separates them and a flip needs two logits within rounding
+    of each other; (b) >= 0.5 of the first tokens equal, since FP8 moves each weight by at most 2^-4 of its block's
+    largest value, which reorders only near-tied top logits. A wrong scale row or column, or a weight read without
+    its scale, agrees on about 1/vocab of the tokens."""
+    import gc
+    from transformers import AutoModelForCausalLM
+    kw = dict(dtype=torch.bfloat16, mem_fraction=0.06, max_batch=64)
+    hf = [(n, p.detach().cuda()) for n, p in AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.float32).named_parameters()]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(20, 4096, (48, 24), generator=g).tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    out = {}
+    for name in ("fp8", "emulation", "bf16"):
+        e = GPUEngine(gpu_model, quantization="fp8" if name == "fp8" else "none", **kw)
+        if name != "bf16":
+            FP8Transport(InMemoryTransport(), in_process=True).push(iter(hf), e, 1)
+        out[name] = [s.response_ids for s in e.generate(prompts, sp)]
+        if name == "fp8":
+            assert e.model.hf["model.layers.0.mlp.down_proj.weight"].dtype == FP8_DTYPE
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()
+    n = len(prompts)
+    same = {k: sum(a == b for a, b in zip(out["fp8"], out[k])) / n for k in ("emulation", "bf16")}
+    first = sum(a[0] == b[0] for a, b in zip(out["fp8"], out["bf16"])) / n
+    record_property("fp8_vs_emulation_responses_identical", same["emulation"])
+    record_property("fp8_vs_bf16_responses_identical", same["bf16"])
+    record_property("fp8_vs_bf16_first_token_equal", first)
+    print(f"FP8 engine greedy, {n} prompts x 24 tokens: identical to the emulation {same['emulation']:.3f}, "
+          f"to BF16 {same['bf16']:.3f} (first token {first:.3f})")
+    assert same["emulation"] >= 0.5 and first >= 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grpo_step_with_fp8_rollout_on_the_gpu_path(tiny_model, arith_data, tmp_path, caplog):
+    """polyrl train on CUDA with --rollout-quantization fp8: the embedded GPU engine holds FP8 linears (its start-up
+    line says so), takes the quantized pushes, and the rollout/train log-prob gap is logged every step (recorded
+    beside the BF16 run's; the tiny model's k/v rows take the per-row scale layout)."""
+    from polyrl.cli import main
+    gaps = {}
+    for q in ("none", "fp8"):
+        run = tmp_path / q
+        with caplog.at_level(logging.INFO, logger="polyrl.rollout.gpu.engine"):
+            assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type",
+                         "arithmetic", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                         "--rollout-max-response-len", "8", "--num-rollout", "2", "--run-dir", str(run), "--device",
+                         "cuda", "--rollout-quantization", q, "--use-tis", "--rollout-mem-fraction", "0.1",
+                         "--quiet"]) == 0
+        gaps[q] = [json.loads(line)["train_rollout_logprob_abs_diff"] for line in open(run / "metrics.jsonl")]
+    assert any("(linears FP8)" in r.getMessage() for r in caplog.records)
+    print(f"train_rollout_logprob_abs_diff per step on the GPU path: {gaps}")
+    assert len(gaps["fp8"]) == 2 and all(0 < d < 1 for d in gaps["fp8"]), gaps
