@@ -163,7 +163,9 @@ class StepChecks:
                              "closed")
         if not v <= x:  # NaN fails too
             mean = m.get("train_rollout_logprob_abs_diff")
-            raise RunStopped(f"step {step}: train_rollout_logprob_abs_diff_max {v:.6g} > "
+            i, t = m.get("train_rollout_logprob_abs_diff_max_sample"), m.get("train_rollout_logprob_abs_diff_max_token")
+            at = f", sample {i:.0f} of the step's batch, response token {t:.0f}" if i is not None and i >= 0 else ""
+            raise RunStopped(f"step {step}{at}: train_rollout_logprob_abs_diff_max {v:.6g} > "
                              f"--ci-train-rollout-logprob-abs-diff-threshold {x:g}"
                              + (f" (mean over the step's tokens {mean:.3g})" if mean is not None else "")
                              + ": the trainer's log-probs of the sampled tokens differ from the engine's; stopping")

@@ -175,9 +175,79 @@ def test_the_gate_stops_a_run_whose_engine_computes_in_another_dtype(args, monke
     argv = args("fp64")
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("polyrl train: error: step 1: train_rollout_logprob_abs_diff_max ") and "threshold 0" in err
+    assert err.startswith("polyrl train: error: step 1, sample ") and "threshold 0" in err
+    assert ", response token " in err and ": train_rollout_logprob_abs_diff_max " in err
     (row,) = rows(argv[argv.index("--run-dir") + 1])
     assert 0 < row["train_rollout_logprob_abs_diff_max"] < 1e-4  # FP32 vs FP64 rounding, nothing else
+
+
+def test_the_gate_names_the_step_the_sample_and_the_token(args, monkeypatch, capsys):
+    """One token of one sample is moved by 0.5 in the second step's batch (every other token is exact): the gate
+    stops the run at that step naming that sample's index in the batch and that token's position in its response."""
+    import polyrl.step.learner as learner
+    to_batch, calls, moved = learner.to_train_batch, [0], []
+
+    def nudged(samples):
+        batch = to_batch(samples)
+        calls[0] += 1
+        if calls[0] == 2:
+            lp = batch.token_fields["rollout_logprobs"][5]
+            moved.append(lp.numel() - 1)  # the last token of sample 5
+            lp[-1] += 0.5
+        return batch
+    monkeypatch.setattr(learner, "to_train_batch", nudged)
+    from polyrl.cli import main
+    argv = args("nudged")
+    argv[argv.index("--ci-train-rollout-logprob-abs-diff-threshold") + 1] = "0.1"
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"polyrl train: error: step 2, sample 5 of the step's batch, response token {moved[0]}: "
+                          "train_rollout_logprob_abs_diff_max 0.5"), err
+    r1, r2 = rows(argv[argv.index("--run-dir") + 1])
+    assert r1["train_rollout_logprob_abs_diff_max"] == 0.0
+    assert (r2["train_rollout_logprob_abs_diff_max_sample"], r2["train_rollout_logprob_abs_diff_max_token"]) == (5, moved[0])
+
+
+def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weights(tiny_model):
+    """The GPU engine's reporter (run here on CPU in FP32 with its reference ops): an HF shell whose parameters are the
+    engine's weight views reports exactly what sequence_logprobs gives on the checkpoint's HF model, follows the views
+    when the engine's buffer moves (sleep / wake rebind it), and sees weight updates made in place."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.backends.true_on_policy import EngineScorer, pin_threads, sequence_logprobs
+    from polyrl.rollout.gpu.engine import GPUEngine
+    from polyrl.types import SamplingParams
+    pin_threads()
+    eng = GPUEngine(tiny_model, device="cpu", dtype=torch.float32, num_kv_blocks=256, block_size=4)
+    eng.rescore = EngineScorer(tiny_model, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
+    shell_params = sum(p.numel() for p in eng.rescore.lm.parameters())
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=1)
+
+    def check(model):
+        out = eng.generate(prompts, sp)
+        assert len(out) == 4
+        for s in out:
+            with torch.no_grad():
+                want = sequence_logprobs(model, torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids),
+                                         temperature=1.0)[0]
+            assert s.rollout_logprobs == want.tolist()
+        st = eng.stats()
+        assert 0 <= st["rollout/sampler_logprob_abs_diff_max"] < 1e-4 and eng.stats() == {}  # decode's FP32 rounding
+    check(hf)
+    # the shell holds views, no copy: the engine's buffer is the only storage of its weights
+    ptrs = {p.untyped_storage().data_ptr() for p in eng.rescore.lm.parameters()}
+    assert ptrs == {eng.model.flat.untyped_storage().data_ptr()} and shell_params == sum(
+        p.numel() for p in hf.parameters())
+    eng.model.bind(eng.model.flat.clone())  # the buffer moves, as a wake gives it a new one
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # an in-place update of every weight
+            p.mul_(0.5)
+    eng.update_weights(((n, p.detach()) for n, p in hf.named_parameters()), version=1)
+    check(hf)
+    assert {p.untyped_storage().data_ptr() for p in eng.rescore.lm.parameters()} == {
+        eng.model.flat.untyped_storage().data_ptr()}
 
 
 # ---- the shared function ----------------------------------------------------------------------------------------

@@ -33,10 +33,11 @@ class EmbeddedEngine(InProcessEngine):
         function, the trainer's (the sampler itself draws from the KV-cache decode's logits)."""
         self.true_on_policy = true_on_policy
         self._sampler_diff = None  # true_on_policy: the largest |decode log-prob - scored log-prob| since stats()
-        if true_on_policy:
-            from polyrl.backends.true_on_policy import pin_threads
-            pin_threads()
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        if true_on_policy:
+            from polyrl.backends.true_on_policy import pin_threads, scoring_attention
+            pin_threads(self.device)
+            attn_implementation = scoring_attention(attn_implementation)
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
         # vision-language checkpoints: the HF class with the vision tower, and the processor that makes pixel inputs
@@ -295,14 +296,17 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
     """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged KV cache,
     continuous batching, CUDA graphs; gpu_engine, mem_fraction and cuda_graph are its settings); anything else, and
     every CPU run, the transformers path (EmbeddedEngine)."""
-    if kw.get("true_on_policy") and device != "cpu":
-        raise ValueError("--true-on-policy: the embedded engine implements it on CPU only so far (docs/true-on-policy.md)")
     if device != "cpu" and gpu_engine:
         from polyrl.rollout.gpu import GPUEngine, unsupported_reason
         why = unsupported_reason(hf_checkpoint)
         if why is None:
-            return GPUEngine(hf_checkpoint, device=device, mem_fraction=mem_fraction, cuda_graph=cuda_graph,
-                             quantization=quantization, **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
+            eng = GPUEngine(hf_checkpoint, device=device, mem_fraction=mem_fraction, cuda_graph=cuda_graph,
+                            quantization=quantization, **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
+            if kw.get("true_on_policy"):  # it samples with its own kernels and reports the trainer's scoring
+                from polyrl.backends.true_on_policy import EngineScorer
+                eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype,
+                                           attn=kw.get("attn_implementation", "sdpa"))
+            return eng
         log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
                     device, hf_checkpoint, why)
     return EmbeddedEngine(hf_checkpoint, device=device, **kw)

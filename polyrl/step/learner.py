@@ -64,11 +64,24 @@ def to_train_batch(samples: list[Sample]) -> TrainBatch:
 def rollout_mismatch(train: list[torch.Tensor], rollout: list[torch.Tensor], mask: list[torch.Tensor],
                      d: Dist) -> dict[str, float]:
     """|train - rollout| log-prob of every loss-masked response token of the step, over all ranks: the mean per token
-    and the worst token (per sample lists of [R_i] tensors)."""
+    and the worst token (per sample lists of [R_i] tensors), with where it is: *_max_sample, its sample's index in the
+    step's batch (ranks hold contiguous shares), and *_max_token, its position in that sample's response."""
     diff = (torch.cat(train).float() - torch.cat(rollout).float()).abs() * torch.cat(mask)
     total, n = d.sum([diff.sum().item(), torch.cat(mask).sum().item()])
     (worst,) = d.max([diff.max().item() if diff.numel() else 0.0])
-    return {"train_rollout_logprob_abs_diff": total / max(n, 1.0), "train_rollout_logprob_abs_diff_max": worst}
+    key = torch.nan_to_num(diff, nan=float("inf"))  # a NaN token is the worst one
+    local = float(key.max()) if key.numel() else -1.0
+    (top,) = d.max([local])
+    (winner,) = d.max([-float(d.rank) if key.numel() and local == top else -float(d.world)])  # the lowest such rank
+    where = [-1.0, -1.0]
+    if key.numel() and d.rank == -int(winner):
+        j = int(key.argmax())
+        ends = torch.tensor([int(x.numel()) for x in train]).cumsum(0)
+        i = int(torch.searchsorted(ends, j, right=True))
+        where = [float(d.rank * len(train) + i), float(j - (int(ends[i - 1]) if i else 0))]
+    sample, token = d.max(where)
+    return {"train_rollout_logprob_abs_diff": total / max(n, 1.0), "train_rollout_logprob_abs_diff_max": worst,
+            "train_rollout_logprob_abs_diff_max_sample": sample, "train_rollout_logprob_abs_diff_max_token": token}
 
 
 def reduce_reward_metrics(scored: dict, d: Dist) -> dict[str, float]:
@@ -114,10 +127,12 @@ class Learner:
         backend.onload()
         batch = to_train_batch(samples)
         # later minibatches are off-policy: keep the pre-update logprobs (OPD's student logprobs are these too)
-        if self.n_minibatches > 1 or self.kl_in_reward or self.opd:
+        # --ci-train-rollout-logprob-abs-diff-threshold: the trainer's own pre-update pass, which names the worst token
+        gate = self.cfg.log.ci_train_rollout_logprob_abs_diff_threshold is not None
+        if self.n_minibatches > 1 or self.kl_in_reward or self.opd or gate:
             # --true-on-policy: the engine scored the samples with the trainer's function on these very weights, so
             # its log-probs are the pre-update ones bit for bit and the forward over the whole batch is skipped
-            from_rollout = self.cfg.model.true_on_policy
+            from_rollout = self.cfg.model.true_on_policy and not gate
             batch.token_fields["old_logprobs"] = (batch.token_fields["rollout_logprobs"] if from_rollout
                                                   else backend.compute_logprobs(batch, temperature=T))
             m["old_logprobs_from_rollout"] = float(from_rollout)

@@ -206,6 +206,9 @@ class FSDPBackend:
         self.vision_every_forward = dist.get_world_size() > 1 and multimodal.is_vision_language(self.hf_config)
         recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+        if model_cfg.true_on_policy and role == "actor":  # one unpadded row per sequence, the engine's attention
+            from polyrl.backends.true_on_policy import scoring_attention
+            requested = scoring_attention(requested)
         # attention sinks / sliding windows: polyrl's packed masks and varlen kernel express neither, HF's eager
         # attention on padded rows does (it builds each layer's causal or sliding mask from the padding mask)
         problem = hf_families.fsdp_layout_problem(self.hf_config, model_cfg.attn_implementation,
@@ -236,10 +239,12 @@ class FSDPBackend:
         self.routing = self._attach_routing()
         self.exact = model_cfg.true_on_policy and role == "actor"  # the critic's values are not compared with anything
         if self.exact:
-            if self.device.type != "cpu" or self.dtype != torch.float32 or self.peft is not None or self.routing is not None:
-                raise ValueError("--true-on-policy: the FSDP backend implements it for dense models on CPU in FP32, "
-                                 "without LoRA")
-            pin_threads()
+            cpu = self.device.type == "cpu"
+            if (self.dtype != torch.float32 if cpu else self.dtype not in (torch.bfloat16, torch.float32)) \
+                    or self.peft is not None or self.routing is not None:
+                raise ValueError("--true-on-policy: the FSDP backend implements it for dense models without LoRA, on "
+                                 "CPU in FP32 and on CUDA in BF16 or FP32")
+            pin_threads(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
                                            eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay,
