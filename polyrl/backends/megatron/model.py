@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from polyrl.backends.megatron import bridge, compat, thd
+from polyrl.backends.megatron.ddp import ddp_kwargs
 from polyrl.backends.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -416,47 +417,14 @@ def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: Tran
             params[name].copy_(t)
 
 
-FSDP_DEFAULTS = dict(  # verl's Megatron-FSDP defaults; --override-ddp-config changes any of them
-    use_megatron_fsdp=True, use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params",
-    overlap_grad_reduce=True, overlap_param_gather=True, check_for_nan_in_grad=True, grad_reduce_in_fp32=True)
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`key=value` strings -> typed values of DistributedDataParallelConfig's fields."""
-    fields = {f.name: f for f in dataclasses.fields(DistributedDataParallelConfig)}
-    out: dict[str, Any] = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if key not in fields:
-            raise ValueError(f"--override-ddp-config {item!r}: DistributedDataParallelConfig has no field {key!r}")
-        default = fields[key].default
-        low = raw.strip().lower()
-        if isinstance(default, bool):
-            if low not in ("true", "false", "1", "0"):
-                raise ValueError(f"--override-ddp-config {item!r}: expected true/false")
-            out[key] = low in ("true", "1")
-        elif low in ("none", "null"):
-            out[key] = None
-        elif isinstance(default, int) or key in ("bucket_size", "num_buckets", "suggested_communication_unit_size"):
-            out[key] = int(raw)
-        elif isinstance(default, float):
-            out[key] = float(raw)
-        elif isinstance(default, torch.dtype) or "dtype" in key:
-            out[key] = getattr(torch, raw.strip().replace("torch.", ""))
-        else:
-            out[key] = raw.strip()
-    return out
+def ddp_field_defaults() -> dict[str, Any]:
+    """DistributedDataParallelConfig's field -> default (None where a factory makes it)."""
+    return {f.name: (None if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(DistributedDataParallelConfig)}
 
 
 def ddp_config(mg) -> DistributedDataParallelConfig:
-    if mg.use_megatron_fsdp:
-        kw = dict(FSDP_DEFAULTS)
-    else:
-        kw = dict(use_distributed_optimizer=mg.use_distributed_optimizer, grad_reduce_in_fp32=True,
-                  overlap_grad_reduce=False)
-    kw.update(parse_overrides(mg.override_ddp_config))
-    return DistributedDataParallelConfig(**kw)
+    return DistributedDataParallelConfig(**ddp_kwargs(mg, ddp_field_defaults()))
 
 
 def half_module(config: TransformerConfig, m: GPTModel):
