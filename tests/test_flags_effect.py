@@ -3,7 +3,8 @@
 samples, another seed other samples), --disable-grpo-std-normalization (the advantages the loss saw),
 --update-weight-buffer-size (the buckets each weight push is cut into), --custom-generate-concurrency (calls in
 flight), --rollout-engine-log-dir (where server logs go), --weight-sync disk (every step reaches the server),
---sglang-router-policy (the router's policy) and --dist-backend (the backend the process group is made with). The samples of a step are read back from --save-debug-rollout-data;
+--sglang-router-policy (the router's policy), --dist-backend (the backend the process group is made with) and
+--[no-]rollout-gpu-engine / --[no-]rollout-cuda-graph (the engine path on CUDA, also of launched servers). The samples of a step are read back from --save-debug-rollout-data;
 sampling draws each token from (seed, position) per response, so a response does not depend on when the others in
 its batch stopped."""
 
@@ -258,3 +259,34 @@ def test_dist_backend_is_the_backend_of_the_process_group(monkeypatch):
     cfg.cluster.device, cfg.cluster.dist_backend = "cpu", "gloo"
     setup_command(cfg)
     assert dist.get_backend() == "gloo"  # (2 ranks in a gloo group under Ray: tests/orchestration/test_ray_flags.py)
+
+
+def test_rollout_gpu_engine_and_cuda_graph_choose_the_engine_path(tiny_model, arith_data, monkeypatch):
+    """On CUDA the embedded engine runs the GPU path with CUDA graphs unless --no-rollout-gpu-engine (the transformers
+    path) or --no-rollout-cuda-graph (eager decode); a launched `polyrl serve` gets both on its command line. The
+    engine classes are recorded (no CUDA here); tests/rollout/test_gpu_engine.py runs graphs against eager on a GPU."""
+    import polyrl.rollout.embedded as embedded
+    import polyrl.rollout.gpu as gpu
+    from polyrl.cli import build_parser
+    from polyrl.config import config_from_args
+    from polyrl.rollout.http_engine import server_command
+    built = []
+
+    def recorder(name):
+        return lambda path, **kw: built.append((name, path, kw.get("cuda_graph")))
+
+    monkeypatch.setattr(gpu, "GPUEngine", recorder("gpu"))
+    monkeypatch.setattr(embedded, "EmbeddedEngine", recorder("transformers"))
+    for flags, want in (((), ("gpu", True)), (("--no-rollout-cuda-graph",), ("gpu", False)),
+                        (("--no-rollout-gpu-engine",), ("transformers", None)),
+                        (("--rollout-gpu-engine", "--rollout-cuda-graph"), ("gpu", True))):
+        cfg = config_from_args(build_parser().parse_args(["train", "--hf-checkpoint", tiny_model, "--prompt-data",
+                                                          arith_data["train"], "--rm-type", "arithmetic", *flags]))
+        argv = server_command(cfg, "server", 30000, "cuda")  # what a launched server runs
+        assert argv[1:4] == ["-m", "polyrl", "serve"], argv
+        served = config_from_args(build_parser().parse_args(argv[3:]))
+        for c in (cfg, served):
+            built.clear()
+            embedded.engine_from_config(c, "cuda")
+            assert [(name, graph) for name, _, graph in built] == [want], (flags, c is served, built)
+            assert built[0][1] == tiny_model
