@@ -4,9 +4,9 @@ samples, another seed other samples), --disable-grpo-std-normalization (the adva
 --update-weight-buffer-size (the buckets each weight push is cut into), --custom-generate-concurrency (calls in
 flight), --rollout-engine-log-dir (where server logs go), --weight-sync disk (every step reaches the server),
 --sglang-router-policy (the router's policy), --dist-backend (the backend the process group is made with) and
---[no-]rollout-gpu-engine / --[no-]rollout-cuda-graph (the engine path on CUDA, also of launched servers). The samples of a step are read back from --save-debug-rollout-data;
-sampling draws each token from (seed, position) per response, so a response does not depend on when the others in
-its batch stopped."""
+--[no-]rollout-gpu-engine / --[no-]rollout-cuda-graph (the engine path on CUDA, also of launched servers). The
+samples of a step are read back from --save-debug-rollout-data; sampling draws each token from (seed, position) per
+response, so a response does not depend on when the others in its batch stopped."""
 
 from __future__ import annotations
 
