@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN_SHAPES, char_tokenizer, fmt, markdown_table, write_json  # noqa: E402
 
 
+VARIANTS = ("none", "fp8", "fp8-w8a8")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b")
@@ -73,7 +76,11 @@ def random_weights(path: str, seed: int = 0) -> list:
 
 
 def engine(path: str, weights: list, quantization: str, a, max_batch: int):
+    """quantization: none | fp8 (w8a16 kernel) | fp8-w8a8 (activations quantized too: triton_ops.FP8_MODE)."""
     import polyrl.rollout.gpu.engine as E
+    from polyrl.rollout.gpu import triton_ops
+    triton_ops.FP8_MODE = "w8a8" if quantization == "fp8-w8a8" else "w8a16"
+    quantization = "fp8" if quantization.startswith("fp8") else quantization
     orig = E.iter_checkpoint
     E.iter_checkpoint = lambda _p: iter(weights)  # noqa: E731  (the engine loads the GPU tensors instead of files)
     try:
@@ -117,8 +124,8 @@ def rollout(eng, B: int, a) -> dict:
 
 
 def kernels(Lb: dict, eng_fp8, Ms=(64, 256)) -> list[dict]:
-    """One layer's four linears (Lb: the BF16 engine's layer-0 tensors), FP8 kernel vs cuBLAS BF16, timed over 50
-    calls each."""
+    """One layer's four linears (Lb: the BF16 engine's layer-0 tensors), FP8 kernels (w8a16, w8a8) vs cuBLAS BF16:
+    20 calls captured in a CUDA graph (no launch overhead, as in decode), replayed 5 times."""
     import torch
     import torch.nn.functional as F
 
@@ -131,21 +138,33 @@ def kernels(Lb: dict, eng_fp8, Ms=(64, 256)) -> list[dict]:
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             res = {}
+            rd = eng_fp8.model.row_div[key]
             for name, fn in (("bf16", lambda: F.linear(x, wb)),
-                             ("fp8", lambda: triton_ops.fp8_linear(x, w8, s8, None, eng_fp8.model.row_div[key]))):
-                fn()
+                             ("w8a16", lambda: triton_ops.fp8_linear(x, w8, s8, None, rd, mode="w8a16")),
+                             ("w8a8", lambda: triton_ops.fp8_linear(x, w8, s8, None, rd, mode="w8a8"))):
+                st = torch.cuda.Stream()
+                st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    fn()
+                torch.cuda.current_stream().wait_stream(st)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(20):
+                        fn()
+                g.replay()
                 torch.cuda.synchronize()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                for _ in range(50):
-                    fn()
+                for _ in range(5):
+                    g.replay()
                 e1.record()
                 torch.cuda.synchronize()
-                res[name] = e0.elapsed_time(e1) / 50 * 1e3  # us
+                res[name] = e0.elapsed_time(e1) / 100 * 1e3  # us
+                del g
             nb8 = w8.numel() + s8.numel() * 4
-            rows.append({"matrix": key, "N": N, "K": K, "M": M, "bf16_us": res["bf16"], "fp8_us": res["fp8"],
-                         "bf16_GBps": wb.numel() * 2 / res["bf16"] / 1e3, "fp8_GBps": nb8 / res["fp8"] / 1e3,
-                         "speedup": res["bf16"] / res["fp8"]})
+            rows.append({"matrix": key, "N": N, "K": K, "M": M, "bf16_us": res["bf16"], "w8a16_us": res["w8a16"],
+                         "w8a8_us": res["w8a8"], "bf16_GBps": wb.numel() * 2 / res["bf16"] / 1e3,
+                         "w8a16_GBps": nb8 / res["w8a16"] / 1e3, "w8a8_GBps": nb8 / res["w8a8"] / 1e3})
     return rows
 
 
@@ -174,35 +193,35 @@ def main(argv=None) -> dict:
         path = model_dir(shape)
         weights = random_weights(path)
         r = res["shapes"][shape] = {}
-        engines = {}
-        for q in ("none", "fp8"):
+        for q in VARIANTS:
             t = time.perf_counter()
             eng = engine(path, weights, q, a, max(batches))
             torch.cuda.synchronize()
             r[q] = {"init_s": time.perf_counter() - t, "weights_bytes": eng.model.nbytes,
                     "weights_read_per_step": weight_bytes_read(eng), "kv_blocks": eng.alloc.num_blocks}
             r[q]["runs"] = [rollout(eng, B, a) for B in batches]
-            r[q]["sync"] = sync(eng, weights, q == "fp8")
-            engines[q] = eng
-            if q == "none":  # keep the BF16 engine's layer-0 weights for the kernel table, free the rest
+            r[q]["sync"] = sync(eng, weights, q != "none")
+            if q == "none":  # keep the BF16 engine's layer-0 weights for the kernel table
                 keep = {k: v.clone() for k, v in eng.model.layers[0].items()}
-                del engines[q], eng
-                gc.collect()
-                torch.cuda.empty_cache()
-                engines["none_layer0"] = keep
+            elif q == "fp8":
+                r["kernels"] = kernels(keep, eng)
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
             write_json(a.out, res)
-        r["kernels"] = kernels(engines["none_layer0"], engines["fp8"])
-        krows += [[shape, k["matrix"], f"{k['N']}x{k['K']}", k["M"], fmt(k["bf16_us"], "{:.1f}"), fmt(k["fp8_us"], "{:.1f}"),
-                   fmt(k["bf16_GBps"], "{:.0f}"), fmt(k["fp8_GBps"], "{:.0f}"), fmt(k["speedup"], "{:.2f}x")]
-                  for k in r["kernels"]]
-        del engines, weights
+        krows += [[shape, k["matrix"], f"{k['N']}x{k['K']}", k["M"], fmt(k["bf16_us"], "{:.1f}"),
+                   fmt(k["w8a16_us"], "{:.1f}"), fmt(k["w8a8_us"], "{:.1f}"), fmt(k["bf16_GBps"], "{:.0f}"),
+                   fmt(k["w8a16_GBps"], "{:.0f}"), fmt(k["w8a8_GBps"], "{:.0f}")] for k in r["kernels"]]
+        del weights, keep
         gc.collect()
         torch.cuda.empty_cache()
         for i, B in enumerate(batches):
-            b16, f8 = r["none"]["runs"][i], r["fp8"]["runs"][i]
-            rows.append([shape, B, fmt(b16["tok_s"], "{:.0f}"), fmt(f8["tok_s"], "{:.0f}"),
-                         fmt(f8["tok_s"] / b16["tok_s"], "{:.2f}x"), fmt(f8["decode_tok_s"] / b16["decode_tok_s"], "{:.2f}x"),
-                         fmt(100 * b16["roofline_share_decode"], "{:.0f}%"), fmt(100 * f8["roofline_share_decode"], "{:.0f}%")])
+            b16 = r["none"]["runs"][i]
+            for q in VARIANTS:
+                f8 = r[q]["runs"][i]
+                rows.append([shape, B, q, fmt(f8["tok_s"], "{:.0f}"), fmt(f8["tok_s"] / b16["tok_s"], "{:.2f}x"),
+                             fmt(f8["decode_tok_s"], "{:.0f}"), fmt(f8["decode_tok_s"] / b16["decode_tok_s"], "{:.2f}x"),
+                             fmt(100 * f8["roofline_share_decode"], "{:.0f}%")])
         r["weights_gib"] = {q: r[q]["weights_bytes"] / 2**30 for q in ("none", "fp8")}
         write_json(a.out, res)
     if a.baseline:  # the regression gate's rollout setting, BF16 engine (bench/regress_baseline.json)
@@ -212,9 +231,10 @@ def main(argv=None) -> dict:
         a.new_tokens = 512
         res["bf16_0.5b_256x(128+512)_tok_s"] = rollout(eng, 256, a)["tok_s"]
         del eng, weights
-    print(markdown_table(["shape", "B", "BF16 tok/s", "FP8 tok/s", "FP8/BF16", "decode-only FP8/BF16",
-                          "BF16 of roofline (decode)", "FP8 of roofline (decode)"], rows))
-    print(markdown_table(["shape", "matrix", "N x K", "M", "BF16 us", "FP8 us", "BF16 GB/s", "FP8 GB/s", "speedup"], krows))
+    print(markdown_table(["shape", "B", "engine", "tok/s", "vs BF16", "decode tok/s", "decode vs BF16",
+                          "of HBM roofline (decode)"], rows))
+    print(markdown_table(["shape", "matrix", "N x K", "M", "BF16 us", "w8a16 us", "w8a8 us", "BF16 GB/s", "w8a16 GB/s",
+                          "w8a8 GB/s"], krows))
     for shape, r in res["shapes"].items():
         print(f"{shape}: weights {r['weights_gib']['none']:.2f} GiB BF16 -> {r['weights_gib']['fp8']:.2f} GiB FP8 "
               f"(KV blocks {r['none']['kv_blocks']} -> {r['fp8']['kv_blocks']}); weight sync {1e3 * r['none']['sync']['s']:.1f} ms "

@@ -571,6 +571,60 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
 
 
 @triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, KB, FP8_MAX: tl.constexpr, G: tl.constexpr):
+    # one program per (token, group of G=128 columns): the group's largest |x| onto 448, like the weight blocks
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * G + tl.arange(0, G)
+    mk = cols < K
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mk, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    sc = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = tl.clamp(x / sc, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty), mask=mk)
+    tl.store(s_ptr + m * KB + g, sc)
+
+
+@triton.jit
+def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, stride_wn, stride_sn, stride_ym,
+                     stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # FP8 x FP8 tensor-core products (activations quantized per token and 128 columns by _act_quant_kernel), each
+    # k-tile's fp32 result scaled by the weight block's and the token group's scales; tiles as _fp8_linear_kernel's
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mn = offs_n < N
+    mm = offs_m < M
+    rk = tl.arange(0, BK)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * K
+    s_rows = s_ptr + (offs_n // ROW_DIV).to(tl.int64) * stride_sn
+    xs_cols = xs_ptr + offs_m.to(tl.int64) * KB
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + rk
+        mk = ks < k_hi
+        w = tl.load(w_rows + ks[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
+        sw = tl.load(s_rows + k0 // 128, mask=mn, other=0.0)
+        sx = tl.load(xs_cols + k0 // 128, mask=mm, other=0.0)
+        acc += tl.dot(w, xt) * sw[:, None] * sx[None, :]
+    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    msk = mn[:, None] & mm[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
+    else:
+        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
+
+
+@triton.jit
 def _fp8_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN
@@ -583,14 +637,18 @@ def _fp8_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS
 
 
 _SMS: dict[int, int] = {}
+# "w8a16": weight-only (FP8 weight tiles scaled to BF16 in registers, BF16 products: the emulation's numerics);
+# "w8a8": activations quantized per token and 128 columns too, FP8 tensor-core products (SGLang's block-FP8 scheme)
+FP8_MODE = "w8a16"
 
 
-def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None = None):
-    """ops.fp8_linear's contract (same weight rounding; fp32 sums in another order): one launch, plus a reduction
-    launch where K is split. No host syncs, so it runs inside a captured CUDA graph. FP32 activations take the torch
-    reference (the kernel's dot is a 16-bit one)."""
+def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None = None, mode: str | None = None):
+    """ops.fp8_linear's contract (w8a16: same weight rounding, fp32 sums in another order; w8a8: the activations
+    rounded to E4M3 per 128-column group as well): one launch (w8a8: two), plus a reduction launch where K is split.
+    No host syncs, so it runs inside a captured CUDA graph. FP32 activations take the torch reference."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return _ref.fp8_linear(x, w, scale, bias, row_div)
+    mode = mode or FP8_MODE
     from polyrl.rollout.gpu.fp8 import kernel_config
     M, K = x.shape
     N = w.shape[0]
@@ -608,13 +666,24 @@ def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None =
     b = bias if bias is not None else scale
     launch = dict(ROW_DIV=row_div, HAS_BIAS=bias is not None, SPLIT=split, BM=c["BM"], BN=c["BN"], BK=c["BK"],
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if mode == "w8a8":
+        KB = triton.cdiv(K, 128)
+        xq = torch.empty(M, K, dtype=w.dtype, device=x.device)
+        xs = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+        _act_quant_kernel[(M, KB)](x, xq, xs, K, x.stride(0), KB, FP8_MAX=448.0, G=128, num_warps=1)
+
+        def gemm(out, stride_ym, stride_yk):
+            _fp8_w8a8_kernel[grid](xq, xs, w, scale, b, out, M, N, K, KB, w.stride(0), scale.stride(0), stride_ym,
+                                   stride_yk, c["k_per_split"], **launch)
+    else:
+        def gemm(out, stride_ym, stride_yk):
+            _fp8_linear_kernel[grid](x, w, scale, b, out, M, N, K, x.stride(0), w.stride(0), scale.stride(0), stride_ym,
+                                     stride_yk, c["k_per_split"], **launch)
     if split == 1:
-        _fp8_linear_kernel[grid](x, w, scale, b, y, M, N, K, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
-                                 0, c["k_per_split"], **launch)
+        gemm(y, y.stride(0), 0)
         return y
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    _fp8_linear_kernel[grid](x, w, scale, b, part, M, N, K, x.stride(0), w.stride(0), scale.stride(0), N, M * N,
-                             c["k_per_split"], **launch)
+    gemm(part, N, M * N)
     BLOCK = 1024
     _fp8_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
                                                     BLOCK=BLOCK, num_warps=4)
