@@ -286,7 +286,8 @@ class FSDPBackend:
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
-        compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None))
+        # --true-on-policy: the engine scores with the eager module code, so no compiled (fused) kernels here either
+        compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None)) and not self.mcfg.true_on_policy
         if compiled:
             apply_compile(lm)
         mtp = self.mcfg.mtp_detach_encoder if self.mcfg.enable_mtp_training and train and not value else None

@@ -1,0 +1,87 @@
+"""The GRPO step with and without --true-on-policy, in the same call: `polyrl train` on one GPU, the Qwen2.5-0.5B shape
+(random weights), 16 prompts x 8 samples x 256 new tokens, default batching, bench/compare_trl.py's settings. Each
+mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
+metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
+seconds, and the log-prob mismatch (exactly 0 with the mode).
+
+  PYTHONPATH=. python3 bench/true_on_policy_step.py --out /tmp/top.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+from common import build_model_dir, markdown_table, median, write_json  # noqa: E402
+from compare_trl import polyrl_argv  # noqa: E402
+
+KEYS = ("time/step", "time/rollout", "rollout/score_s", "time/train", "time/weight_sync", "tokens_per_s",
+        "train_rollout_logprob_abs_diff_max", "rollout/sampler_logprob_abs_diff_max")
+
+
+def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
+    run = os.path.join(work, "exact" if exact else "default")
+    s = dict(model_dir=model_dir, train_data=data, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
+             max_new_tokens=a.new_tokens, total_steps=a.warmup + a.steps, polyrl_default_batching=True, lr=1e-6,
+             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args="--true-on-policy" if exact else "")
+    argv = polyrl_argv(s)
+    code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{'exact' if exact else 'default'} run failed ({res.returncode}): {res.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in rows if r.get("step", 0) > a.warmup and "time/step" in r]
+    out = {k: median([r[k] for r in steps if k in r]) for k in KEYS}
+    out["steps_measured"] = len(steps)
+    out["all_steps_diff_max"] = [r.get("train_rollout_logprob_abs_diff_max") for r in rows]
+    out["command"] = "polyrl " + " ".join(argv)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-0.5b")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per mode's run")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    import torch
+    from polyrl.tasks.arithmetic import write_datasets
+    work = tempfile.mkdtemp(prefix="top_bench_")
+    model_dir = os.path.join(work, "model")
+    build_model_dir(model_dir, a.shape)
+    data = write_datasets(os.path.join(work, "data"), digits=3, n_train=2000, n_eval=10, seed=0)["train"]
+    device = torch.cuda.get_device_name(0)
+    result = {"device": device, "shape": a.shape, "setting": f"{a.prompts} prompts x {a.samples} samples x "
+              f"{a.new_tokens} new tokens, median of {a.steps} steps after {a.warmup} warm-up"}
+    for name, exact in (("default", False), ("true_on_policy", True)):
+        try:
+            result[name] = run_mode(a, model_dir, data, work, exact)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other mode still runs
+            print(f"{name}: {e}", file=sys.stderr)
+            result[name] = {"error": str(e)[-2000:], **{k: float("nan") for k in KEYS}}
+        if a.out:
+            write_json(a.out, result)
+    d, e = result["default"], result["true_on_policy"]
+    result["step_ratio"] = e["time/step"] / d["time/step"] if d["time/step"] == d["time/step"] else float("nan")
+    if a.out:
+        write_json(a.out, result)
+    f = lambda v: "-" if v is None or v != v else f"{v:.3g}"  # noqa: E731
+    print(f"{device}, {a.shape}, {result['setting']}")
+    print(markdown_table(["mode", *KEYS], [[n, *(f(result[n][k]) for k in KEYS)] for n in ("default", "true_on_policy")]))
+    print(f"step ratio (true-on-policy / default): {result['step_ratio']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
