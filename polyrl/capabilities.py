@@ -182,8 +182,8 @@ _HINTS = {
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
     ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
-    ("rollout_quantization", "sglang"): " or use --rollout-engine server: SGLang loads block-FP8 weights only when launched "
-                                        "on an FP8 checkpoint (docs/low-precision.md)",
     ("rollout_quantization", "external"): " unless every server loads block-FP8 weights: an SGLang server launched on a "
-                                          "BF16 checkpoint would not read the scales (docs/low-precision.md)",
+                                          "BF16 checkpoint would not read the scales; let polyrl launch SGLang "
+                                          "(--rollout-engine sglang), which starts it on an FP8 copy "
+                                          "(docs/low-precision.md)",
 }

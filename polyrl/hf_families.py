@@ -125,16 +125,21 @@ def fsdp_layout_problem(config: Any, attn_implementation: str, micro_batch_layou
 
 
 def dequantized_load(config: Any) -> dict:
-    """from_pretrained keyword arguments that load an MXFP4 checkpoint (GPT-OSS) with its experts dequantized to BF16
-    (trainable, and the tensors weight sync names), and strip the quantization from `config`, so a model built from
+    """from_pretrained keyword arguments that load an MXFP4 checkpoint (GPT-OSS: experts) or a block-FP8 one (linear
+    weights) dequantized (trainable, and the tensors weight sync names), and strip the quantization from `config`, so a model built from
     it and saved (--save-hf) is a plain BF16/FP32 checkpoint. {} for an unquantized checkpoint."""
     q = getattr(config, "quantization_config", None)
     method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
     if method is None:
         return {}
-    if str(getattr(method, "value", method)) != "mxfp4":
-        raise ValueError(f"checkpoint quantized with {method}: polyrl loads unquantized or MXFP4 (GPT-OSS) checkpoints")
-    from transformers import Mxfp4Config
+    method = str(getattr(method, "value", method))
+    if method not in ("mxfp4", "fp8"):
+        raise ValueError(f"checkpoint quantized with {method}: polyrl loads unquantized, MXFP4 (GPT-OSS) or block-FP8 "
+                         "checkpoints")
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+    block = (q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)) or (128, 128)
     del config.quantization_config
+    if method == "fp8":  # block-FP8 (Qwen3-*-FP8, polyrl's own FP8 copy for SGLang): weight * weight_scale_inv
+        return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)}
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 

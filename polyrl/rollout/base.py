@@ -27,8 +27,9 @@ ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
     "embedded": frozenset({"embedded_settings", "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
     "server": frozenset({"servers", "launch", "embedded_settings", "fault_tolerance", "weight_read_back", "router",
                          "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
+    # sglang "fp8_rollout": launched on a block-FP8 copy of the checkpoint (polyrl.weight_sync.fp8_checkpoint)
     "sglang": frozenset({"servers", "launch", "sglang_args", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags", "images"}),
+                         "routed_experts", "memory_tags", "images", "fp8_rollout"}),
     "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
                            "images"}),
     "none": frozenset(),

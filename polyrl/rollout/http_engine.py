@@ -198,6 +198,16 @@ def launch_secret(cfg: Config, kind: str, key: str | None, path: str) -> tuple[s
     return path, {}
 
 
+def engine_model_path(cfg: Config) -> str:
+    """The checkpoint a launched SGLang starts from: --hf-checkpoint, or (--rollout-quantization fp8) its block-FP8
+    copy under the run's engine directory, written once, so that SGLang builds FP8 layers for the quantized stream."""
+    if cfg.rollout.rollout_quantization != "fp8":
+        return cfg.model.hf_checkpoint
+    from polyrl.weight_sync.fp8_checkpoint import write_fp8_checkpoint
+    log_dir = cfg.engines.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
+    return write_fp8_checkpoint(cfg.model.hf_checkpoint, os.path.join(log_dir, "fp8-checkpoint"))
+
+
 def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "127.0.0.1",
                    sglang_config: str | None = None) -> list[str]:
     """argv of one launched engine server (host: where it listens). It holds no key: launch_secret hands that over
@@ -210,7 +220,7 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
         if sglang_config is not None and _sglang_user_config(extra) is not None:  # merged into ours by launch_secret
             i = extra.index("--config")
             del extra[i:i + 2]
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_checkpoint,
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", engine_model_path(cfg),
                 "--host", host, "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                 "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction),
                 *(["--config", sglang_config] if sglang_config else []),

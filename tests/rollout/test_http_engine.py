@@ -271,3 +271,45 @@ def test_grpo_through_two_servers_equals_the_embedded_engine(tiny_model, arith_d
             assert gm["train_rollout_logprob_abs_diff"] < LOGPROB_TOL
             assert gm["loss"] == pytest.approx(wm["loss"], rel=1e-3, abs=1e-5)
         assert got_m[-1]["rollout/engines_up"] == 2
+
+
+def test_sglang_launch_with_fp8_rollout_starts_on_a_block_fp8_copy(tiny_model, arith_data, tmp_path, monkeypatch):
+    """--rollout-quantization fp8 with a launched SGLang: its --model-path is a block-FP8 copy of the checkpoint
+    (config.json's quantization_config as HF FP8 checkpoints and SGLang's Fp8Config read it; every linear weight FP8
+    with its weight_scale_inv, the rest as they were, the tokenizer beside them), which the stand-in serves
+    (polyrl serve loads it dequantized); the quantized weight stream then reaches it and training runs."""
+    from safetensors.torch import load_file
+
+    from polyrl.cli import main
+    from polyrl.weight_sync.quantize import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_fp8_block, is_quantized_weight
+    pkg = tmp_path / "fake" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(textwrap.dedent(FAKE_SGLANG))
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_SGLANG_ARGV", str(tmp_path / "argv.jsonl"))
+    run = tmp_path / "run"
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                 "--num-rollout", "2", "--quiet", "--device", "cpu", "--run-dir", str(run), "--rollout-engine", "sglang",
+                 "--rollout-num-engines", "1", "--weight-sync", "disk", "--rollout-quantization", "fp8"]) == 0
+    argv = json.loads((tmp_path / "argv.jsonl").read_text().splitlines()[0])
+    copy = run / "engines" / "fp8-checkpoint"
+    assert argv[:2] == ["--model-path", str(copy)]
+    conf = json.loads((copy / "config.json").read_text())
+    assert conf["quantization_config"] == QUANTIZATION_CONFIG
+    assert (copy / "tokenizer.json").exists() or (copy / "tokenizer_config.json").exists()
+    src, got = load_file(os.path.join(tiny_model, "model.safetensors")), load_file(str(copy / "model.safetensors"))
+    quantized = [n for n, t in src.items() if is_quantized_weight(n, t)]
+    assert quantized and set(got) == set(src) | {n[:-len(".weight")] + ".weight_scale_inv" for n in quantized}
+    for n, t in src.items():
+        if n in quantized:  # E4M3 keeps 3 mantissa bits of each block's values scaled onto 448: relative error <= 2^-4
+            assert got[n].dtype == FP8_DTYPE
+            back = dequantize_fp8_block(got[n], got[n[:-len(".weight")] + ".weight_scale_inv"]).float()
+            assert torch.allclose(back, t.float(), rtol=2**-4, atol=t.abs().max().item() * 2**-9 + 1e-12)
+        else:
+            assert torch.equal(got[n], t)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # the server samples from FP8-rounded weights, the trainer scores with its own: a gap, but a bounded one
+    assert len(rows) == 2 and all(0 < r["train_rollout_logprob_abs_diff"] < 0.5 for r in rows), rows
