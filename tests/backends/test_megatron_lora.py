@@ -191,6 +191,9 @@ def test_peft_adapter_directory_loads_onto_the_hf_model(hf, tmp_path, tiny_model
     for k, v in want.items():
         torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6)
     assert lora.from_peft("model.layers.0.self_attn.q_proj.weight") is None
+    # the FSDP backend's in-memory names (its HF module under `lm.`), as the GPU parity test reads them
+    assert lora.from_peft("lm.model.layers.3.mlp.up_proj.lora_B.default.weight") == \
+        "decoder.layers.3.mlp.linear_fc1.lora.up_proj.B"
 
 
 def test_megatron_takes_lora_flags_and_refuses_megatron_fsdp(tiny_model, arith_data, capsys):

@@ -268,11 +268,13 @@ def peft_name(mcore_name: str) -> str:
     return f"base_model.model.model.layers.{lm[1]}.{HF_MODULE[proj]}.{proj}.lora_{m[3]}.weight"
 
 
-_PEFT = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
+# any module prefix: peft's file names (base_model.model.), a backend's wrapper (FSDP's `lm.`)
+_PEFT = re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
 
 
 def from_peft(name: str) -> str | None:
-    """Inverse of peft_name (also takes peft's in-memory `lora_A.default.weight`); None for other names."""
+    """Inverse of peft_name (also takes peft's in-memory `lora_A.default.weight` under any module prefix); None for
+    other names."""
     m = _PEFT.fullmatch(name)
     if m is None or m[3] not in KIND:
         return None
