@@ -2,8 +2,10 @@
 
 Each image is a GRID x GRID board of CELL-pixel cells; a cell is empty, or holds a red square, a blue square or a red
 dot. The answer is the number of red squares (0..MAX_COUNT), so the model must tell colour and shape apart and add.
-The SFT demonstrations are noisy (a fraction answer the count of everything red, squares and dots alike), which SFT
-imitates and a verifier-based RL step can unlearn: the gap examples/vlm_counting measures.
+A cell is exactly one image token (CELL = PATCH * merge size 2), so the images differ token by token and a model of
+width 64 learns the task from a few hundred demonstrations. The SFT demonstrations are noisy (a share answer the count
+of everything red, squares and dots alike), which SFT imitates and a verifier-based RL step can unlearn: the gap
+examples/vlm_counting measures.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 
 from polyrl.types import Sample
 
-GRID, CELL = 4, 8  # a 32 x 32 image; with 8-pixel patches and 2x2 merging it is 4 image tokens
+GRID, CELL, PATCH = 2, 16, 8  # a 32 x 32 image; 8-pixel patches merged 2x2: one image token per cell, 4 in all
 MAX_COUNT = 4
 QUESTION = "how many red squares?"
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz ?:")
@@ -47,11 +49,11 @@ def build_tokenizer(out_dir: str | None = None):
 
 
 def build_image_processor(out_dir: str | None = None):
-    """Qwen2-VL's PIL image processor (no torchvision needed), sized for CELL-pixel patches."""
+    """Qwen2-VL's PIL image processor (no torchvision needed), sized for PATCH-pixel patches."""
     from transformers import Qwen2VLImageProcessorPil
 
     side = GRID * CELL
-    image = Qwen2VLImageProcessorPil(patch_size=CELL, temporal_patch_size=2, merge_size=2,
+    image = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=2, merge_size=2,
                                      size={"shortest_edge": side * side, "longest_edge": 4 * side * side})
     if out_dir:
         image.save_pretrained(out_dir)
@@ -78,7 +80,7 @@ def build_model(out_dir: str, *, hidden: int = 64, layers: int = 2, vision_depth
     section = [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]
     if arch == "qwen2_5_vl":
         vision = dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                      patch_size=CELL, spatial_merge_size=2, temporal_patch_size=2, window_size=4 * CELL,
+                      patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, window_size=4 * PATCH,
                       fullatt_block_indexes=[vision_depth - 1])
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
         cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -86,7 +88,7 @@ def build_model(out_dir: str, *, hidden: int = 64, layers: int = 2, vision_depth
                                vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
     elif arch == "qwen3_vl":
         vision = dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                      patch_size=CELL, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                      patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                       deepstack_visual_indexes=[0])
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
                                    "mrope_interleaved": True}
@@ -111,29 +113,28 @@ def draw_board(cells: list[str]):
     for k, c in enumerate(cells):
         x, y = (k % GRID) * CELL, (k // GRID) * CELL
         if c in ("rs", "bs"):
-            d.rectangle([x + 1, y + 1, x + CELL - 2, y + CELL - 2], fill=RED if c == "rs" else BLUE)
-        elif c == "rd":
-            d.ellipse([x + 2, y + 2, x + CELL - 3, y + CELL - 3], fill=RED)
+            d.rectangle([x + 2, y + 2, x + CELL - 3, y + CELL - 3], fill=RED if c == "rs" else BLUE)
+        elif c == "rd":  # half a square's width: about a fifth of its red
+            d.ellipse([x + CELL // 2 - 3, y + CELL // 2 - 3, x + CELL // 2 + 2, y + CELL // 2 + 2], fill=RED)
     return img
 
 
 def make_board(rng: random.Random) -> tuple[list[str], int, int]:
-    """(cells, red squares, red things): 0..MAX_COUNT red squares and a few distractors in random cells."""
+    """(cells, red squares, red things): 0..MAX_COUNT red squares (uniform), each other cell empty, a blue square or
+    a red dot (a third each), in random cells."""
     n_red = rng.randint(0, MAX_COUNT)
-    n_blue, n_dot = rng.randint(0, 2), rng.randint(0, 2)
-    cells = ["rs"] * n_red + ["bs"] * n_blue + ["rd"] * n_dot
-    cells += [""] * (GRID * GRID - len(cells))
+    cells = ["rs"] * n_red + [rng.choice(["", "bs", "rd"]) for _ in range(GRID * GRID - n_red)]
     rng.shuffle(cells)
-    return cells, n_red, n_red + n_dot
+    return cells, n_red, n_red + cells.count("rd")
 
 
-def write_datasets(out_dir: str, *, n_train: int = 512, n_eval: int = 64, shortcut_rate: float = 0.5,
-                   seed: int = 0) -> dict[str, str]:
+def write_datasets(out_dir: str, *, n_train: int = 512, n_eval: int = 64, shortcut_rate: float = 0.7,
+                   seed: int = 0, question: str = f"{QUESTION} answer:") -> dict[str, str]:
     """Writes images/*.png and sft.jsonl (prompt/response/images: a `shortcut_rate` share of the answers count every
     red thing), train.jsonl and eval.jsonl (prompt/label/images). Paths in the rows are relative to the files."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"{QUESTION} answer:"}]}]
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     rows = []
     for i in range(n_train + n_eval):
         cells, n, shortcut = make_board(rng)
