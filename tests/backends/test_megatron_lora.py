@@ -12,7 +12,6 @@ the r-dim middle in another order: same bound.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
