@@ -811,9 +811,10 @@ def validate(cfg: Config, command: str = "train") -> None:
             raise ConfigError(str(e)) from None
         dbg = cfg.debug
         # saved rollouts are JSON lines without the pixel inputs; a generate function drives turns the engine
-        # renders as text
+        # renders as text; --true-on-policy's per-sample scoring runs the text alone
         for flag, on in (("--save-debug-rollout-data", dbg.save_debug_rollout_data), ("--debug-train-only", dbg.train_only),
-                         ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path)):
+                         ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path),
+                         ("--true-on-policy", cfg.model.true_on_policy)):
             if on:
                 raise ConfigError(f"--multimodal-keys: {flag} does not carry images yet; drop one of them")
     if command == "train":

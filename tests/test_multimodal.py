@@ -104,6 +104,10 @@ def test_multimodal_keys_flag_is_checked_at_start_up():
     cfg.debug.save_debug_rollout_data = "r_{rollout_id}.jsonl"
     with pytest.raises(ConfigError, match="--save-debug-rollout-data does not carry images"):
         validate(cfg)
+    cfg.debug.save_debug_rollout_data = None
+    cfg.model.true_on_policy = True  # its per-sample scoring would score the text without the images
+    with pytest.raises(ConfigError, match="--true-on-policy does not carry images"):
+        validate(cfg)
 
 
 def test_megatron_with_images_is_refused_naming_both():
