@@ -104,12 +104,7 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(model: str, out: str, nproc: int, *args: str, timeout: float = 240) -> dict:
-    """The worker under torchrun; a rank that waits on a collective the other never issues shows up as the timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, model,
-           out, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+def _torchrun(cmd: list[str], env: dict, nproc: int, timeout: float) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -119,7 +114,22 @@ def run_ranks(model: str, out: str, nproc: int, *args: str, timeout: float = 240
         _, err = proc.communicate(timeout=30)
         raise AssertionError(f"{nproc}-rank torchrun of {os.path.basename(__file__)} did not finish in {timeout} s "
                              f"(a rank waiting on a collective?): {err[-3000:]}") from None
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, err
+
+
+def run_ranks(model: str, out: str, nproc: int, *args: str, timeout: float = 240) -> dict:
+    """The worker under torchrun; a rank that waits on a collective the other never issues shows up as the timeout
+    (or as gloo's size-mismatch abort)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, model,
+           out, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    rc, err = _torchrun(cmd, env, nproc, timeout)
+    if rc != 0 and "terminate called without an active exception" in err:
+        # gloo's teardown on a loaded 2-core machine occasionally aborts a rank at exit, after the work is done
+        # (tests/backends/test_fsdp_equivalence.py); one retry tells that apart from a real failure, which repeats
+        rc, err = _torchrun(cmd, env, nproc, timeout)
+    assert rc == 0, err[-3000:]
     return torch.load(out)
 
 
