@@ -817,6 +817,9 @@ def validate(cfg: Config, command: str = "train") -> None:
                          ("--true-on-policy", cfg.model.true_on_policy)):
             if on:
                 raise ConfigError(f"--multimodal-keys: {flag} does not carry images yet; drop one of them")
+        if cfg.algorithm.advantage_estimator == "gae":  # the value model is a text-only HF class (*ForTokenClassification)
+            raise ConfigError("--multimodal-keys with --advantage-estimator gae: the critic has no vision tower yet; "
+                              "use a critic-free estimator (grpo, gspo, dr_grpo, reinforce_plus_plus)")
     if command == "train":
         _validate_debug(cfg)
         _validate_rl_extras(cfg)

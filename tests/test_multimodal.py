@@ -108,6 +108,10 @@ def test_multimodal_keys_flag_is_checked_at_start_up():
     cfg.model.true_on_policy = True  # its per-sample scoring would score the text without the images
     with pytest.raises(ConfigError, match="--true-on-policy does not carry images"):
         validate(cfg)
+    cfg.model.true_on_policy = False
+    cfg.algorithm.advantage_estimator = "gae"  # the critic is a text-only HF class
+    with pytest.raises(ConfigError, match="--advantage-estimator gae: the critic has no vision tower"):
+        validate(cfg)
 
 
 def test_megatron_with_images_is_refused_naming_both():
