@@ -1,5 +1,7 @@
 """The GRPO step with and without --true-on-policy, in the same call: `polyrl train` on one GPU, the Qwen2.5-0.5B shape
-(random weights), 16 prompts x 8 samples x 256 new tokens, default batching, bench/compare_trl.py's settings. Each
+(random weights), 16 prompts x 8 samples x 256 new tokens, default batching (the exact mode: 16 samples per
+micro-batch, since its per-sequence forwards keep each sequence's full-vocabulary log-softmax for the backward; the
+micro-batch size does not change its arithmetic), bench/compare_trl.py's settings. Each
 mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
 metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
 seconds, and the log-prob mismatch (exactly 0 with the mode).
@@ -29,7 +31,7 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     run = os.path.join(work, "exact" if exact else "default")
     s = dict(model_dir=model_dir, train_data=data, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
              max_new_tokens=a.new_tokens, total_steps=a.warmup + a.steps, polyrl_default_batching=True, lr=1e-6,
-             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args="--true-on-policy" if exact else "")
+             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args="--true-on-policy --micro-batch-size 16" if exact else "")
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)

@@ -88,7 +88,7 @@ def test_grpo_steps_with_images_through_the_cli_on_cuda(vl_model, tmp_path):
 
     data = counting.write_datasets(str(tmp_path / "data"), n_train=32, n_eval=8, seed=0)
     rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
-    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
+    rm.write_text("def r(sample):\n    return float(sum(sample.response_ids) % 5 + len(sample.response_ids))\n")
     run = tmp_path / "run"
     assert main(["train", "--hf-checkpoint", vl_model, "--prompt-data", data["train"], "--multimodal-keys",
                  '{"image": "images"}', "--apply-chat-template", "--custom-rm-path", f"{rm}:r", "--device", "cuda",
@@ -98,5 +98,6 @@ def test_grpo_steps_with_images_through_the_cli_on_cuda(vl_model, tmp_path):
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["skipped_step"] == 0.0 and r["grad_norm"] > 0 and r["reward/samples"] == 16, r
+        assert r["skipped_step"] == 0.0 and r["grad_norm"] > 0 and r["reward/samples"] == 16, \
+            {k: v for k, v in r.items() if k.startswith(("reward", "response", "grad", "loss", "train_rollout"))}
         assert r["train_rollout_logprob_abs_diff"] < 0.1, r

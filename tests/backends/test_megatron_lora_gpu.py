@@ -144,8 +144,8 @@ def mode_megatron(model_dir: str, ref_path: str, work: str) -> None:
     r = close(be.compute_logprobs(batch, model="ref"), ref["ref"])
     actor0 = be.compute_logprobs(batch)
     moved = diff(actor0, be.compute_logprobs(batch, model="ref"))[1]
-    _emit(check="reference_is_adapters_off", family=fam, **r, adapters_move_logp_by=moved,
-          ok=r["ok"] and moved > 100 * FP32_LOGP_TOL["max"])
+    _emit(check="reference_is_adapters_off", family=fam, **{**r, "ok": r["ok"] and moved > 100 * FP32_LOGP_TOL["max"]},
+          adapters_move_logp_by=moved)
     losses, norms = [], []
     ckpt = os.path.join(work, f"ckpt_{fam}")
     for step in range(STEPS):

@@ -53,7 +53,12 @@ def run_exact(model: str, data: str, tmp_path, monkeypatch, *extra: str) -> tupl
     argv = ["train", "--hf-checkpoint", model, "--prompt-data", data, "--custom-rm-path", f"{rm}:ids",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
             "--lr", "1e-3", "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cuda", "--true-on-policy",
-            "--ci-train-rollout-logprob-abs-diff-threshold", "0", "--run-dir", str(run), *extra]
+            "--ci-train-rollout-logprob-abs-diff-threshold", "0", "--run-dir", str(run),
+            # several runs share this process: what an earlier one's caching allocator keeps is not free for the next
+            "--rollout-mem-fraction", "0.1", *extra]
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
     assert main(argv) == 0
     return rows(run), records, engines
 

@@ -60,4 +60,8 @@ def ddp_kwargs(mg, defaults: Mapping[str, Any]) -> dict[str, Any]:
         kw = dict(use_distributed_optimizer=mg.use_distributed_optimizer, grad_reduce_in_fp32=True,
                   overlap_grad_reduce=False)
     kw.update(parse_overrides(mg.override_ddp_config, defaults))
+    if kw.get("bucket_size") is not None and not kw.get("overlap_grad_reduce"):
+        # megatron's DDP drops bucket_size without overlap_grad_reduce (one bucket): say so rather than ignore it
+        raise ValueError("--override-ddp-config bucket_size=...: megatron splits gradient buckets only with "
+                         "overlap_grad_reduce=true; add --override-ddp-config overlap_grad_reduce=true")
     return kw

@@ -41,15 +41,22 @@ def test_ddp_and_fsdp_defaults_and_the_overrides_on_top(tmp_path):
     assert ddp_kwargs(megatron_cfg(tmp_path, "--no-use-distributed-optimizer"), FIELDS)["use_distributed_optimizer"] is False
     assert ddp_kwargs(megatron_cfg(tmp_path, "--use-megatron-fsdp"), FIELDS) == FSDP_DEFAULTS
     mg = megatron_cfg(tmp_path, "--override-ddp-config", "grad_reduce_in_fp32=false", "bucket-size=1000",
+                      "overlap_grad_reduce=true",
                       "--override-ddp-config", "check_for_nan_in_grad=1", "num_distributed_optimizer_instances=2",
                       "grad_norm_clip_ratio=0.5", "data_parallel_sharding_strategy=optim", "main_grads_dtype=torch.bfloat16")
     assert ddp_kwargs(mg, FIELDS) == dict(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=False, bucket_size=1000,
+        use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=True, bucket_size=1000,
         check_for_nan_in_grad=True, num_distributed_optimizer_instances=2, grad_norm_clip_ratio=0.5,
         data_parallel_sharding_strategy="optim", main_grads_dtype=torch.bfloat16)
     fsdp = ddp_kwargs(megatron_cfg(tmp_path, "--use-megatron-fsdp", "--override-ddp-config", "overlap_param_gather=false",
                                    "bucket_size=none"), FIELDS)
     assert fsdp == {**FSDP_DEFAULTS, "overlap_param_gather": False, "bucket_size": None}  # an FSDP default overridden
+
+
+def test_bucket_size_without_overlap_grad_reduce_is_refused(tmp_path):
+    """megatron's DDP keeps one bucket unless overlap_grad_reduce is on: a bucket_size alone would be ignored."""
+    with pytest.raises(ValueError, match="overlap_grad_reduce=true"):
+        ddp_kwargs(megatron_cfg(tmp_path, "--override-ddp-config", "bucket_size=1000"), FIELDS)
 
 
 @pytest.mark.parametrize("item,needle", [("no_such_field=1", "has no field 'no_such_field'"),
@@ -106,7 +113,7 @@ def test_override_ddp_config_reaches_the_wrapped_model(tiny_model, tmp_path):
     assert default["held"] == {"grad_reduce_in_fp32": True, "bucket_size": None, "check_for_nan_in_grad": False}
     assert default["grad_dtypes"] == ["torch.float32"] and default["buckets"] == 1  # polyrl's defaults: one fp32 bucket
     bucket = 4096  # elements: the tiny model's ~75k parameters make several buckets
-    over = built("--override-ddp-config", "grad_reduce_in_fp32=false", f"bucket_size={bucket}",
+    over = built("--override-ddp-config", "grad_reduce_in_fp32=false", f"bucket_size={bucket}", "overlap_grad_reduce=true",
                  "--override-ddp-config", "check_for_nan_in_grad=true")
     assert over["held"] == {"grad_reduce_in_fp32": False, "bucket_size": bucket, "check_for_nan_in_grad": True}
     assert over["grad_dtypes"] == ["torch.bfloat16"]  # gradients reduced in the params' bf16
