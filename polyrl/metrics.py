@@ -33,6 +33,22 @@ def set_phase(name: str | None) -> None:
             lg._progress.update(lg._task, phase=name.replace("_", " ") if name else "")
 
 
+# Engine counters (RolloutEngine.stats) over the ranks: the requests each rank sent again add up, the engines up is
+# the fewest any rank sees, and every other one (a shared server's loss that each rank sees, rank 0's restarts and
+# re-syncs, a *_max, a pass's wall time on ranks that run at once) is the largest of the ranks'.
+RANK_SUM_STATS = ("rollout/retries", "rollout/busy_retries")
+RANK_MIN_STATS = ("rollout/engines_up",)
+
+
+def combine_rank_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One step's engine counters from every rank's (a counter is missing on a rank where it never counted)."""
+    out = {}
+    for k in sorted(set().union(*parts)):
+        vals = [p[k] for p in parts if k in p]
+        out[k] = float(sum(vals) if k in RANK_SUM_STATS else min(vals) if k in RANK_MIN_STATS else max(vals))
+    return out
+
+
 class RunStopped(RuntimeError):
     """A step's metrics show the run must not go on (a gate or --max-consecutive-failed-steps); the CLI prints the
     message as one line and exits 1."""
@@ -131,7 +147,7 @@ class StepChecks:
         if not n:
             return {}, None
         failed = m.get("reward/errors", 0.0) + m.get("reward/timeouts", 0.0)
-        all_failed = failed >= n - 1e-9  # counts are averaged over ranks, so compare with a float's slack
+        all_failed = failed >= n - 1e-9  # counts arrive as float sums over the ranks: compare with a float's slack
         all_zero = m.get("reward/zeros", 0.0) >= n - 1e-9
         out = {"reward/all_failed": float(all_failed), "reward/all_zero": float(all_zero)}
         if not (all_failed or all_zero):

@@ -10,7 +10,7 @@ from typing import Callable
 from polyrl.checkpoint import save_checkpoint
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
-from polyrl.metrics import MetricsLogger, Timer
+from polyrl.metrics import MetricsLogger, Timer, combine_rank_stats
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
 from polyrl.types import Sample
@@ -48,7 +48,7 @@ class Book:
         data_state = self.cursor.position_before(step + 1)  # where a resume draws the next step's prompts
         n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
                                         sum(s.finish_reason == "length" for s in samples)])
-        m.update(self.engine.stats())
+        m.update(self.engine_stats())
         if self.restarts:
             m["restarts"] = float(self.restarts)
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.cursor.num_dropped,
@@ -66,6 +66,16 @@ class Book:
         ck = cfg.checkpoint
         if self.save is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
             self.save(step + 1, data_state)
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engines' counters since the last step, over all ranks (each rank's engine counts its own requests)."""
+        stats = self.engine.stats()
+        if self.d.world == 1:
+            return stats
+        import torch.distributed as dist
+        parts: list = [None] * self.d.world
+        dist.all_gather_object(parts, stats, group=self.d.group)  # keys may differ by rank: no tensor sum
+        return combine_rank_stats(parts)
 
 
 def checkpoint_saver(cfg: Config, backend, critic=None) -> Callable[[int, dict], None] | None:

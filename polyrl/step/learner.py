@@ -16,6 +16,7 @@ from polyrl.backends.base import TrainBackend
 from polyrl.config import Config
 from polyrl.dist import Dist
 from polyrl.metrics import Timer
+from polyrl.rewards import COUNT_METRICS
 from polyrl.types import Sample, TrainBatch
 
 
@@ -85,8 +86,13 @@ def rollout_mismatch(train: list[torch.Tensor], rollout: list[torch.Tensor], mas
 
 
 def reduce_reward_metrics(scored: dict, d: Dist) -> dict[str, float]:
-    """The ranks' reward metrics, averaged (on the thread that runs the default group's collectives)."""
-    return {k: v / d.world for k, v in zip(scored, d.sum(list(scored.values())))}
+    """The step's reward metrics over all ranks from each rank's own (on the thread that runs the default group's
+    collectives): counts (reward/samples, reward/errors, ...) add up, and each mean is weighted by its rank's
+    reward/samples, since with dynamic sampling the ranks may score different numbers of samples."""
+    keys = sorted(scored)  # the same order on every rank
+    n = scored.get("reward/samples", 1.0)  # metrics without a sample count: each rank weighs the same
+    total, *sums = d.sum([n] + [scored[k] if k in COUNT_METRICS else scored[k] * n for k in keys])
+    return {k: v if k in COUNT_METRICS else v / max(total, 1e-12) for k, v in zip(keys, sums)}
 
 
 class ScoringLearner:

@@ -156,9 +156,9 @@ class Evaluator:
             samples = generate_items(cfg, self.engine, mine, params) if mine else []
         m = self.score.rewards.score(samples) if samples and self.score.rewards is not None else {}
         custom = bool(cfg.rollout.custom_generate_function_path)  # its samples count their engine calls in "turns"
-        correct, total, length, turns = d.sum([sum(s.reward > 0.5 for s in samples), len(samples),
-                                               sum(len(s.response_ids) for s in samples),
-                                               sum(s.metadata["turns"] if custom else 1 for s in samples)])
+        correct, total, length, turns, errors, timeouts = d.sum([
+            sum(s.reward > 0.5 for s in samples), len(samples), sum(len(s.response_ids) for s in samples),
+            sum(s.metadata["turns"] if custom else 1 for s in samples), m.get("reward/errors", 0.0),
+            m.get("reward/timeouts", 0.0)])
         return {"eval/accuracy": correct / max(total, 1), "eval/response_len": length / max(total, 1), "eval/n": total,
-                "eval/turns": turns / max(total, 1),
-                "eval/reward_errors": m.get("reward/errors", 0.0), "eval/reward_timeouts": m.get("reward/timeouts", 0.0)}
+                "eval/turns": turns / max(total, 1), "eval/reward_errors": errors, "eval/reward_timeouts": timeouts}
