@@ -28,6 +28,16 @@ def test_every_recipe_has_a_readme_with_its_command():
         assert name in open(os.path.join(EXAMPLES, "README.md")).read(), name
 
 
+def test_every_example_directory_is_listed_in_the_examples_readme():
+    # a link per directory, so a recipe without a config.yaml (a script) is not missed
+    listed = open(os.path.join(EXAMPLES, "README.md")).read()
+    dirs = sorted(d for d in os.listdir(EXAMPLES) if os.path.isdir(os.path.join(EXAMPLES, d)) and not d.startswith((".", "_")))
+    assert len(dirs) >= len(CONFIGS)
+    assert [d for d in dirs if f"[{d}]({d}/)" not in listed] == []
+    for d in dirs:
+        assert os.path.isfile(os.path.join(EXAMPLES, d, "README.md")), d
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(os.path.dirname(p)))
 def test_recipe_validates(path, tiny_model, arith_data, monkeypatch):
     monkeypatch.chdir(os.path.dirname(EXAMPLES))  # recipes name their custom functions from the repository root
