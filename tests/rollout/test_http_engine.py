@@ -153,8 +153,9 @@ os.execv(sys.executable, [sys.executable, "-m", "polyrl", "serve", "--device", "
 '''
 
 
-def test_sglang_launch_path_passes_every_sglang_flag(tiny_model, arith_data, tmp_path, monkeypatch):
-    from polyrl.cli import main
+def install_fake_sglang(tmp_path, monkeypatch) -> None:
+    """FAKE_SGLANG as the `sglang` package of this process and of the servers it launches; its argv goes to
+    tmp_path/argv.jsonl."""
     pkg = tmp_path / "fake" / "sglang"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -162,6 +163,11 @@ def test_sglang_launch_path_passes_every_sglang_flag(tiny_model, arith_data, tmp
     monkeypatch.syspath_prepend(str(tmp_path / "fake"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_SGLANG_ARGV", str(tmp_path / "argv.jsonl"))
+
+
+def test_sglang_launch_path_passes_every_sglang_flag(tiny_model, arith_data, tmp_path, monkeypatch):
+    from polyrl.cli import main
+    install_fake_sglang(tmp_path, monkeypatch)
     args = ["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
             "--quiet", "--device", "cpu", "--run-dir", str(tmp_path / "run"), "--rollout-engine", "sglang",
@@ -282,13 +288,7 @@ def test_sglang_launch_with_fp8_rollout_starts_on_a_block_fp8_copy(tiny_model, a
 
     from polyrl.cli import main
     from polyrl.weight_sync.quantize import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_fp8_block, is_quantized_weight
-    pkg = tmp_path / "fake" / "sglang"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "launch_server.py").write_text(textwrap.dedent(FAKE_SGLANG))
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("FAKE_SGLANG_ARGV", str(tmp_path / "argv.jsonl"))
+    install_fake_sglang(tmp_path, monkeypatch)
     run = tmp_path / "run"
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
                  "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
