@@ -25,6 +25,17 @@ def make_model_dir(path, arch: str = "qwen2", layers: int = 2, hidden: int = 64,
     return str(path)
 
 
+def sharpen(model, path: str, factor: int = 8) -> str:
+    """`model` with every weight matrix (stacked expert weights too) times `factor`, saved to `path`: a tiny random
+    model's greedy text is then varied, not one repeated token."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(factor)
+    model.save_pretrained(path)
+    return path
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int, pad_id: int) -> list[int]:
     """transformers' greedy continuation, cut after the first EOS (the reference for engine tests)."""
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from conftest import sharpen
 from polyrl.rollout.gpu import fp8 as L
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.gpu.engine import GPUEngine
@@ -46,13 +47,7 @@ def test_kernel_config_covers_k_once(M, N, K):
 def _sharp(tmp_path_factory, name, **kw):
     from polyrl.tasks.arithmetic import build_model
     d = str(tmp_path_factory.mktemp(name))
-    m, _ = build_model(d, **kw)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(8)
-    m.save_pretrained(d)
-    return d
+    return sharpen(build_model(d, **kw)[0], d)
 
 
 @pytest.mark.parametrize("shape", [dict(hidden=256, heads=2, kv_heads=1, layers=2),  # head_dim 128: block grids align

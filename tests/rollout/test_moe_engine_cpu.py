@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 
-from conftest import hf_greedy, make_model_dir
+from conftest import hf_greedy, make_model_dir, sharpen
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.gpu.engine import GPUEngine
 from polyrl.rollout.gpu.model import spec_from_config
@@ -32,13 +32,8 @@ def moe_dir(tmp_path_factory) -> str:
     cfg = AutoConfig.from_pretrained(d)
     cfg.mlp_only_layers = [1]
     torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.mul_(8)
-    m.save_pretrained(d)  # transformers writes the per-expert names (experts.N.gate_proj.weight) to disk
-    return d
+    # transformers writes the per-expert names (experts.N.gate_proj.weight) to disk
+    return sharpen(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), d)
 
 
 def engine(path, **kw):

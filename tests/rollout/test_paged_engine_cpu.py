@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_greedy
+from conftest import hf_greedy, sharpen
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.gpu.engine import GPUEngine, unsupported_reason
@@ -22,13 +22,7 @@ def _sharp_model(tmp_path_factory, arch: str, tied: bool) -> str:
     """A tiny model with weights scaled up, so greedy text is not one repeated token."""
     from conftest import make_model_dir
     d = make_model_dir(tmp_path_factory.mktemp(f"sharp_{arch}"), arch=arch, tied=tied)
-    m = AutoModelForCausalLM.from_pretrained(d)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(8)
-    m.save_pretrained(d)
-    return d
+    return sharpen(AutoModelForCausalLM.from_pretrained(d), d)
 
 
 @pytest.fixture(scope="module", params=[("qwen2", True), ("llama", False), ("qwen3", True)], ids=lambda p: p[0])
