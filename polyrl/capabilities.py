@@ -55,7 +55,7 @@ NEEDS: dict[str, Need] = {
     # rollout engines
     "rollout_batch_generate": Need("engine", "embedded_settings"),
     "rollout_gpu_engine": Need("engine", "embedded_settings"),
-    "rollout_mem_fraction": Need("engine", "embedded_settings"),
+    "rollout_mem_fraction": Need("engine", "mem_fraction"),
     "rollout_cuda_graph": Need("engine", "embedded_settings"),
     "rollout_quantization": Need("engine", "fp8_rollout"),
     "rollout_num_engines": Need("engine", "launch"),

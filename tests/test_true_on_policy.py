@@ -282,11 +282,35 @@ def _prompt_seed(sp, i: int) -> int:
     return prompt_seed(sp, sp.seed, i)
 
 
+def test_a_tokens_value_does_not_depend_on_its_pack(tiny_model):
+    """The batch invariance itself: each sequence's log-probs are the same bits alone, packed with others in any order
+    and grouping, behind a leading sequence of any length (which moves every token to another place in the fixed
+    64-row blocks of the GEMMs and norms), and with autograd recording (the trainer) or not (the engine)."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import ROWS, prepare, sequences_logprobs
+    torch.set_num_threads(1)
+    lm = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(1, 14, (n,), generator=g), p) for n, p in ((9, 3), (40, 5), (17, 16), (63, 1), (25, 10))]
+    assert sum(len(x) for x, _ in seqs) > 2 * ROWS["cpu"]  # the pack spans several blocks
+    with torch.no_grad():
+        alone = [sequences_logprobs(lm, [q], temperature=0.8)[0] for q in seqs]
+        for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1], [3, 1]):
+            for lead in (0, 1, 7, 30):
+                pre = [(torch.randint(1, 14, (lead,), generator=g), 1)] if lead else []
+                got = sequences_logprobs(lm, pre + [seqs[i] for i in order], temperature=0.8)[0]
+                got = got[(lead - 1 if lead else 0):].split([len(seqs[i][0]) - seqs[i][1] for i in order])
+                for i, lp in zip(order, got):
+                    assert torch.equal(lp, alone[i]), (order, lead, i)
+    with_grad = sequences_logprobs(lm, seqs, temperature=0.8)[0]
+    assert torch.equal(with_grad.detach(), torch.cat(alone))
+
+
 def test_gradients_flow_through_the_scoring_function(tiny_model):
     """The trainer differentiates the very function the engine runs without grad; the forward values agree."""
     from transformers import AutoModelForCausalLM
-    from polyrl.backends.true_on_policy import sequence_logprobs
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    from polyrl.backends.true_on_policy import prepare, sequence_logprobs
+    lm = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
     logp, ent = sequence_logprobs(lm, ids, 3, temperature=1.0, with_entropy=True)
     logp.sum().backward()

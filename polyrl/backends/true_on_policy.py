@@ -4,18 +4,22 @@ two agree bit for bit (docs/true-on-policy.md). On CUDA the GPU engine keeps its
 log-probs from an HF module shell whose parameters are views of its weight buffer (`EngineScorer`): the trainer's module
 code over the same BF16 bits, with no weight copy.
 
-Batch invariance by construction, not by special kernels: every sequence is scored alone, as one unpadded row
-(batch size 1, positions 0..L-1, causal attention, no mask tensor), so a token's arithmetic depends only on its own
-sequence, never on what else shares a generate call, a server batch, a micro-batch or a pack, nor on padding. The LM
-head runs on the rows that predict response tokens, then an FP32 log-softmax with the temperature. The remaining
-inputs to the arithmetic are the weights (the same FP32 bits on both sides after a sync), the kernels' choice for a
-shape (the same shape on both sides) and the thread count, which MKL's GEMM splits its reduction over for some
-shapes: `pin_threads` fixes it in every process that scores on CPU (trainer ranks and `polyrl serve`). On CUDA the
-same shape on the same device and stream picks the same cuBLAS / FlashAttention kernels, none of which splits its
-reduction by anything but the shape.
+Batch invariance by fixed shapes, not by special kernels: sequences are packed into one row, and every operation
+that reduces over a dimension runs on operands whose shape does not depend on the pack. Linear layers and RMSNorms
+run on fixed blocks of ROWS rows (the last one zero-padded), so each GEMM and each norm reduction has one shape
+whatever the micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one
+kernel, so a token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py
+checks this bit for bit). Attention runs per sequence (SDPA, causal, over that sequence alone: the same shape on both
+sides). The LM head and an FP32 log-softmax with the temperature run on the same fixed blocks. The remaining inputs
+to the arithmetic are the weights (the same bits on both sides after a sync) and, on CPU, the thread count, which
+MKL's GEMM splits its reduction over for some shapes: `pin_threads` fixes it in every process that scores.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -32,38 +36,172 @@ def pin_threads(device: torch.device | str = "cpu") -> None:
         torch.set_num_threads(THREADS)
 
 
+# rows per block of every GEMM and norm in this mode: big enough for full-speed GEMMs on a GPU, small enough that the
+# zero padding of the last block stays cheap for the tiny CPU models (the same device type on both sides: one value)
+ROWS = {"cpu": 64, "cuda": 1024}
+ATTENTION = "polyrl_invariant"
+# scoring forwards pack this many tokens at most (the engine's pass over a whole batch; its shapes do not matter)
+PACK_TOKENS = 16384
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def invariant():
+    """Linear layers and RMSNorms of prepared models run on fixed blocks (this thread, while the context is open)."""
+    prev = getattr(_mode, "on", False)
+    _mode.on = True
+    try:
+        yield
+    finally:
+        _mode.on = prev
+
+
+def _active() -> bool:
+    return getattr(_mode, "on", False)
+
+
+def fixed_rows(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...]."""
+    rows = ROWS.get(x.device.type, ROWS["cuda"])
+    n = x.shape[0]
+    pad = (-n) % rows
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    out = torch.cat([fn(c) for c in x.split(rows)]) if x.shape[0] > rows else fn(x)
+    return out[:n] if pad else out
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not _active():
+        return F.linear(x, self.weight, self.bias)
+    y = fixed_rows(lambda c: F.linear(c, self.weight, self.bias), x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _norm_forward(plain):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _active():
+            return plain(x)
+        return fixed_rows(plain, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+    return forward
+
+
+def prepare(lm: torch.nn.Module) -> torch.nn.Module:
+    """Route lm's Linear layers and RMSNorms through fixed blocks inside `invariant()` (outside it, as before: the
+    engine's own generation is untouched) and make its attention the per-sequence one. Idempotent."""
+    for m in lm.modules():
+        if getattr(m, "_polyrl_invariant", False):
+            continue
+        if isinstance(m, torch.nn.Linear):
+            m.forward = types.MethodType(_linear_forward, m)
+        elif type(m).__name__.endswith("RMSNorm"):
+            m.forward = _norm_forward(m.forward)
+        else:
+            continue
+        m._polyrl_invariant = True
+    register_attention()
+    lm.set_attn_implementation(ATTENTION)
+    return lm
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Per-sequence causal SDPA over a packed row (cu_seq_lens_q in kwargs); any other call (generation with a KV
+    cache and a padding mask) is HF's SDPA path."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or not _active():
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    bounds = cu.tolist()
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):  # contiguous copies: the kernel's choice must not see the pack offset
+        q, k, v = (t[:, :, s:e].contiguous() for t in (query, key, value))
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _mask(*args, **kwargs):
+    if _active():  # a packed scoring row: boundaries travel as cu_seqlens, no [T, T] mask
+        return None
+    from transformers.masking_utils import sdpa_mask
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> str:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, _mask)
+    return ATTENTION
+
+
 def scoring_attention(requested: str) -> str:
-    """The attention implementation both sides score with: one unpadded row carries no cu_seqlens, so varlen kernels
-    are out; eager when asked, else SDPA (causal, no mask tensor)."""
-    return "eager" if requested == "eager" else "sdpa"
+    """The attention implementation a model that scores in this mode is built with (prepare() sets it too)."""
+    return register_attention()
 
 
-def sequence_logprobs(lm: torch.nn.Module, ids: torch.Tensor, prompt_len: int, *, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm: an HF causal LM; ids: [L] prompt + response -> log-probs [L - P] (fp32) of the response tokens under
-    softmax(logits / temperature) (temperature 0, greedy: 1), and their entropy [L - P] | None. Differentiable."""
+def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
+    (fp32) of the response tokens under softmax(logits / temperature) (temperature 0, greedy: 1), and their entropy
+    | None. One packed forward; each token's value is the one it gets alone or in any other pack. Differentiable."""
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    L = ids.numel()
+    device = sequences[0][0].device
+    ids = torch.cat([x for x, _ in sequences])
+    lens = [int(x.numel()) for x, _ in sequences]
+    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    starts = cu[:-1].tolist()
+    rows = torch.cat([torch.arange(st + p - 1, st + n - 1, device=device) for st, n, (_, p) in zip(starts, lens, sequences)])
+    targets = torch.cat([x[p:] for x, p in sequences])
     base = getattr(lm, lm.base_model_prefix)
-    hidden = base(input_ids=ids[None], position_ids=torch.arange(L, device=ids.device)[None],
-                  use_cache=False).last_hidden_state[0]
     head = lm.get_output_embeddings()
-    z = F.linear(hidden[prompt_len - 1:L - 1], head.weight, head.bias).float()
-    if inv_temp != 1.0:
-        z = z * inv_temp
-    logp_all = torch.log_softmax(z, dim=-1)
-    logp = logp_all.gather(1, ids[prompt_len:, None]).squeeze(1)
+    with invariant():
+        hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens)
+                      ).last_hidden_state[0].index_select(0, rows)
+
+        def block(h: torch.Tensor) -> torch.Tensor:
+            z = F.linear(h, head.weight, head.bias).float()
+            return torch.log_softmax(z * inv_temp if inv_temp != 1.0 else z, dim=-1)
+
+        logp_all = fixed_rows(block, hidden)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
     if not with_entropy:
         return logp, None
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """sequence_logprobs of each (ids, prompt_len), one forward per sequence, concatenated: [sum of L_i - P_i]."""
-    out = [sequence_logprobs(lm, ids, p, temperature=temperature, with_entropy=with_entropy) for ids, p in sequences]
-    logp = torch.cat([lp for lp, _ in out])
-    return logp, torch.cat([e for _, e in out]) if with_entropy else None
+def sequence_logprobs(lm: torch.nn.Module, ids: torch.Tensor, prompt_len: int, *, temperature: float,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sequences_logprobs of one sequence: [L - P]."""
+    return sequences_logprobs(lm, [(ids, prompt_len)], temperature=temperature, with_entropy=with_entropy)
+
+
+def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device) -> list[torch.Tensor]:
+    """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time."""
+    out: list[torch.Tensor] = []
+    group: list = []
+
+    def flush():
+        if group:
+            seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(device, non_blocking=True),
+                     len(s.prompt_ids)) for s in group]
+            lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+            out.extend(lp.split([len(s.response_ids) for s in group]))
+            group.clear()
+
+    used = 0
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if group and used + n > PACK_TOKENS:
+            flush()
+            used = 0
+        group.append(s)
+        used += n
+    flush()
+    return out
 
 
 def check_sampling(sp, vocab: int) -> None:
@@ -86,6 +224,7 @@ class EngineScorer:
         with torch.device("meta"):
             self.lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=scoring_attention(attn))
         self.lm.eval().requires_grad_(False)
+        prepare(self.lm)
         for name, mod in list(self.lm.named_modules()):
             if any(b.is_meta for b in mod.buffers(recurse=False)):  # rotary inv_freq: rebuilt on the CPU, then moved
                 fresh = type(mod)(config=mod.config).to(device)
@@ -123,11 +262,8 @@ class EngineScorer:
         t = time.perf_counter()
         self._bind()
         temperature = 0.0 if sp.greedy else sp.temperature
-        for s in samples:
-            if not s.response_ids:
-                continue
-            ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            logp = sequence_logprobs(self.lm, ids, len(s.prompt_ids), temperature=temperature)[0].cpu()
+        todo = [s for s in samples if s.response_ids]
+        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device)):
             decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             self.sampler_diff = max(self.sampler_diff or 0.0, float((logp - decoded).abs().max()))
             s.rollout_logprobs = logp.tolist()

@@ -24,11 +24,12 @@ ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
     # FP8-rounded weights with its own matmuls; polyrl.weight_sync.quantize)
     # "images": generate(..., images=) takes image prompts (SGLang's image_data over HTTP)
     # "true_on_policy": reports log-probs from polyrl.backends.true_on_policy's scoring function (--true-on-policy)
-    "embedded": frozenset({"embedded_settings", "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
-    "server": frozenset({"servers", "launch", "embedded_settings", "fault_tolerance", "weight_read_back", "router",
+    # "mem_fraction": --rollout-mem-fraction sizes its KV cache (SGLang: --mem-fraction-static)
+    "embedded": frozenset({"embedded_settings", "mem_fraction", "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
+    "server": frozenset({"servers", "launch", "embedded_settings", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
                          "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
     # sglang "fp8_rollout": launched on a block-FP8 copy of the checkpoint (polyrl.weight_sync.fp8_checkpoint)
-    "sglang": frozenset({"servers", "launch", "sglang_args", "fault_tolerance", "weight_read_back", "router",
+    "sglang": frozenset({"servers", "launch", "sglang_args", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
                          "routed_experts", "memory_tags", "images", "fp8_rollout"}),
     "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
                            "images"}),

@@ -35,9 +35,8 @@ class EmbeddedEngine(InProcessEngine):
         self._sampler_diff = None  # true_on_policy: the largest |decode log-prob - scored log-prob| since stats()
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         if true_on_policy:
-            from polyrl.backends.true_on_policy import pin_threads, scoring_attention
+            from polyrl.backends.true_on_policy import pin_threads
             pin_threads(self.device)
-            attn_implementation = scoring_attention(attn_implementation)
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
         # vision-language checkpoints: the HF class with the vision tower, and the processor that makes pixel inputs
@@ -51,6 +50,9 @@ class EmbeddedEngine(InProcessEngine):
         self.model = auto.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation=attn,
                                           **hf_families.dequantized_load(config)).to(self.device).eval()
         self.model.requires_grad_(False)
+        if true_on_policy:  # its scoring pass runs the trainer's fixed-block arithmetic; generation stays as it is
+            from polyrl.backends.true_on_policy import prepare
+            prepare(self.model)
         # the context: a row stops ("length") when its prompt and response fill it, as SGLang's scheduler cuts them
         self.max_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_batch = max_batch
@@ -232,12 +234,11 @@ class EmbeddedEngine(InProcessEngine):
     @torch.no_grad()
     def _score(self, samples: list[Sample], sp: SamplingParams) -> list[Sample]:
         """--true-on-policy: each sample's rollout log-probs from the scoring function the trainer runs."""
-        from polyrl.backends.true_on_policy import sequence_logprobs
-        for s in samples:
-            ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long, device=self.device)
-            logp = sequence_logprobs(self.model, ids, len(s.prompt_ids), temperature=0.0 if sp.greedy else sp.temperature)[0]
+        from polyrl.backends.true_on_policy import score_samples
+        todo = [s for s in samples if s.response_ids]
+        for s, logp in zip(todo, score_samples(self.model, todo, 0.0 if sp.greedy else sp.temperature, self.device)):
             decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-            worst = float((logp.cpu() - decoded).abs().max()) if decoded.numel() else 0.0
+            worst = float((logp - decoded).abs().max())
             self._sampler_diff = max(self._sampler_diff or 0.0, worst)
             s.rollout_logprobs = logp.tolist()
         return samples

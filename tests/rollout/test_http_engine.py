@@ -293,10 +293,12 @@ def test_sglang_launch_with_fp8_rollout_starts_on_a_block_fp8_copy(tiny_model, a
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
                  "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
                  "--num-rollout", "2", "--quiet", "--device", "cpu", "--run-dir", str(run), "--rollout-engine", "sglang",
-                 "--rollout-num-engines", "1", "--weight-sync", "disk", "--rollout-quantization", "fp8"]) == 0
+                 "--rollout-num-engines", "1", "--weight-sync", "disk", "--rollout-quantization", "fp8",
+                 "--rollout-mem-fraction", "0.3"]) == 0
     argv = json.loads((tmp_path / "argv.jsonl").read_text().splitlines()[0])
     copy = run / "engines" / "fp8-checkpoint"
     assert argv[:2] == ["--model-path", str(copy)]
+    assert "--mem-fraction-static 0.3" in " ".join(argv)  # --rollout-mem-fraction reaches SGLang
     conf = json.loads((copy / "config.json").read_text())
     assert conf["quantization_config"] == QUANTIZATION_CONFIG
     assert (copy / "tokenizer.json").exists() or (copy / "tokenizer_config.json").exists()

@@ -280,6 +280,9 @@ class FSDPBackend:
             buffers = {n: b for n, b in src.named_buffers()}
         with torch.device("meta"):
             lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        if self.mcfg.true_on_policy and self.role == "actor" and not value:  # the engine's fixed-block arithmetic
+            from polyrl.backends.true_on_policy import prepare
+            prepare(lm)
         if self.mcfg.freeze_vision_tower:
             vision_tower(lm).requires_grad_(False)  # before FSDP: its units then hold no trainable parameter
         if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on
@@ -422,16 +425,12 @@ class FSDPBackend:
 
     def _forward_exact(self, model: PolicyModel, batch: TrainBatch, idx: list[int], temperature: float,
                        with_entropy: bool):
-        """--true-on-policy: every sample of the micro-batch as its own row through the engine's scoring function. Each
-        per-sample forward is a round of FSDP collectives, so every rank runs as many as the fullest rank, padding
-        with 2-token dummies whose log-probs join the loss times 0."""
+        """--true-on-policy: the micro-batch packed through the engine's scoring function (fixed-block GEMMs and norms,
+        per-sequence attention: each token's value is the one the engine reported). One forward per micro-batch, as
+        on every rank (a rank without samples runs a 2-token dummy whose log-prob joins the loss times 0)."""
         dummy = (torch.zeros(2, dtype=torch.long), 1)
         mb = batch.select(idx) if idx else TrainBatch([dummy[0]], [dummy[1]])
         seqs = list(zip(mb.input_ids, mb.prompt_lens))
-        if dist.get_world_size() > 1:
-            k = torch.tensor(len(seqs))
-            dist.all_reduce(k, op=dist.ReduceOp.MAX)
-            seqs += [dummy] * (int(k) - len(seqs))
         logp, ent = model(None, None, None, None, None, temperature, with_entropy,
                           sequences=[(ids.to(self.device), p) for ids, p in seqs])
         lens = mb.response_lens
