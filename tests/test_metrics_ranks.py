@@ -61,7 +61,8 @@ def run(tmp_path, name: str, nproc: int, model: str, data: dict, timeout: float 
         raise AssertionError(f"the {nproc}-rank polyrl train did not finish in {timeout} s (a rank waiting on a "
                              f"collective the other never issues?): {err[-3000:]}") from None
     assert proc.returncode == 0, err[-3000:]
-    return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    with open(tmp_path / name / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow
@@ -81,7 +82,9 @@ def test_two_ranks_log_the_metrics_of_the_whole_step_as_one_rank_does(tiny_model
                 assert b[k] == pytest.approx(a[k], rel=1e-12, abs=1e-12), (a["step"], k)
     steps = [r for r in two if r["step"] > 0]
     assert all(r["reward/samples"] == 16 for r in steps)  # --rollout-batch-size 4 x --n-samples-per-prompt 4
-    assert two[0]["eval/n"] == two[-1]["eval/n"] == sum(1 for _ in open(arith_data["eval"]))
+    with open(arith_data["eval"]) as f:
+        n_eval = sum(1 for line in f if line.strip())
+    assert two[0]["eval/n"] == two[-1]["eval/n"] == n_eval
     # the cases under test happened: errors to add up, rewards that vary, and a mean over unequal response lengths
     assert sum(r["reward/errors"] for r in steps) > 0 and all(0 < r["reward/mean"] < 1 for r in steps)
     assert all(r["truncated_frac"] < 1 for r in steps)
