@@ -344,10 +344,11 @@ class ModelConfig:
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
-    true_on_policy: bool = opt(False, "the engine and the trainer score every token with one function (each sequence "
-                                      "alone, one unpadded row), so train_rollout_logprob_abs_diff is exactly 0 and the "
-                                      "rollout's log-probs serve as the old policy's; CPU, FP32, FSDP backend, embedded or "
-                                      "server engine (docs/true-on-policy.md)")
+    true_on_policy: bool = opt(False, "the engine and the trainer score every token with one batch-invariant function "
+                                      "(packed rows, fixed-block GEMMs and norms, per-sequence attention), so "
+                                      "train_rollout_logprob_abs_diff is exactly 0 and the rollout's log-probs serve as "
+                                      "the old policy's; FSDP backend; CPU FP32 (embedded or server engine) or one GPU "
+                                      "BF16/FP32 (embedded engine) (docs/true-on-policy.md)")
     fsdp_cpu_offload: bool = opt(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU")
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")

@@ -25,7 +25,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "gradient_checkpointing", "compile", "attn_implementation", "micro_batch_layout",
         "lora", "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
         "images",  # vision-language HF models: pixel inputs and multimodal RoPE in the log-prob forward
-        "true_on_policy",  # per-sequence forwards through polyrl.backends.true_on_policy (CPU, FP32)
+        "true_on_policy",  # packed fixed-block forwards through polyrl.backends.true_on_policy (CPU FP32, CUDA BF16/FP32)
         "mtp_training",  # --enable-mtp-training: the MTP layers' loss beside the policy loss (polyrl.backends.fsdp.mtp)
     }),
     "megatron": frozenset({
