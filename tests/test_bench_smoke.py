@@ -225,3 +225,36 @@ def test_regress_compares_updates_and_refuses_another_device(tmp_path, monkeypat
     assert rg.main(argv) == 2
     err = capsys.readouterr().err
     assert "'FAKE GPU'" in err and "'OTHER GPU'" in err
+
+
+def test_vlm_step_tiny_runs_a_grpo_step_with_images_on_cpu(tmp_path):
+    """bench/vlm_step.py --tiny end to end: builds the tiny Qwen2.5-VL from its config, writes 56 x 56 images, runs one
+    `polyrl train` step with --multimodal-keys on CPU and reports it. A 56-pixel side is 4 x 4 patches of 14, merged
+    2 x 2: 4 image tokens per sample."""
+    out = tmp_path / "vlm.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "vlm_step.py"), "--tiny", "--workdir", str(tmp_path / "w"),
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["returncode"] == 0 and r["steps_measured"] == 1 and r["image_tokens_per_sample"] == 4
+    assert r["prompt_tokens"] > r["image_tokens_per_sample"]  # the question's characters and the vision markers
+    assert r["time/step"] > 0 and r["time/train"] > 0 and r["peak_rss_mib"] > 0
+    assert "--multimodal-keys" in r["command"] and "--device cpu" in r["command"]
+    assert "image / prompt tokens per sample" in res.stdout and "| 4 / " in res.stdout
+
+
+def test_vlm_step_flags_and_help_without_torch():
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "vlm_step.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--tiny" in out.stdout and "--device" in out.stdout
+    vs = load("vlm_step.py")
+    a = vs.parse_args([])  # the GPU row's defaults
+    assert (a.device, a.prompts, a.samples, a.new_tokens, a.image_size) == ("cuda", 16, 8, 128, 448)
+    assert a.polyrl_args == "--offload-train --gradient-checkpointing"
+    assert vs.parse_args(["--tiny"]).polyrl_args == "" and vs.parse_args(["--tiny"]).device == "cpu"
+    assert vs.QWEN25_VL_3B["text"]["vocab_size"] == 151936 and vs.QWEN25_VL_3B["vision"]["depth"] == 32
+    for bad in (["--samples", "1"], ["--device", "tpu"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            vs.parse_args(bad)
+        assert e.value.code == 2
