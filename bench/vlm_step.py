@@ -11,13 +11,14 @@ train and weight-sync seconds, generated tokens per rollout second, trained toke
 second, peak GPU memory allocated / reserved during the measured steps (torch.cuda.max_memory_* in the training
 process, which holds the engine too; peak RSS on CPU) and image tokens per sample.
 
-  PYTHONPATH=. python3 bench/vlm_step.py --warmup 1 --steps 2 --timeout 200 --out /tmp/vlm_step.json   # one H100
+  PYTHONPATH=. python3 bench/vlm_step.py --warmup 1 --steps 2 --timeout 220 --out /tmp/vlm_step.json   # one H100
   python bench/vlm_step.py --tiny                                                                       # CPU, seconds
 
-On GPU the default extra flags are `--offload-train --gradient-checkpointing`: the trainer's FP32 params, grads and
-AdamW moments (16 bytes x 3.75B parameters = 60 GB) and the engine's BF16 copy (7.5 GB) with its prefill logits do not
-fit beside each other in 80 GB, and without checkpointing a 16k-token micro-batch's activations (36 layers x ~90 KB per
-token and layer = 53 GB) do not fit beside the trainer state.
+On GPU the default extra flags are `--offload-train --gradient-checkpointing`, chosen by arithmetic, not measured
+without them: the trainer's FP32 params, grads and AdamW moments (16 bytes x 3.75B parameters = 60 GB), the engine's
+BF16 copy (7.5 GB) and its prefill logits (128 rows x ~290 prompt tokens x 151936 x 2 bytes = 11 GB) leave nothing of
+80 GB, and without checkpointing a 16k-token micro-batch's activations (36 layers x ~90 KB per token and layer = 53 GB)
+do not fit beside the trainer state.
 """
 
 from __future__ import annotations
