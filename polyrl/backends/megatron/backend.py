@@ -62,6 +62,7 @@ class _Micro:
     dummy: bool
     index: list[int]  # global sample indices
     routes: dict | None = None  # MoE: router-order targets / masks of this rank's tokens (_route_plan)
+    vision: dict | None = None  # vision-language: pixel inputs and [3, T] RoPE positions (_vision_inputs)
 
 
 class MegatronBackend:
@@ -79,6 +80,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         from polyrl.backends.megatron import model as mm  # megatron-core itself, imported only now
+        from polyrl.backends.megatron import vision
 
         self.mm = mm
         self.mcfg, self.ocfg, self.bcfg = model_cfg, optim_cfg, batch_cfg
@@ -89,6 +91,15 @@ class MegatronBackend:
         self.dims = ParallelDims.from_world(tp=mg.tensor_model_parallel_size, pp=mg.pipeline_model_parallel_size,
                                             cp=mg.context_parallel_size, ep=mg.expert_model_parallel_size,
                                             etp=mg.expert_tensor_parallel_size)
+        # vision-language: the decoder is built from its text config, the HF vision tower rides on the first stage
+        self.vl_config = None
+        if vision.is_vision_language(self.hf_config):
+            vision.check_supported(self.hf_config, tp=self.dims.tp, pp=self.dims.pp, cp=self.dims.cp, ep=self.dims.ep,
+                                   vpp=mg.num_layers_per_virtual_pipeline_stage, lora=model_cfg.lora_rank > 0,
+                                   role=role, custom_provider=bool(mg.custom_model_provider_path),
+                                   teacher=need_teacher)
+            self.vl_config, self.hf_config = self.hf_config, vision.text_config(self.hf_config)
+            self._rope_index_model = vision.rope_index_model(self.vl_config)
         self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,
                                             mg.num_layers_per_virtual_pipeline_stage)
         from megatron.core import parallel_state
@@ -137,7 +148,9 @@ class MegatronBackend:
     def _packed_rope(self, hf_config, chunks: list):
         """polyrl's core attention applies RoPE when the model leaves it out (bridge-built models);
         HF-wrapped mixers and a custom provider's own RoPE need none from us."""
-        from polyrl.backends.megatron import bridge, thd
+        from polyrl.backends.megatron import bridge, thd, vision
+        if self.vl_config is not None and hf_config is self.hf_config:  # 3-D (multimodal) RoPE
+            return vision.MropeRope(self.vl_config, self.dtype, self.device)
         no_pos = all(getattr(self.mm.unwrap(c), "position_embedding_type", None) == "none" for c in chunks)
         mixers = getattr(bridge.FAMILIES.get(hf_config.model_type), "mixers", None)
         return thd.PackedRope(hf_config, self.dtype, self.device) if no_pos and not mixers else None
@@ -152,7 +165,15 @@ class MegatronBackend:
         chunks = mm.build_chunks(config, hf_config, self.dims, self.vpp, self.mg.custom_model_provider_path)
         if train and self.role == "critic":
             mm.add_value_heads(chunks, config)
-        mm.load_hf_weights(chunks, path, hf_config, config)
+        vl = self.vl_config is not None and hf_config is self.hf_config
+        if vl:  # before DDP wrapping, so it trains, syncs and checkpoints with the decoder
+            from polyrl.backends.megatron import vision
+            for c in chunks:
+                if c.pre_process:
+                    c.vision_model = vision.build_tower(self.vl_config, config.params_dtype, self.device)
+                    if self.mcfg.freeze_vision_tower:
+                        c.vision_model.requires_grad_(False)
+        mm.load_hf_weights(chunks, path, hf_config, config, vl=vl)
         if train and self.role == "actor" and self.mcfg.lora_rank > 0:  # adapters before DDP: it buffers trainable params only
             from polyrl.backends.megatron import lora
             self.lora = lora.attach(chunks, hf_config, config, self.mcfg, self.seed,
@@ -211,12 +232,16 @@ class MegatronBackend:
     # ---- data ---------------------------------------------------------------------------
     def _gather_batch(self, batch: TrainBatch, with_fields: bool) -> tuple[TrainBatch, list[int]]:
         mine = (batch.input_ids, batch.prompt_lens, batch.token_fields if with_fields else {},
-                batch.rollout_routed_experts, batch.recorded_routed_experts)
+                batch.rollout_routed_experts, batch.recorded_routed_experts,
+                (batch.multimodal or [None] * len(batch)) if self.vl_config is not None else None)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         ids, plens, fields, counts = [], [], {}, []
         routes: list[list | None] = [[], []]
-        for p_ids, p_pl, p_f, *p_routes in parts:
+        mms: list | None = [] if self.vl_config is not None else None
+        for p_ids, p_pl, p_f, *p_routes, p_mm in parts:
+            if mms is not None:
+                mms += p_mm
             counts.append(len(p_ids))
             ids += p_ids
             plens += p_pl
@@ -224,7 +249,7 @@ class MegatronBackend:
                 fields.setdefault(k, []).extend(v)
             for j, r in enumerate(p_routes):  # a route list counts only when every rank carries one
                 routes[j] = routes[j] + r if (routes[j] is not None and r is not None) else None
-        return TrainBatch(ids, plens, fields, *(r if r else None for r in routes)), counts
+        return TrainBatch(ids, plens, fields, *(r if r else None for r in routes), multimodal=mms), counts
 
     def _route_mode(self, glob: TrainBatch, *, actor: bool, logprob_pass: bool) -> tuple[str | None, list | None]:
         """(what the routers do, the per-sample routes that go with it) for one pass over `glob`: replay the
@@ -297,8 +322,30 @@ class MegatronBackend:
             rp = None
             if self.routing is not None:
                 rp = self._route_plan(pb, mb, [routes[i] for i in gidx] if (routes is not None and gidx) else None)
-            out.append(_Micro(pb, fields, not gidx, gidx, rp))
+            vis = self._vision_inputs(mb, pb) if self.vl_config is not None else None
+            out.append(_Micro(pb, fields, not gidx, gidx, rp, vis))
         return out
+
+    def _vision_inputs(self, mb: TrainBatch, pb) -> dict:
+        """A micro-batch's pixel inputs (every image, in token order) and its tokens' [3, T] RoPE positions, each
+        sample's from the model's own get_rope_index as an unpacked HF forward computes them."""
+        from polyrl import multimodal
+        from polyrl.backends.megatron import vision
+        mms = mb.multimodal or [None] * len(mb)
+        token = self.vl_config.image_token_id
+        per = [multimodal.mrope_positions(self._rope_index_model, x.long(), m["image_grid_thw"] if m is not None else None,
+                                          token) for x, m in zip(mb.input_ids, mms)]
+        return {"pos3": vision.packed_positions(per, pb.cu_seqlens).to(self.device),
+                **multimodal.concat_inputs(mms, self.device)}
+
+    def _decoder_input(self, chunk, ids: torch.Tensor, pos: torch.Tensor, vis: dict) -> torch.Tensor:
+        """Megatron's token embedding [T, 1, H] with the vision tower's features in the image-pad rows."""
+        from polyrl.backends.megatron import vision
+        emb = chunk.embedding(input_ids=ids, position_ids=pos)
+        if "pixel_values" not in vis:
+            return emb
+        feats = vision.image_features(chunk.vision_model, vis["pixel_values"], vis["image_grid_thw"])
+        return vision.merge_embeddings(emb, ids, feats, self.vl_config.image_token_id)
 
     def _run(self, model: list, micros: list[_Micro], loss_func, *, forward_only: bool, temperature: float,
              with_entropy: bool, route_mode: str | None = None):
@@ -318,14 +365,19 @@ class MegatronBackend:
                 self.routing.begin(chunk_ids[id(chunk)], micro_ids[id(item)], targets=rp["targets"], has=rp["has"],
                                    valid=rp["valid"], replay=route_mode == "replay" and not item.dummy,
                                    record=route_mode == "record" and not item.dummy)
-            ids, pos, psp = mm.packed_inputs(item.pb, cp_group, rope)
+            vis = item.vision if not teacher else None
+            ids, pos, psp = mm.packed_inputs(item.pb, cp_group, rope, vis["pos3"] if vis is not None else None)
+            extra = {}
+            if vis is not None and mm.unwrap(chunk).pre_process:
+                extra["decoder_input"] = self._decoder_input(mm.unwrap(chunk), ids, pos, vis)
             if self.role == "critic":  # values where the actor has log-probs; the head lives on the last stage only
                 head, ctx = mm.value_head, mm.ValueContext(item.pb, getattr(mm.unwrap(chunk), mm.VALUE_HEAD, None))
             else:
                 head = mm.logprob_head
                 ctx = mm.HeadContext(item.pb, hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
                                      with_entropy)
-            out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=head, output_processor_context=ctx)
+            out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=head, output_processor_context=ctx,
+                        **extra)
             return out, functools.partial(loss_func, item)
 
         its = [iter(micros) for _ in model]
@@ -559,6 +611,11 @@ class MegatronBackend:
 
     def _export(self, model: list, fused_experts: bool) -> Iterator[tuple[str, torch.Tensor]]:
         from polyrl.backends.megatron import bridge
+        if self.vl_config is not None:  # the decoder through the bridge, the vision tower under its HF names
+            from polyrl.backends.megatron import vision
+            yield from vision.export_hf(self._megatron_stream(model), functools.partial(
+                bridge.mcore_to_hf, hf_config=self.hf_config, fused_experts=fused_experts))
+            return
         if self.role != "critic":
             yield from bridge.mcore_to_hf(self._megatron_stream(model), self.hf_config, fused_experts=fused_experts)
             return
@@ -612,6 +669,9 @@ class MegatronBackend:
                 cfg = copy.copy(self.hf_config)
                 cfg.num_labels = 1
                 hf = AutoModelForTokenClassification.from_config(cfg, dtype=self.dtype)
+            elif self.vl_config is not None:
+                from transformers import AutoModelForImageTextToText
+                hf = AutoModelForImageTextToText.from_config(self.vl_config, dtype=self.dtype)
             else:
                 hf = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             missing, unexpected = hf.load_state_dict(sd, strict=False)
@@ -623,6 +683,11 @@ class MegatronBackend:
             hf.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            if self.vl_config is not None:  # loaded back with its image processor, as the FSDP backend saves it
+                from polyrl.multimodal import VisionProcessor
+                processor = VisionProcessor.from_pretrained(self.mcfg.hf_checkpoint, tokenizer)
+                if processor is not None:
+                    processor.save_pretrained(tmp)
             _replace_dir(tmp, path)
         dist.barrier()
 

@@ -386,10 +386,20 @@ def bridge_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: TransformerConfig) -> None:
+def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: TransformerConfig,
+                    vl: bool = False) -> None:
     """Each rank reads only its own TP / PP / EP slice of the safetensors checkpoint. A critic's value head
-    (add_value_heads) takes the directory's `score` head when it has one (a saved critic), else starts at zero."""
+    (add_value_heads) takes the directory's `score` head when it has one (a saved critic), else starts at zero.
+    vl: a vision-language checkpoint (hf_config its decoder's, vision.text_config); a first-stage chunk's
+    `vision_model` takes the vision tower's tensors."""
     hf = bridge.load_hf_safetensors(hf_dir)
+    if vl:
+        from polyrl.backends.megatron import vision
+        raw, hf = hf, vision.TextCheckpoint(hf)
+        for chunk in chunks:
+            tower = getattr(unwrap(chunk), "vision_model", None)
+            if tower is not None:
+                vision.load_tower(tower, raw)
     critic = any(getattr(unwrap(c), VALUE_HEAD, None) is not None for c in chunks)
     if critic:
         hf = _CriticCheckpoint(hf, hf_config)
@@ -402,7 +412,8 @@ def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: Tran
             pp_rank=pp_rank, pp_size=pp_size, layer_range=range(off, off + len(m.decoder.layers)),
             ep_rank=ps.get_expert_model_parallel_rank(), ep_size=config.expert_model_parallel_size,
             etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=config.expert_tensor_parallel_size)
-        params = {n: p for n, p in bridge_tensors(m).items() if not n.startswith(VALUE_HEAD + ".")}
+        params = {n: p for n, p in bridge_tensors(m).items()
+                  if not n.startswith((VALUE_HEAD + ".", "vision_model."))}
         head = getattr(m, VALUE_HEAD, None)
         if head is not None:
             for k in ("weight", "bias"):
@@ -486,12 +497,14 @@ def build_optimizer(model: list, o, dtype: torch.dtype, use_distributed: bool, c
 # Forward inputs and the log-prob head
 
 
-def packed_inputs(pb: thd.PackedBatch, cp_group, rope: thd.PackedRope | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, VarlenPackedSeqParams]:
+def packed_inputs(pb: thd.PackedBatch, cp_group, rope: thd.PackedRope | None = None,
+                  rope_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, VarlenPackedSeqParams]:
+    """rope_positions: the tokens' RoPE positions when they are not pb.position_ids (vision-language: [3, T])."""
     cu = pb.cu_seqlens
+    pos = pb.position_ids if rope_positions is None else rope_positions
     psp = VarlenPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=pb.max_seqlen,
                                 max_seqlen_kv=pb.max_seqlen, cp_group=cp_group, attn_plan=pb.plan,
-                                rope=rope.tables(pb.position_ids) if rope is not None else None)
+                                rope=rope.tables(pos) if rope is not None else None)
     return pb.input_ids[None], pb.position_ids[None], psp
 
 

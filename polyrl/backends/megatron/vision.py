@@ -38,7 +38,7 @@ def is_vision_language(cfg: Any) -> bool:
 
 
 def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None,
-                    lora: bool = False, role: str = "actor", custom_provider: bool = False) -> None:
+                    lora: bool = False, role: str = "actor", custom_provider: bool = False, teacher: bool = False) -> None:
     """Raise ValueError naming what a vision-language model cannot do on the Megatron backend yet."""
     mt = getattr(cfg, "model_type", None)
     if mt not in DECODER_FAMILY:
@@ -56,9 +56,11 @@ def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
         bad.append("a critic (--advantage-estimator gae)")
     if custom_provider:
         bad.append("--custom-model-provider-path")
+    if teacher:
+        bad.append("--opd-teacher-load")
     if bad:
         raise ValueError(f"--train-backend megatron with a vision-language model ({mt}) runs on one model-parallel rank "
-                         f"without LoRA or a critic; {', '.join(bad)} is not supported with it yet (use --train-backend "
+                         f"without LoRA, a critic or a teacher; {', '.join(bad)} is not supported with it yet (use --train-backend "
                          "fsdp for that)")
 
 
@@ -193,16 +195,6 @@ def image_features(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tenso
     out = tower(pixel_values.to(first.dtype), grid_thw=grid_thw)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     return feats
-
-
-def idle_term(tower: torch.nn.Module) -> Tensor:
-    """0 times the tower's output on the smallest image it takes: a micro-batch without images still gives every
-    vision parameter a (zero) gradient, so the data-parallel gradient buffers see the same graph on every rank."""
-    merge = int(tower.spatial_merge_size)
-    w = tower.patch_embed.proj.weight
-    pixels = torch.zeros(merge * merge, w[0].numel(), dtype=w.dtype, device=w.device)
-    grid = torch.tensor([[1, merge, merge]], device=w.device)
-    return 0.0 * image_features(tower, pixels, grid).float().sum()
 
 
 def merge_embeddings(emb: Tensor, ids: Tensor, feats: Tensor, image_token_id: int) -> Tensor:
