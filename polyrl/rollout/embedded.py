@@ -165,7 +165,7 @@ class EmbeddedEngine(InProcessEngine):
             self.routing.begin_at([r * P + torch.arange(P - lens[r], P) for r in range(B)], B * P, self.device,
                                   record=True, count=False)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                            use_cache=True, **pixels).logits[:, -1]
+                            use_cache=True, logits_to_keep=1, **pixels).logits[:, -1]  # not [B, P, vocab] logits
         if routes is not None:
             for r, x in enumerate(self.routing.recorded(drop_last=False)):
                 routes[r].append(x)
@@ -217,7 +217,7 @@ class EmbeddedEngine(InProcessEngine):
                                       count=False)
             step_pos = next_pos[None, :, None].expand(3, -1, -1) if vision else next_pos[:, None]
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=step_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             if routes is not None:
                 for r, x in zip(rows.tolist(), self.routing.recorded(drop_last=False)):
                     routes[r].append(x)
