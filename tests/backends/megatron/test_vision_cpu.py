@@ -144,3 +144,37 @@ def test_packed_positions_pad_past_the_largest():
     per = [torch.tensor([[0, 1, 1, 4]] * 3), torch.arange(2).expand(3, -1)]
     out = vision.packed_positions(per, torch.tensor([0, 4, 7]))
     assert out[0].tolist() == [0, 1, 1, 4, 0, 1, 2]
+
+
+def test_backend_gathers_pixel_inputs_and_packs_3d_positions(vl):
+    """The Megatron backend's own data path (no megatron needed): _gather_batch carries each sample's pixel inputs,
+    _vision_inputs gives a micro-batch every image in token order and its [3, T] positions; a rank's dummy gets 1-D
+    positions and no images."""
+    import types
+
+    from polyrl.backends.megatron.backend import MegatronBackend
+    from polyrl.dist import init_distributed
+    from polyrl.types import TrainBatch
+
+    init_distributed("cpu")
+    _, model, proc = vl
+    cfg = model.config
+    samples = _samples(proc, 3)
+    ids = [samples[0][0], torch.tensor([5, 6, 7]), samples[2][0]]  # the middle one text-only
+    batch = TrainBatch(ids, [int(x.numel()) - 1 for x in ids], {"loss_mask": [torch.ones(1)] * 3},
+                       multimodal=[samples[0][1], None, samples[2][1]])
+    fake = types.SimpleNamespace(vl_config=cfg, _rope_index_model=vision.rope_index_model(cfg),
+                                 device=torch.device("cpu"))
+    glob, counts = MegatronBackend._gather_batch(fake, batch, True)
+    assert counts == [3] and [m is None for m in glob.multimodal] == [False, True, False]
+    pb = thd.pack_thd(glob.input_ids, glob.prompt_lens)
+    vis = MegatronBackend._vision_inputs(fake, glob, pb)
+    assert torch.equal(vis["pixel_values"], torch.cat([samples[0][1]["pixel_values"], samples[2][1]["pixel_values"]]))
+    assert int((pb.input_ids == cfg.image_token_id).sum()) == int((vis["image_grid_thw"].prod(-1) // 4).sum())
+    offs = [int(x) for x in pb.cu_seqlens]
+    assert torch.equal(vis["pos3"][:, offs[1]:offs[2]], torch.arange(3).expand(3, -1))
+    assert torch.equal(vis["pos3"][:, :offs[1]], mrope_positions(model, glob.input_ids[0],
+                                                                   samples[0][1]["image_grid_thw"], cfg.image_token_id))
+    dummy = TrainBatch([torch.zeros(2, dtype=torch.long)], [1], {})
+    out = MegatronBackend._vision_inputs(fake, dummy, thd.pack_thd(dummy.input_ids, dummy.prompt_lens))
+    assert set(out) == {"pos3"} and torch.equal(out["pos3"], torch.arange(2).expand(3, -1))
