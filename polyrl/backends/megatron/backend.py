@@ -343,6 +343,8 @@ class MegatronBackend:
         from polyrl.backends.megatron import vision
         emb = chunk.embedding(input_ids=ids, position_ids=pos)
         if "pixel_values" not in vis:
+            if torch.is_grad_enabled() and any(p.requires_grad for p in chunk.vision_model.parameters()):
+                emb = emb + vision.idle_term(chunk.vision_model).to(emb.dtype)
             return emb
         feats = vision.image_features(chunk.vision_model, vis["pixel_values"], vis["image_grid_thw"])
         return vision.merge_embeddings(emb, ids, feats, self.vl_config.image_token_id)

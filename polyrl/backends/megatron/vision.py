@@ -197,6 +197,18 @@ def image_features(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tenso
     return feats
 
 
+def idle_term(tower: torch.nn.Module) -> Tensor:
+    """0 times the tower's output on the smallest image it takes (one merged token of zero pixels): a training
+    micro-batch without images still reaches every vision parameter in the backward (with zero gradient), so megatron's
+    DDP sees the same parameters ready whichever micro-batch comes last (overlap_grad_reduce waits for all of a
+    bucket's). Adding it changes no value (x + 0.0 == x)."""
+    merge = int(tower.spatial_merge_size)
+    w = tower.patch_embed.proj.weight
+    pixels = torch.zeros(merge * merge, w[0].numel(), dtype=w.dtype, device=w.device)
+    grid = torch.tensor([[1, merge, merge]], device=w.device)
+    return 0.0 * image_features(tower, pixels, grid).float().sum()
+
+
 def merge_embeddings(emb: Tensor, ids: Tensor, feats: Tensor, image_token_id: int) -> Tensor:
     """emb [T, 1, H] (megatron's embedding output) with the image-pad rows replaced by feats [N, H], in order, as
     HF's masked_scatter does; N must be the number of pads."""

@@ -73,7 +73,7 @@ def test_checkpoint_names_through_the_bridge_and_back_are_exact(vl):
 
 
 def test_older_checkpoint_layout_reads_the_same(vl):
-    _, model, _ = vl
+    path, model, _ = vl
     hf = {n: t for n, t in model.state_dict().items()}
     old = {}
     for n, t in hf.items():  # transformers 4's saved names: model.layers.*, visual.*
@@ -87,6 +87,9 @@ def test_older_checkpoint_layout_reads_the_same(vl):
     a, b = bridge.hf_to_mcore(vision.TextCheckpoint(hf), tcfg), bridge.hf_to_mcore(vision.TextCheckpoint(old), tcfg)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert vision.vision_state(old).keys() == vision.vision_state(hf).keys()
+    saved = bridge.load_hf_safetensors(path)  # what save_pretrained writes (the older names, here)
+    assert bridge.hf_to_mcore(vision.TextCheckpoint(saved), tcfg).keys() == a.keys()
+    assert vision.vision_state(saved).keys() == vision.vision_state(hf).keys()
 
 
 @torch.no_grad()
@@ -178,3 +181,14 @@ def test_backend_gathers_pixel_inputs_and_packs_3d_positions(vl):
     dummy = TrainBatch([torch.zeros(2, dtype=torch.long)], [1], {})
     out = MegatronBackend._vision_inputs(fake, dummy, thd.pack_thd(dummy.input_ids, dummy.prompt_lens))
     assert set(out) == {"pos3"} and torch.equal(out["pos3"], torch.arange(2).expand(3, -1))
+
+
+def test_idle_term_is_zero_and_reaches_every_vision_parameter(vl):
+    _, model, _ = vl
+    tower = vision.build_tower(model.config, torch.float32, "cpu")
+    vision.load_tower(tower, model.state_dict())
+    x = torch.randn(5, 1, 8)
+    out = x + vision.idle_term(tower)
+    assert torch.equal(out, x)
+    out.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in tower.parameters())
