@@ -240,21 +240,36 @@ def packed_positions(per_sample: list[Tensor], cu_seqlens: Tensor) -> Tensor:
 
 
 class MropeRope:
-    """RoPE tables of a packed micro-batch from the HF model's multimodal rotary module (mrope_section over the
-    rotary halves), at 3-D positions [3, T] (or 1-D [T]: text, the same on all three rows)."""
+    """RoPE tables of a packed micro-batch at 3-D positions [3, T] (or 1-D [T]: text, the same on all three rows):
+    the HF rotary module's inverse frequencies and attention scaling, each rotary half's frequency bands taken from
+    the time, height or width position by `mrope_section` (Qwen2-VL's layout, which transformers applies in the
+    rotary module or in the attention depending on its version; done here so the tables do not depend on that)."""
 
     def __init__(self, vl_config: Any, dtype: torch.dtype, device):
         mt = vl_config.model_type
         mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
         cls = getattr(mod, type(vl_config).__name__.removesuffix("Config") + "RotaryEmbedding")
-        self.rotary = cls(vl_config.text_config).to(device)  # fp32 buffers outside the module tree
+        rotary = cls(vl_config.text_config)
+        self.inv_freq = rotary.inv_freq.float().to(device)  # fp32, outside the module tree
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        t = vl_config.text_config
+        params = dict(getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {})
+        self.section = list(params.get("mrope_section") or getattr(rotary, "mrope_section", None) or [16, 24, 24])
+        if sum(self.section) != self.inv_freq.numel():
+            raise ValueError(f"mrope_section {self.section} does not cover the {self.inv_freq.numel()} rotary "
+                             "frequencies")
+        if params.get("mrope_interleaved"):
+            raise ValueError("interleaved mrope (Qwen3-VL) is not supported on the Megatron backend")
         self.dtype = dtype
 
     def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         pos = position_ids if position_ids.dim() == 2 else position_ids[None].expand(3, -1)
-        x = torch.empty(0, dtype=self.dtype, device=pos.device)
-        cos, sin = self.rotary(x, pos[:, None, :])
-        return cos[0, :, None, :], sin[0, :, None, :]
+        freqs = pos[..., None].float() * self.inv_freq.to(pos.device)  # [3, T, r/2]
+        bands = freqs.split(self.section, dim=-1)
+        f = torch.cat([b[i % 3] for i, b in enumerate(bands)], dim=-1)
+        emb = torch.cat((f, f), dim=-1)
+        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos[:, None, :].to(self.dtype), sin[:, None, :].to(self.dtype)
 
 
 def rope_index_model(vl_config: Any):
