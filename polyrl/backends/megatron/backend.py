@@ -97,7 +97,7 @@ class MegatronBackend:
             vision.check_supported(self.hf_config, tp=self.dims.tp, pp=self.dims.pp, cp=self.dims.cp, ep=self.dims.ep,
                                    vpp=mg.num_layers_per_virtual_pipeline_stage, lora=model_cfg.lora_rank > 0,
                                    role=role, custom_provider=bool(mg.custom_model_provider_path),
-                                   teacher=need_teacher)
+                                   teacher=need_teacher, megatron_fsdp=mg.use_megatron_fsdp)
             self.vl_config, self.hf_config = self.hf_config, vision.text_config(self.hf_config)
             self._rope_index_model = vision.rope_index_model(self.vl_config)
         self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,

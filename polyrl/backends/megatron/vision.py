@@ -13,7 +13,9 @@ width) position, computed per sample by the model's own get_rope_index (polyrl.m
 
 Qwen3-VL is refused: its deepstack features are added to the hidden states of the first decoder layers, which would
 need hooks inside megatron's TransformerBlock. Tensor, pipeline, context and expert parallelism with images are
-refused too (unproven: the merge assumes this rank holds every token of its micro-batch, whole over TP).
+refused too (unproven: the merge assumes this rank holds every token of its micro-batch, whole over TP), and so are
+Megatron-FSDP (its parameter gathering around a directly called non-megatron module is unproven), LoRA, a critic and an
+OPD teacher.
 
 No megatron import here: the name mapping, the merge and the positions are tested on CPU with plain torch.
 """
@@ -38,7 +40,8 @@ def is_vision_language(cfg: Any) -> bool:
 
 
 def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None,
-                    lora: bool = False, role: str = "actor", custom_provider: bool = False, teacher: bool = False) -> None:
+                    lora: bool = False, role: str = "actor", custom_provider: bool = False, teacher: bool = False,
+                    megatron_fsdp: bool = False) -> None:
     """Raise ValueError naming what a vision-language model cannot do on the Megatron backend yet."""
     mt = getattr(cfg, "model_type", None)
     if mt not in DECODER_FAMILY:
@@ -58,10 +61,12 @@ def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
         bad.append("--custom-model-provider-path")
     if teacher:
         bad.append("--opd-teacher-load")
+    if megatron_fsdp:
+        bad.append("--use-megatron-fsdp")
     if bad:
-        raise ValueError(f"--train-backend megatron with a vision-language model ({mt}) runs on one model-parallel rank "
-                         f"without LoRA, a critic or a teacher; {', '.join(bad)} is not supported with it yet (use --train-backend "
-                         "fsdp for that)")
+        raise ValueError(f"--train-backend megatron with a vision-language model ({mt}) runs on one model-parallel "
+                         f"rank with megatron's DDP, without LoRA, a critic or a teacher; {', '.join(bad)} is not "
+                         "supported with it yet (use --train-backend fsdp for that)")
 
 
 def text_config(cfg: Any) -> Any:

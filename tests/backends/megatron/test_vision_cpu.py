@@ -48,6 +48,8 @@ def test_refusals_name_the_flag():
         vision.check_supported(Qwen2_5_VLConfig(), tp=2)
     with pytest.raises(ValueError, match="--lora-rank"):
         vision.check_supported(Qwen2_5_VLConfig(), lora=True)
+    with pytest.raises(ValueError, match="--use-megatron-fsdp"):
+        vision.check_supported(Qwen2_5_VLConfig(), megatron_fsdp=True)
 
 
 def test_checkpoint_names_through_the_bridge_and_back_are_exact(vl):
