@@ -171,9 +171,6 @@ _HINTS = {
     ("fsdp_cpu_offload", "megatron"): " (it is FSDP2's CPUOffloadPolicy); megatron's optimizer CPU offload is "
                                       "--optimizer-cpu-offload (megatron-core's hybrid-device optimizer)",
     ("compile", "megatron"): " (the Megatron backend does not torch.compile)",
-    ("multimodal_keys", "megatron"): " or use --train-backend fsdp (Megatron's Qwen2.5-VL path, "
-                                      "polyrl/backends/megatron/vision.py, is not enabled before its GPU parity check)",
-    ("freeze_vision_tower", "megatron"): " or use --train-backend fsdp (image prompts train on FSDP only for now)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
     ("enable_mtp_training", "megatron"): " or use --train-backend fsdp (megatron-core's MTP block is not wired to the "
                                          "Megatron backend's forward yet)",
