@@ -39,25 +39,29 @@ QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
 SHAPES = ("tiny", *QWEN_SHAPES, *QWEN3_MOE_SHAPES)
 
 
-def char_tokenizer(vocab_size: int | None = None, out_dir: str | None = None):
-    """The arithmetic task's one-token-per-character tokenizer (same ids as
-    `polyrl.tasks.arithmetic.build_tokenizer`), optionally padded with `<xN>` tokens up to
-    `vocab_size` so a big-vocabulary model can sample any id and still decode it. Its decoder
-    concatenates tokens (no spaces), so a decoded answer reads "579", not "5 7 9"."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def char_tokenizer(vocab_size: int | None = None, out_dir: str | None = None, task: str = "arithmetic"):
+    """A task's one-token-per-character tokenizer (same ids as `polyrl.tasks.<task>.build_tokenizer`; the counting
+    task's vision tokens are single added tokens), optionally padded with `<xN>` tokens up to `vocab_size` so a
+    big-vocabulary model can sample any id and still decode it. Its decoder concatenates tokens (no spaces), so a
+    decoded answer reads "579", not "5 7 9"."""
+    import importlib
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from polyrl.tasks.arithmetic import CHARS, CHAT_TEMPLATE, SPECIAL
-
-    base = SPECIAL + CHARS
-    vocab = {t: i for i, t in enumerate(base)}
+    t = importlib.import_module(f"polyrl.tasks.{task}")
+    added = list(getattr(t, "VISION_TOKENS", []))
+    base = t.SPECIAL + t.CHARS + added
+    vocab = {tk: i for i, tk in enumerate(base)}
     for i in range(len(base), vocab_size or len(base)):
         vocab[f"<x{i}>"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if added:
+        tok.add_special_tokens([AddedToken(tk, normalized=False, special=True) for tk in added])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = t.CHAT_TEMPLATE
     if out_dir:
         fast.save_pretrained(out_dir)
     return fast

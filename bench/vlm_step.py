@@ -35,7 +35,7 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from common import markdown_table, median, write_json  # noqa: E402
+from common import char_tokenizer, markdown_table, median, write_json  # noqa: E402
 
 # Qwen2.5-VL-3B-Instruct's config.json (architecture numbers only; weights are random).
 QWEN25_VL_3B = dict(
@@ -86,23 +86,7 @@ sys.exit(main(sys.argv[2:]))
 def build_tokenizer(vocab_size: int | None, out_dir: str):
     """polyrl.tasks.counting's character tokenizer (Qwen2.5-VL's vision tokens as single added tokens), padded with
     `<xN>` tokens up to the model's vocabulary so any sampled id decodes."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from polyrl.tasks.counting import CHARS, CHAT_TEMPLATE, SPECIAL, VISION_TOKENS
-
-    base = SPECIAL + CHARS + VISION_TOKENS
-    vocab = {t: i for i, t in enumerate(base)}
-    for i in range(len(base), vocab_size or len(base)):
-        vocab[f"<x{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in VISION_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return fast
+    return char_tokenizer(vocab_size, out_dir, task="counting")
 
 
 def build_model_dir(out_dir: str, shape: dict, *, seed: int = 0) -> dict:

@@ -36,6 +36,20 @@ def sharpen(model, path: str, factor: int = 8) -> str:
     return path
 
 
+def need_megatron_gpus(n: int = 1) -> None:
+    """Skip unless megatron-core imports (it needs Python >= 3.12) and n CUDA GPUs are visible."""
+    import sys
+    if sys.version_info < (3, 12):
+        pytest.skip("megatron-core 0.19 needs Python >= 3.12")
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"megatron-core is not importable ({e}); pip install -e .[megatron]")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < n:
+        pytest.skip(f"needs {n} CUDA GPU(s), {gpus} visible")
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int, pad_id: int) -> list[int]:
     """transformers' greedy continuation, cut after the first EOS (the reference for engine tests)."""
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,

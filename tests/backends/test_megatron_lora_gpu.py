@@ -220,15 +220,8 @@ def mode_megatron(model_dir: str, ref_path: str, work: str) -> None:
 
 
 def _need() -> None:
-    if sys.version_info < (3, 12):
-        pytest.skip("megatron-core 0.19 needs Python >= 3.12")
-    try:
-        import megatron.core  # noqa: F401
-        import torch
-    except ImportError as e:
-        pytest.skip(f"megatron-core is not importable ({e}); pip install -e .[megatron]")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    from conftest import need_megatron_gpus
+    need_megatron_gpus(1)
 
 
 def _run(args: list[str], timeout: int = 600) -> list[dict]:

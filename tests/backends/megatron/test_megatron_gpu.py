@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import need_megatron_gpus
 
 HARNESS = os.path.join(os.path.dirname(__file__), "harness.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -29,14 +30,7 @@ def _gpus() -> int:
 
 
 def _need(n: int) -> None:
-    if sys.version_info < (3, 12):
-        pytest.skip("megatron-core 0.19 needs Python >= 3.12")
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"megatron-core is not importable ({e}); pip install -e .[megatron]")
-    if _gpus() < n:
-        pytest.skip(f"needs {n} CUDA GPU(s), {_gpus()} visible")
+    need_megatron_gpus(n)
 
 
 def _run(args: list[str], nproc: int = 0, timeout: int = 600) -> list[dict]:

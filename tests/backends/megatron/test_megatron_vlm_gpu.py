@@ -21,15 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
 def _need() -> None:
-    if sys.version_info < (3, 12):
-        pytest.skip("megatron-core 0.19 needs Python >= 3.12")
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"megatron-core is not importable ({e}); pip install -e .[megatron]")
-    import torch
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    from conftest import need_megatron_gpus
+    need_megatron_gpus(1)
 
 
 def _launch(args: list[str], timeout: int = 500) -> list[dict]:
