@@ -27,12 +27,16 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-# GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed.
-# Three workers share one GPU (pytest-xdist, in the GPU image): 511 s on one H100 with megatron-core, inside one
-# 10-minute device call (bench/RESULTS.md#regress-2026-11-25); GPU_WORKERS=0 runs them one after another.
+# GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
+# (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. The whole suite took 526 s on one
+# H100 with four workers (bench/RESULTS.md#gpu-test-runs); for one 10-minute device call each, split it in two:
+#   make test-gpu GPU_PATHS="$(GPU_MEGATRON)"
+#   make test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON))"
 GPU_WORKERS ?= 3
+GPU_MEGATRON = tests/backends/megatron tests/backends/test_megatron_lora_gpu.py
+GPU_PATHS ?= tests
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest tests -m "gpu or multigpu" -p no:cacheprovider -rs \
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest $(GPU_PATHS) -m "gpu or multigpu" -p no:cacheprovider -rs \
 		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS))
 
 clean:
