@@ -154,15 +154,17 @@ def test_adapter_forward_trains_a_and_b_like_the_merged_weight(hf):
     rows, g = lora.local_rows_for(cfg, 1)
     pairs = {p: (full[key + p + ".A"].clone().requires_grad_(), full[key + p + ".B"].clone().requires_grad_())
              for p in ("q_proj", "k_proj")}
-    x = torch.randn(3, 1, cfg.hidden_size)
+    x = torch.randn(3, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     lora.adapter_forward("self_attention.linear_qkv", x, pairs, 2.0, rows, g).pow(2).sum().backward()
     got = [t.grad.clone() for ab in pairs.values() for t in ab]
     for ab in pairs.values():
         for t in ab:
             t.grad = None
     (x @ (2.0 * lora.local_delta("self_attention.linear_qkv", pairs, rows, g)).t()).pow(2).sum().backward()
+    # FP32 in two association orders, (x A^T) B^T against x (B A)^T: each gradient element sums ~hidden products whose
+    # partial sums reach ~1e-1, so the orders differ by a few ulps of those (~1e-6 seen); 1e-5 absolute leaves 10x
     for a, b in zip(got, [t.grad for ab in pairs.values() for t in ab]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_peft_adapter_directory_loads_onto_the_hf_model(hf, tmp_path, tiny_model):
