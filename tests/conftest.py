@@ -57,6 +57,40 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int, pa
     return out[: out.index(eos_id) + 1] if eos_id in out else out
 
 
+def image_batch(proc, n: int = 6, seed: int = 0, *, text_only: int | None = None, rl_fields: bool = False):
+    """n samples for vision-language tests: image prompts of different lengths with one or two counting boards each, one
+    text-only sample (at index text_only, by default the last) and random responses. Fields: loss_mask of ones, or with
+    rl_fields a random loss mask, advantages and rollout log-probs for an RL step."""
+    import random
+
+    from polyrl.tasks import counting
+    from polyrl.types import TrainBatch
+
+    text_only = n - 1 if text_only is None else text_only
+    rng = random.Random(seed)
+    imgs = [counting.draw_board(counting.make_board(rng)[0]) for _ in range(2 * n)]
+    g = torch.Generator().manual_seed(seed)
+    ids, plens, mms = [], [], []
+    for i in range(n):
+        if i == text_only:
+            p, mm = proc.tokenizer("how many?", add_special_tokens=False)["input_ids"], None
+        else:
+            k = 1 + i % 2
+            msg = [{"role": "user", "content": [{"type": "image"}] * k + [{"type": "text", "text": "x" * i}]}]
+            p, mm = proc.encode(msg, imgs[2 * i:2 * i + k])
+        resp = torch.randint(2, 30, (3 + i,), generator=g).tolist()
+        ids.append(torch.tensor(p + resp))
+        plens.append(len(p))
+        mms.append(mm)
+    rl = [int(x.numel()) - p for x, p in zip(ids, plens)]
+    if not rl_fields:
+        return TrainBatch(ids, plens, {"loss_mask": [torch.ones(r) for r in rl]}, multimodal=mms)
+    fields = {"loss_mask": [(torch.rand(r, generator=g) > 0.1).float() for r in rl],
+              "advantages": [torch.full((r,), 1.0 if i % 2 else -0.5) for i, r in enumerate(rl)],
+              "rollout_logprobs": [torch.full((r,), -3.0) for r in rl]}
+    return TrainBatch(ids, plens, fields, multimodal=mms)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Qwen2-style, tied embeddings, 2 layers, hidden 64."""

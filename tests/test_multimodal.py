@@ -14,7 +14,9 @@ import torch
 from polyrl.data import DataError, PromptDataset, load_records, load_sft_records
 from polyrl.multimodal import VisionProcessor, image_data_url
 from polyrl.tasks import counting
-from polyrl.types import SamplingParams, TrainBatch
+from polyrl.types import SamplingParams
+
+from conftest import image_batch  # test_multimodal_gpu imports it from here too
 
 PROMPT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many red squares? answer:"}]}]
 
@@ -185,26 +187,6 @@ def _backend(model_dir: str, *, lr: float = 1e-2, freeze: bool = False, **batch)
     init_distributed("cpu")
     return FSDPBackend(ModelConfig(hf_checkpoint=model_dir, freeze_vision_tower=freeze), OptimizerConfig(lr=lr),
                        BatchConfig(**batch), device="cpu")
-
-
-def image_batch(proc: VisionProcessor, n: int = 6, seed: int = 0) -> TrainBatch:
-    """n samples: image prompts of different lengths and one or two images, a text-only one, random responses."""
-    g = torch.Generator().manual_seed(seed)
-    imgs = boards(2 * n, seed=seed)
-    ids, plens, mms = [], [], []
-    for i in range(n):
-        if i == n - 1:  # text only, in the same micro-batch
-            p, mm = proc.tokenizer("how many?", add_special_tokens=False)["input_ids"], None
-        else:
-            k = 1 + i % 2
-            msg = [{"role": "user", "content": [{"type": "image"}] * k + [{"type": "text", "text": "x" * i}]}]
-            p, mm = proc.encode(msg, imgs[2 * i:2 * i + k])
-        resp = torch.randint(2, 30, (3 + i,), generator=g).tolist()
-        ids.append(torch.tensor(p + resp))
-        plens.append(len(p))
-        mms.append(mm)
-    rl = [int(x.numel()) - p for x, p in zip(ids, plens)]
-    return TrainBatch(ids, plens, {"loss_mask": [torch.ones(r) for r in rl]}, multimodal=mms)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

@@ -187,6 +187,7 @@ class MegatronBackend:
 
     def _build_teacher(self, path: str) -> list:
         """The OPD teacher in the actor's parallel layout (TP / PP / virtual stages / CP / EP), from its own config.
+                    vision.attach_deepstack(c, self.vl_config)  # Qwen3-VL: its features join the first layers
         Micro-batches are packed once for all models (sequence-parallel padding included), and a pipeline runs one
         schedule, so the teacher must split into the same stages and agree on sequence parallelism."""
         from transformers import AutoConfig
@@ -342,12 +343,7 @@ class MegatronBackend:
         """Megatron's token embedding [T, 1, H] with the vision tower's features in the image-pad rows."""
         from polyrl.backends.megatron import vision
         emb = chunk.embedding(input_ids=ids, position_ids=pos)
-        if "pixel_values" not in vis:
-            if torch.is_grad_enabled() and any(p.requires_grad for p in chunk.vision_model.parameters()):
-                emb = emb + vision.idle_term(chunk.vision_model).to(emb.dtype)
-            return emb
-        feats = vision.image_features(chunk.vision_model, vis["pixel_values"], vis["image_grid_thw"])
-        return vision.merge_embeddings(emb, ids, feats, self.vl_config.image_token_id)
+        return vision.decoder_input(chunk, emb, ids, vis, self.vl_config.image_token_id)
 
     def _run(self, model: list, micros: list[_Micro], loss_func, *, forward_only: bool, temperature: float,
              with_entropy: bool, route_mode: str | None = None):

@@ -1,23 +1,30 @@
 """Vision-language models on the Megatron backend: the language model through the bridge, the HF vision tower as a
 plain module on the first pipeline stage.
 
-A Qwen2.5-VL checkpoint holds a Qwen2 decoder (`model.language_model.*`, or `model.*` in the older layout), the vision
-tower (`model.visual.*` / `visual.*`) and `lm_head`. The decoder is built by the bridge from `text_config(cfg)` (the
-text config under the decoder family's model type) and reads the checkpoint through `TextCheckpoint`, which shows it
-the text names a Qwen2ForCausalLM would have. The vision tower is HF's own module, attached to each first-stage GPTModel
-as `vision_model` (so DDP, the optimizer, the grad norm and the named parameters include it), loaded from and exported to
-its HF names one to one. The forward embeds the tokens with megatron's embedding, scatters the vision tower's merged
-image features into the image-pad rows (HF's masked_scatter, same order) and hands the result to GPTModel as
-`decoder_input`; RoPE tables come from the HF model's multimodal rotary module at each token's 3-D (time, height,
-width) position, computed per sample by the model's own get_rope_index (polyrl.multimodal.mrope_positions).
+A Qwen2.5-VL / Qwen3-VL checkpoint holds a decoder (Qwen2 / Qwen3 with q/k norms; `model.language_model.*`, or
+`model.*` in the older layout), the vision tower (`model.visual.*` / `visual.*`) and `lm_head`. The decoder is built by
+the bridge from `text_config(cfg)` (the text config under the decoder family's model type) and reads the checkpoint
+through `TextCheckpoint`, which shows it the text names a *ForCausalLM would have. The vision tower is HF's own module,
+attached to each first-stage GPTModel as `vision_model` (so DDP, the optimizer, the grad norm and the named parameters
+include it), loaded from and exported to its HF names one to one (Qwen3-VL's deepstack mergers included). The forward
+embeds the tokens with megatron's embedding, scatters the vision tower's merged image features into the image-pad rows
+(HF's masked_scatter, same order) and hands the result to GPTModel as `decoder_input`; RoPE tables come from the HF
+model's multimodal rotary frequencies at each token's 3-D (time, height, width) position, computed per sample by the
+model's own get_rope_index (polyrl.multimodal.mrope_positions), with Qwen2-VL's contiguous or Qwen3-VL's interleaved
+assignment of frequencies to the three axes (megatron's MultimodalRotaryEmbedding has only the contiguous one).
 
-Qwen3-VL is refused: its deepstack features are added to the hidden states of the first decoder layers, which would
-need hooks inside megatron's TransformerBlock. Tensor, pipeline, context and expert parallelism with images are
-refused too (unproven: the merge assumes this rank holds every token of its micro-batch, whole over TP), and so are
+Qwen3-VL's deepstack: the vision tower's features from some of its blocks (deepstack_visual_indexes) are added to the
+decoder's hidden states at the image-pad rows after decoder layers 0 .. k-1 (HF's _deepstack_process). Here forward
+hooks on those TransformerLayers of the first stage add them (`attach_deepstack`), reading the features the same
+micro-batch's `decoder_input` left on the chunk.
+
+Tensor, pipeline, context and expert parallelism with images are refused (unproven: the merge assumes this rank holds
+every token of its micro-batch, whole over TP, and the deepstack layers on the stage that runs the tower), and so are
 Megatron-FSDP (its parameter gathering around a directly called non-megatron module is unproven), LoRA, a critic and an
 OPD teacher.
 
-No megatron import here: the name mapping, the merge and the positions are tested on CPU with plain torch.
+No megatron import here: the name mapping, the merge, the deepstack addition and the positions are tested on CPU with
+plain torch.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import Tensor
 
 PREFIX = "vision_model."  # the HF vision tower's attribute on a first-stage GPTModel
 # HF VL model_type -> the bridge family of its decoder
-DECODER_FAMILY = {"qwen2_5_vl": "qwen2"}
+DECODER_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 def is_vision_language(cfg: Any) -> bool:
@@ -45,9 +52,7 @@ def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
     """Raise ValueError naming what a vision-language model cannot do on the Megatron backend yet."""
     mt = getattr(cfg, "model_type", None)
     if mt not in DECODER_FAMILY:
-        why = (" (its deepstack visual features feed the first decoder layers' hidden states, which megatron's "
-               "TransformerBlock has no hook for)" if mt == "qwen3_vl" else "")
-        raise ValueError(f"--train-backend megatron: vision-language model_type {mt!r} is not supported{why}; supported: "
+        raise ValueError(f"--train-backend megatron: vision-language model_type {mt!r} is not supported; supported: "
                          f"{sorted(DECODER_FAMILY)}; use --train-backend fsdp")
     bad = [f"{flag} {v}" for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                                          ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)) if v > 1]
@@ -173,7 +178,9 @@ def build_tower(cfg: Any, dtype: torch.dtype, device) -> torch.nn.Module:
     """The HF vision tower of a VL config (its own class, SDPA attention), uninitialised weights are overwritten by
     `load_tower`."""
     mod = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
-    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("VisionTransformerPretrainedModel"))
+    named = type(cfg.vision_config).__name__.removesuffix("Config") + "Model"  # Qwen3VLVisionModel
+    cls = getattr(mod, named, None) or next(getattr(mod, n) for n in dir(mod)
+                                            if n.endswith("VisionTransformerPretrainedModel"))
     vcfg = copy.deepcopy(cfg.vision_config)
     vcfg._attn_implementation = "sdpa"
     with torch.device(device):
@@ -194,24 +201,34 @@ def load_tower(tower: torch.nn.Module, hf: Mapping[str, Tensor]) -> None:
         p.copy_(sd[n])
 
 
-def image_features(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
-    """[image tokens, hidden] merged features of all images, in order (HF get_image_features' pooler output)."""
+def vision_outputs(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """([image tokens, hidden] merged features of all images, in order (HF get_image_features' pooler output),
+    Qwen3-VL's deepstack features: one [image tokens, hidden] per deepstack layer, [] for towers without them)."""
     first = next(tower.parameters())
     out = tower(pixel_values.to(first.dtype), grid_thw=grid_thw)
-    feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    return feats
+    if isinstance(out, tuple):  # transformers 4's Qwen3-VL tower: (merged, deepstack list)
+        return out[0], list(out[1]) if len(out) > 1 else []
+    if hasattr(out, "pooler_output"):
+        return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+    return out, []
+
+
+def image_features(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
+    """[image tokens, hidden] merged features of all images, in order (HF get_image_features' pooler output)."""
+    return vision_outputs(tower, pixel_values, grid_thw)[0]
 
 
 def idle_term(tower: torch.nn.Module) -> Tensor:
-    """0 times the tower's output on the smallest image it takes (one merged token of zero pixels): a training
-    micro-batch without images still reaches every vision parameter in the backward (with zero gradient), so megatron's
-    DDP sees the same parameters ready whichever micro-batch comes last (overlap_grad_reduce waits for all of a
-    bucket's). Adding it changes no value (x + 0.0 == x)."""
+    """0 times the tower's outputs (merged and deepstack features) on the smallest image it takes (one merged token of
+    zero pixels): a training micro-batch without images still reaches every vision parameter in the backward (with
+    zero gradient), so megatron's DDP sees the same parameters ready whichever micro-batch comes last
+    (overlap_grad_reduce waits for all of a bucket's). Adding it changes no value (x + 0.0 == x)."""
     merge = int(tower.spatial_merge_size)
     w = tower.patch_embed.proj.weight
     pixels = torch.zeros(merge * merge, w[0].numel(), dtype=w.dtype, device=w.device)
     grid = torch.tensor([[1, merge, merge]], device=w.device)
-    return 0.0 * image_features(tower, pixels, grid).float().sum()
+    feats, deep = vision_outputs(tower, pixels, grid)
+    return 0.0 * sum((d.float().sum() for d in deep), feats.float().sum())
 
 
 def merge_embeddings(emb: Tensor, ids: Tensor, feats: Tensor, image_token_id: int) -> Tensor:
@@ -222,6 +239,84 @@ def merge_embeddings(emb: Tensor, ids: Tensor, feats: Tensor, image_token_id: in
     if n != feats.shape[0]:
         raise ValueError(f"the micro-batch has {n} image tokens but its images make {feats.shape[0]} features")
     return emb.masked_scatter(mask[:, None, None].expand_as(emb), feats.to(emb.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-VL's deepstack
+
+
+def add_deepstack(hidden: Tensor, mask: Tensor, embeds: Tensor) -> Tensor:
+    """hidden [T, 1, H] (megatron's; or HF's [1, T, H]) with embeds [N, H] added to the rows where mask [T] is set, in
+    order: HF's _deepstack_process (the sum in the hidden states' dtype, the other rows untouched), out of place."""
+    m = mask.reshape(hidden.shape[:-1])[..., None].expand_as(hidden)
+    added = hidden[m].view(-1, hidden.shape[-1]) + embeds.to(hidden.dtype)
+    return hidden.masked_scatter(m, added)
+
+
+class DeepstackState:
+    """The deepstack features of the micro-batch a first-stage chunk is running: `mask` [T] (its image-pad rows) and
+    one [N, H] tensor per deepstack layer, or mask None (no images: nothing is added)."""
+
+    def __init__(self):
+        self.mask: Tensor | None = None
+        self.embeds: list[Tensor] = []
+
+
+DEEPSTACK = "deepstack_state"  # a first-stage GPTModel's DeepstackState (a plain attribute, not a module)
+
+
+def deepstack_layers(vl_config: Any) -> int:
+    return len(getattr(vl_config.vision_config, "deepstack_visual_indexes", None) or [])
+
+
+def attach_deepstack(chunk: torch.nn.Module, vl_config: Any) -> None:
+    """Forward hooks on the chunk's first deepstack_layers(vl_config) TransformerLayers adding the micro-batch's
+    deepstack features to their output hidden states (HF adds feature i after decoder layer i); the last of them lets
+    go of the features (autograd keeps what the backward needs). No-op for towers without deepstack."""
+    k = deepstack_layers(vl_config)
+    if not k:
+        return
+    if getattr(chunk.config, "recompute_granularity", None) == "full":
+        # the recomputed layers would backpropagate into the tower's graph inside the checkpoint, then again outside
+        raise ValueError("--recompute-granularity full (or --gradient-checkpointing) with Qwen3-VL on --train-backend "
+                         "megatron: the deepstack features added inside recomputed layers are not supported; use "
+                         "--recompute-granularity selective or none, or --train-backend fsdp")
+    state = DeepstackState()
+    setattr(chunk, DEEPSTACK, state)
+    layers = chunk.decoder.layers
+    last = min(k, len(layers)) - 1
+    for i in range(last + 1):
+        def hook(module, args, output, i=i):
+            if state.mask is None:
+                return None
+            h, *rest = output if isinstance(output, tuple) else (output,)
+            h = add_deepstack(h, state.mask, state.embeds[i])
+            if i == last:
+                state.mask, state.embeds = None, []
+            return (h, *rest) if isinstance(output, tuple) else h
+        layers[i].register_forward_hook(hook)
+
+
+def decoder_input(chunk: torch.nn.Module, emb: Tensor, ids: Tensor, vis: Mapping[str, Tensor],
+                  image_token_id: int) -> Tensor:
+    """A first-stage chunk's decoder input: megatron's token embedding emb [T, 1, H] with the vision tower's merged
+    features in the image-pad rows; its deepstack features (Qwen3-VL) are left on the chunk for the layer hooks."""
+    tower = chunk.vision_model
+    state = getattr(chunk, DEEPSTACK, None)
+    if state is not None:
+        state.mask, state.embeds = None, []
+    if "pixel_values" not in vis:
+        if torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters()):
+            emb = emb + idle_term(tower).to(emb.dtype)
+        return emb
+    feats, deep = vision_outputs(tower, vis["pixel_values"], vis["image_grid_thw"])
+    emb = merge_embeddings(emb, ids, feats, image_token_id)
+    if state is not None:
+        n = len(chunk.decoder.layers)
+        state.mask, state.embeds = ids.reshape(-1) == image_token_id, deep[:n]
+        if deep[n:] and torch.is_grad_enabled():  # features of layers the model lacks (HF drops them): zero gradient
+            emb = emb + 0.0 * sum(d.float().sum() for d in deep[n:]).to(emb.dtype)
+    return emb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,32 +341,44 @@ def packed_positions(per_sample: list[Tensor], cu_seqlens: Tensor) -> Tensor:
 
 class MropeRope:
     """RoPE tables of a packed micro-batch at 3-D positions [3, T] (or 1-D [T]: text, the same on all three rows):
-    the HF rotary module's inverse frequencies and attention scaling, each rotary half's frequency bands taken from
-    the time, height or width position by `mrope_section` (Qwen2-VL's layout, which transformers applies in the
-    rotary module or in the attention depending on its version; done here so the tables do not depend on that)."""
+    the HF rotary module's inverse frequencies and attention scaling, each rotary frequency taken from the time,
+    height or width position by `mrope_section`: in contiguous bands (Qwen2-VL's layout, which transformers applies in
+    the rotary module or in the attention depending on its version) or interleaved (Qwen3-VL's `mrope_interleaved`:
+    frequency j from height if j % 3 == 1 and j < 3 * section[1], from width if j % 3 == 2 and j < 3 * section[2],
+    else from time). Done here so the tables do not depend on the transformers version."""
 
     def __init__(self, vl_config: Any, dtype: torch.dtype, device):
         mt = vl_config.model_type
         mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
-        cls = getattr(mod, type(vl_config).__name__.removesuffix("Config") + "RotaryEmbedding")
-        rotary = cls(vl_config.text_config)
+        t = vl_config.text_config
+        names = [type(c).__name__.removesuffix("Config") + "RotaryEmbedding" for c in (vl_config, t)]
+        cls = next(getattr(mod, n) for n in names if hasattr(mod, n))  # Qwen2_5_VLRotaryEmbedding, Qwen3VLText...
+        rotary = cls(t)
         self.inv_freq = rotary.inv_freq.float().to(device)  # fp32, outside the module tree
         self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        t = vl_config.text_config
         params = dict(getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {})
         self.section = list(params.get("mrope_section") or getattr(rotary, "mrope_section", None) or [16, 24, 24])
         if sum(self.section) != self.inv_freq.numel():
             raise ValueError(f"mrope_section {self.section} does not cover the {self.inv_freq.numel()} rotary "
                              "frequencies")
-        if params.get("mrope_interleaved"):
-            raise ValueError("interleaved mrope (Qwen3-VL) is not supported on the Megatron backend")
+        # HF's Qwen3-VL rotary interleaves whatever the config says; the flag names it for other models
+        self.interleaved = mt in ("qwen3_vl", "qwen3_vl_moe") or bool(params.get("mrope_interleaved"))
         self.dtype = dtype
 
-    def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def frequencies(self, position_ids: Tensor) -> Tensor:
+        """[T, r/2] angles: each frequency times the position of its axis."""
         pos = position_ids if position_ids.dim() == 2 else position_ids[None].expand(3, -1)
         freqs = pos[..., None].float() * self.inv_freq.to(pos.device)  # [3, T, r/2]
-        bands = freqs.split(self.section, dim=-1)
-        f = torch.cat([b[i % 3] for i, b in enumerate(bands)], dim=-1)
+        if not self.interleaved:
+            return torch.cat([b[i % 3] for i, b in enumerate(freqs.split(self.section, dim=-1))], dim=-1)
+        f = freqs[0].clone()
+        for axis in (1, 2):
+            idx = slice(axis, 3 * self.section[axis], 3)
+            f[..., idx] = freqs[axis, ..., idx]
+        return f
+
+    def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        f = self.frequencies(position_ids)
         emb = torch.cat((f, f), dim=-1)
         cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
         return cos[:, None, :].to(self.dtype), sin[:, None, :].to(self.dtype)

@@ -1,7 +1,9 @@
-"""Megatron backend with a vision-language model on one GPU, FP32: a tiny Qwen2.5-VL (random weights, random norms and
-biases) against the FSDP backend on the same batch of image prompts (1 or 2 images per sample, one text-only sample,
-two micro-batches): per-token log-probs, loss and grad norm of one RL step, the exported HF weights (decoder and
-`model.visual.*`) equal to the checkpoint's before the step and close to FSDP's after it, and save_hf loading back.
+"""Megatron backend with a vision-language model on one GPU, FP32: a tiny Qwen2.5-VL and a tiny Qwen3-VL (3 decoder
+layers, deepstack features from both vision blocks into decoder layers 0 and 1; random weights, random norms and biases)
+against the FSDP backend on the same batch of image prompts (1 or 2 images per sample, one text-only sample, two
+micro-batches): per-token log-probs, loss and grad norm of one RL step, the exported HF weights (decoder and
+`model.visual.*`, deepstack mergers included) equal to the checkpoint's before the step and close to FSDP's after it,
+and save_hf loading back.
 
 Each backend runs in its own single-process torchrun launch of this file (as harness.py does); the pytest test reads
 their RESULT lines. Skipped without CUDA, megatron-core or Python >= 3.12.
@@ -17,7 +19,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+TESTS = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(TESTS)
+ARCHS = ["qwen2_5_vl", "qwen3_vl"]
 
 
 def _need() -> None:
@@ -35,12 +39,13 @@ def _launch(args: list[str], timeout: int = 500) -> list[dict]:
 
 
 @pytest.mark.gpu
-def test_fp32_megatron_equals_fsdp_on_qwen2_5_vl(tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_megatron_equals_fsdp_on_vl(tmp_path, arch):
     _need()
     model = str(tmp_path / "vl")
     ref = str(tmp_path / "fsdp.pt")
-    _launch(["fsdp", model, ref])
-    results = _launch(["megatron", model, ref, str(tmp_path / "saved")])
+    _launch(["fsdp", arch, model, ref])
+    results = _launch(["megatron", arch, model, ref, str(tmp_path / "saved")])
     print("\n".join(json.dumps(r) for r in results))
     checks = {r["check"]: r for r in results}
     assert set(checks) == {"logprob_parity", "export_exact", "grad_norm", "weights_after_step", "save_hf"}, results
@@ -62,32 +67,35 @@ STEP_MAX_TOL = 2.5e-3
 STEP_MEAN_TOL = 1e-4
 
 
-def _batch(proc, n: int = 6):
+def build_vl(model_dir: str, arch: str):
+    """The tiny VL model of this test, saved to model_dir (Qwen3-VL: 3 decoder layers and both vision blocks' deepstack
+    features, so layers 0 and 1 get them and layer 2 does not); random norms and biases, so a misplaced tensor changes
+    the output. Returns (model, processor)."""
     import torch
+    from transformers import AutoModelForImageTextToText
 
     from polyrl.tasks import counting
-    from polyrl.types import TrainBatch
-    import random
-    rng = random.Random(0)
-    imgs = [counting.draw_board(counting.make_board(rng)[0]) for _ in range(2 * n)]
-    g = torch.Generator().manual_seed(0)
-    ids, plens, mms = [], [], []
-    for i in range(n):
-        if i == 2:  # a text-only sample among image ones
-            p, mm = proc.tokenizer("how many?", add_special_tokens=False)["input_ids"], None
-        else:
-            k = 1 + i % 2
-            msg = [{"role": "user", "content": [{"type": "image"}] * k + [{"type": "text", "text": "x" * i}]}]
-            p, mm = proc.encode(msg, imgs[2 * i:2 * i + k])
-        resp = torch.randint(2, 30, (3 + i,), generator=g).tolist()
-        ids.append(torch.tensor(p + resp))
-        plens.append(len(p))
-        mms.append(mm)
-    rl = [int(x.numel()) - p for x, p in zip(ids, plens)]
-    fields = {"loss_mask": [(torch.rand(r, generator=g) > 0.1).float() for r in rl],
-              "advantages": [torch.full((r,), 1.0 if i % 2 else -0.5) for i, r in enumerate(rl)],
-              "rollout_logprobs": [torch.full((r,), -3.0) for r in rl]}
-    return TrainBatch(ids, plens, fields, multimodal=mms)
+    if arch == "qwen3_vl":
+        model, proc = counting.build_model(model_dir, arch=arch, layers=3)
+        cfg = model.config
+        cfg.vision_config.deepstack_visual_indexes = [0, 1]
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    else:
+        model, proc = counting.build_model(model_dir, arch=arch)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(model_dir)
+    return model.eval(), proc
+
+
+def _batch(proc):
+    sys.path.insert(0, TESTS)
+    from conftest import image_batch
+    return image_batch(proc, text_only=2, rl_fields=True)
 
 
 def _emit(**kw) -> None:
@@ -100,24 +108,17 @@ def _cfgs():
         BatchConfig(micro_batch_size=3)
 
 
-def _fsdp(model_dir: str, out: str) -> None:
+def _fsdp(arch: str, model_dir: str, out: str) -> None:
     import torch
 
     from polyrl.backends.fsdp.backend import FSDPBackend
     from polyrl.dist import init_distributed
     from polyrl.multimodal import VisionProcessor
-    from polyrl.tasks import counting
     sys.path.insert(0, HERE)
     from harness import RL
 
     init_distributed("cuda")
-    model, _ = counting.build_model(model_dir, arch="qwen2_5_vl")
-    torch.manual_seed(1)
-    with torch.no_grad():  # random norms and biases: a misplaced tensor changes the output
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(model_dir)
+    build_vl(model_dir, arch)
     mcfg, ocfg, bcfg = _cfgs()
     be = FSDPBackend(mcfg(model_dir), ocfg, bcfg, device="cuda", total_steps=10)
     batch = _batch(VisionProcessor.from_pretrained(model_dir))
@@ -128,7 +129,7 @@ def _fsdp(model_dir: str, out: str) -> None:
     _emit(check="fsdp_ref", grad_norm=m["grad_norm"], loss=m["loss"], ok=True)
 
 
-def _megatron(model_dir: str, ref_path: str, save_dir: str) -> None:
+def _megatron(arch: str, model_dir: str, ref_path: str, save_dir: str) -> None:
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -157,8 +158,10 @@ def _megatron(model_dir: str, ref_path: str, save_dir: str) -> None:
         if name not in want or not torch.equal(t.cpu().float(), want[name]):
             bad.append(name)
     missing = sorted(set(want) - got)
+    deep = sum(".deepstack_merger_list." in n for n in got)
     _emit(check="export_exact", tensors=len(got), vision=sum(n.startswith("model.visual.") for n in got),
-          mismatched=bad[:5], missing=missing[:5], ok=not bad and not missing and any("visual" in n for n in got))
+          deepstack=deep, mismatched=bad[:5], missing=missing[:5],
+          ok=not bad and not missing and any("visual" in n for n in got) and (deep > 0) == (arch == "qwen3_vl"))
     m = be.train_step(batch, RL, with_entropy=True)
     rel = abs(m["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
     _emit(check="grad_norm", grad_norm=m["grad_norm"], fsdp_grad_norm=ref["grad_norm"], rel=rel, loss=m["loss"],
@@ -167,7 +170,10 @@ def _megatron(model_dir: str, ref_path: str, save_dir: str) -> None:
     diffs = {k: float((after[k] - ref["hf_after"][k]).abs().max()) for k in after if k in ref["hf_after"]}
     means = {k: float((after[k] - ref["hf_after"][k]).abs().mean()) for k in diffs}
     worst, worst_mean = max(diffs, key=diffs.get), max(means, key=means.get)
-    moved = float((after["model.visual.patch_embed.proj.weight"] - want["model.visual.patch_embed.proj.weight"]).abs().max())
+    # the tower trains: its first weight, and with deepstack the merger feeding decoder layer 1, moved
+    probes = ["model.visual.patch_embed.proj.weight"] + (["model.visual.deepstack_merger_list.1.linear_fc2.weight"]
+                                                         if arch == "qwen3_vl" else [])
+    moved = min(float((after[n] - want[n]).abs().max()) for n in probes)
     _emit(check="weights_after_step", compared=len(diffs), max_abs=diffs[worst], worst=worst,
           worst_tensor_mean_abs=means[worst_mean], worst_mean=worst_mean, vision_moved=moved, tol=STEP_MAX_TOL,
           mean_tol=STEP_MEAN_TOL, ok=len(diffs) == len(after) == len(ref["hf_after"]) and diffs[worst] <= STEP_MAX_TOL
@@ -181,5 +187,5 @@ def _megatron(model_dir: str, ref_path: str, save_dir: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    mode, *rest = sys.argv[1:]
+    mode, *rest = sys.argv[1:]  # mode arch model_dir ...
     {"fsdp": _fsdp, "megatron": _megatron}[mode](*rest)

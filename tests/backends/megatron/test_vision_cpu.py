@@ -40,10 +40,10 @@ def _samples(proc, n: int):
 
 
 def test_refusals_name_the_flag():
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3VLMoeConfig
     vision.check_supported(Qwen2_5_VLConfig())
-    with pytest.raises(ValueError, match="deepstack"):
-        vision.check_supported(Qwen3VLConfig())
+    with pytest.raises(ValueError, match="'qwen3_vl_moe' is not supported.*--train-backend fsdp"):
+        vision.check_supported(Qwen3VLMoeConfig())
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2"):
         vision.check_supported(Qwen2_5_VLConfig(), tp=2)
     with pytest.raises(ValueError, match="--lora-rank"):
