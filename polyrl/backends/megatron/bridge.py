@@ -73,7 +73,8 @@ unfused: `in_proj_qkv` [2*nk*dk + nv*dv, H] (rows q | k | v, split over TP like 
 [nv*dv, H], `in_proj_b` / `in_proj_a` [nv, H] (rows per value head: dim-0 chunks).
 
 GPT-OSS (`oss_experts`): attention (learned sinks, alternating sliding / full layers, biases) runs as the
-HF module (`mixers`); every layer is MoE with a biased router and biased experts that HF stacks as
+HF module (`mixers`); every layer is megatron's MoELayer with a biased router and biased experts (the clamped
+SwiGLU with up + 1 as megatron-core config fields: gpt_oss.py) that HF stacks as
 `mlp.experts.gate_up_proj` [E, H, 2I] (x @ W, gate / up interleaved in the columns), `gate_up_proj_bias`
 [E, 2I], `down_proj` [E, I, H], `down_proj_bias` [E, H]; megatron's expert i holds
 
@@ -119,6 +120,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
+
+from polyrl.backends.megatron import gpt_oss
 
 
 @dataclass(frozen=True)
@@ -301,17 +304,21 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
         aux = bool(getattr(cfg, "output_router_logits", False))  # HF only adds aux loss when set
         kw.update(
             num_moe_experts=num_experts(cfg),
-            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            # (GPT-OSS names its expert width intermediate_size)
+            moe_ffn_hidden_size=cfg.intermediate_size if fam.oss_experts else cfg.moe_intermediate_size,
             moe_router_topk=cfg.num_experts_per_tok,
             moe_router_score_function="softmax",
             # HF: softmax over all experts, top-k, renormalise if norm_topk_prob. Renormalised
-            # top-k softmax == softmax over the top-k logits, which is megatron's pre_softmax=False.
-            moe_router_pre_softmax=not cfg.norm_topk_prob,
+            # top-k softmax == softmax over the top-k logits, which is megatron's pre_softmax=False
+            # (GPT-OSS: softmax over its top-k logits outright).
+            moe_router_pre_softmax=not (fam.oss_experts or cfg.norm_topk_prob),
             moe_layer_freq=[int(is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)],
             moe_router_load_balancing_type="aux_loss" if aux else "none",
             moe_aux_loss_coeff=float(cfg.router_aux_loss_coef) if aux else 0.0,
             moe_grouped_gemm=False,  # the local spec builds SequentialMLP experts
         )
+        if fam.oss_experts:  # biased router and experts, clamped SwiGLU with up + 1 (gpt_oss.py)
+            kw.update(gpt_oss.mcore_kwargs(cfg))
         if fam.shared_expert == "gated":  # HF: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             kw.update(moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                       moe_shared_expert_gate=True)
@@ -335,10 +342,6 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
 
 def _refuse_unbuilt(cfg: Any, fam: _Family) -> None:
     """Families whose names the bridge maps but whose megatron model polyrl does not build yet."""
-    if fam.oss_experts:
-        raise ValueError("megatron backend: GPT-OSS's experts (biases, SwiGLU clamped at swiglu_limit with "
-                         "sigmoid(alpha * gate) and up + 1) are not built in polyrl's megatron model yet (the bridge maps "
-                         "its tensors); use --train-backend fsdp")
     if fam.mtp and getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(f"megatron backend: MiMo's {cfg.num_nextn_predict_layers} MTP layers are not built in polyrl's "
                          "megatron model yet, and dropping them would export a checkpoint without its draft heads; use "

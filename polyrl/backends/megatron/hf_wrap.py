@@ -177,8 +177,8 @@ def qwen3_5_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
 
 def gpt_oss_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     """GPT-OSS layer `layer_idx`: GptOssAttention (learned sinks; sliding window on its sliding layers) replicated,
-    run with eager attention and an explicit causal (+ window) mask: SDPA has no sinks. GPU-untested; the MoE
-    half of the layer is not built on megatron yet (bridge._refuse_unbuilt)."""
+    run with eager attention and an explicit causal (+ window) mask: SDPA has no sinks. YaRN: the HF rotary module's
+    own cos / sin. The layer's MoE half is megatron-core's MoELayer (gpt_oss.py)."""
     from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
     cfg = copy.deepcopy(hf_config)

@@ -44,7 +44,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from polyrl.backends.megatron import bridge, compat, thd
+from polyrl.backends.megatron import bridge, compat, gpt_oss, thd
 from polyrl.backends.megatron.ddp import ddp_kwargs
 from polyrl.backends.parallel_dims import ParallelDims
 
@@ -284,6 +284,8 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
         sp = True
     if hf_config.num_hidden_layers % dims.pp:
         raise ValueError(f"--pipeline-model-parallel-size {dims.pp} must divide the model's {hf_config.num_hidden_layers} layers")
+    if bridge.FAMILIES[hf_config.model_type].oss_experts:
+        gpt_oss.check_expert_tp(dims.etp)
     cls = TransformerConfig
     if kw.get("multi_latent_attention"):
         cls = MLATransformerConfig

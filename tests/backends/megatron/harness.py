@@ -3,6 +3,7 @@
 
     python tests/backends/megatron/harness.py models OUT_DIR
     python tests/backends/megatron/harness.py families OUT_DIR      (deepseek_v3, glm4_moe, glm4)
+    python tests/backends/megatron/harness.py gpt-oss OUT_DIR       (OUT_DIR/gpt_oss)
     python tests/backends/megatron/harness.py fsdp-ref MODEL_DIR OUT.pt            (1 process)
     torchrun --nproc-per-node N tests/backends/megatron/harness.py layouts MODEL_DIR REF.pt \
         --layouts "tp=2;pp=2;cp=2;tp=2,pp=2,vpp=1" [--checks logprobs,export,grad]
@@ -186,6 +187,43 @@ def build_qwen3_next(out: str, sparse: bool = False) -> str:
                 p.normal_(std=1.0 / math.sqrt(p[0].numel()))
     d = os.path.join(out, "qwen3_next_moe" if sparse else "qwen3_next")
     model.save_pretrained(d)
+    return d
+
+
+def build_gpt_oss(out: str, tokenizer=None) -> str:
+    """Tiny GPT-OSS (OUT/gpt_oss): layer 0 sliding (window 4, shorter than fixed_batch's sequences), layer 1 full,
+    YaRN RoPE, learned sinks, 4 biased experts (top 2) behind a biased router, swiglu_limit 1 so both clamps act on
+    unit-scale activations. Weights random as in build_models (stacked experts scaled by their fan-in, dim -2: HF
+    computes x @ W); sinks and every bias N(0, 0.2^2). With `tokenizer` (the arithmetic task's) the vocabulary is
+    its size and it is saved alongside, for GRPO through the CLI."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    tok = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+               bos_token_id=tokenizer.eos_token_id) if tokenizer is not None else dict(vocab_size=250)
+    cfg = GptOssConfig(**tok, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                       swiglu_limit=1.0, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1 or name.endswith("_bias"):  # sinks, q/k/v/o and router biases, stacked expert biases
+                p.copy_(0.2 * torch.randn_like(p))
+            elif "lm_head" in name:
+                p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
+            elif "embed_tokens" in name:
+                p.normal_(std=1.0)
+            elif "mlp.experts." in name:  # gate_up_proj [E, H, 2I], down_proj [E, I, H]
+                p.normal_(std=1.0 / math.sqrt(p.shape[-2]))
+            else:
+                p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
+    d = os.path.join(out, "gpt_oss")
+    model.save_pretrained(d)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(d)
     return d
 
 
@@ -853,6 +891,8 @@ def main() -> None:
         print(json.dumps(build_models(a.arg1)))
     elif a.mode == "families":
         print(json.dumps(build_bridge_families(a.arg1)))
+    elif a.mode == "gpt-oss":  # OUT/gpt_oss (vocab 250, for `layouts`)
+        print(json.dumps(build_gpt_oss(a.arg1)))
     elif a.mode == "fsdp-ref":
         mode_fsdp_ref(a.arg1, a.arg2)
     elif a.mode in MODES:
