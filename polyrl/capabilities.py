@@ -124,10 +124,11 @@ def check_setup(cfg: Config, command: str) -> None:
 
 
 def refuse_for_model(cfg: Config, command: str) -> None:
-    """ConfigError for flags the FSDP backend cannot run this checkpoint's architecture with (read from its
-    config.json, before any weight loads)."""
+    """ConfigError for flags the FSDP backend cannot run this checkpoint's architecture with, and --enable-mtp-training
+    on a checkpoint without MTP layers (either backend), read from its config.json before any weight loads."""
     import os
-    if command not in ("train", "sft") or cfg.cluster.train_backend != "fsdp":
+    fsdp = cfg.cluster.train_backend == "fsdp"
+    if command not in ("train", "sft") or not (fsdp or cfg.model.enable_mtp_training):
         return
     path = cfg.model.hf_checkpoint
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
@@ -135,7 +136,8 @@ def refuse_for_model(cfg: Config, command: str) -> None:
     from transformers import AutoConfig
     from polyrl import hf_families
     hf_config = AutoConfig.from_pretrained(path)
-    problem = hf_families.fsdp_layout_problem(hf_config, cfg.model.attn_implementation, cfg.batch.micro_batch_layout)
+    problem = (hf_families.fsdp_layout_problem(hf_config, cfg.model.attn_implementation, cfg.batch.micro_batch_layout)
+               if fsdp else None)
     if problem is not None:
         raise ConfigError(f"--train-backend fsdp with {path}: {problem}")
     if cfg.model.enable_mtp_training and not hf_families.mtp_depths(hf_config):
@@ -172,10 +174,6 @@ _HINTS = {
                                       "--optimizer-cpu-offload (megatron-core's hybrid-device optimizer)",
     ("compile", "megatron"): " (the Megatron backend does not torch.compile)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
-    ("enable_mtp_training", "megatron"): " or use --train-backend fsdp (megatron-core's MTP block is not wired to the "
-                                         "Megatron backend's forward yet)",
-    ("mtp_loss_scaling_factor", "megatron"): " or use --train-backend fsdp",
-    ("mtp_detach_encoder", "megatron"): " or use --train-backend fsdp",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",

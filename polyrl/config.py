@@ -383,7 +383,7 @@ class ModelConfig:
     lora_dropout: float = opt(0.0, "dropout on the LoRA adapters' input while training")
     enable_mtp_training: bool = opt(False, "train the checkpoint's multi-token-prediction layers (MiMo's mtp_layers) with "
                                            "an MTP loss beside the policy loss, so they stay a usable draft model after "
-                                           "RL (FSDP backend)")
+                                           "RL (FSDP and Megatron backends)")
     mtp_loss_scaling_factor: float = opt(0.2, "weight of the MTP loss (--enable-mtp-training): the mean over MTP depths "
                                               "of each depth's token-mean cross-entropy")
     mtp_detach_encoder: bool = opt(True, "--enable-mtp-training: the MTP loss reads the main model's hidden states, "
@@ -787,6 +787,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     if m.enable_mtp_training and (m.true_on_policy or m.lora_rank):
         raise ConfigError(f"--enable-mtp-training with {'--true-on-policy' if m.true_on_policy else '--lora-rank'}: the "
                           "MTP loss runs in the packed / padded training forward with the full model; drop one of them")
+    if m.enable_mtp_training and cfg.cluster.train_backend == "megatron" and cfg.megatron.pipeline_model_parallel_size > 1:
+        raise ConfigError("--enable-mtp-training with --pipeline-model-parallel-size > 1: the MTP layers sit on the last "
+                          "stage and need the token embedding of the first; use pipeline size 1 (or --train-backend fsdp)")
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("--use-kl-loss needs a positive --kl-loss-coef")
     if b.use_dynamic_batch_size and not b.max_tokens_per_gpu:

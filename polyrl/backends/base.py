@@ -35,6 +35,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
         "lora",  # adapters on the column / row-parallel linears (polyrl/backends/megatron/lora.py)
         "images",  # Qwen2.5-VL: the HF vision tower on the first stage, its features in the decoder input (vision.py)
+        "mtp_training",  # --enable-mtp-training: megatron-core's MTP block, polyrl's MTP loss (megatron/mtp.py)
     }),
 }
 

@@ -176,7 +176,8 @@ def test_grpo_step_trains_and_exports_the_mtp_layers(mimo_dir, arith_data, tmp_p
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--train-backend", "megatron", "--enable-mtp-training"], "--enable-mtp-training"),
+    (["--train-backend", "megatron", "--enable-mtp-training", "--pipeline-model-parallel-size", "2"],
+     "--enable-mtp-training with --pipeline-model-parallel-size > 1"),
     (["--mtp-loss-scaling-factor", "0.5"], "add it, or drop them"),
     (["--enable-mtp-training", "--lora-rank", "4"], "--enable-mtp-training with --lora-rank"),
 ])

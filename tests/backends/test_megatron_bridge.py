@@ -439,7 +439,7 @@ def test_new_family_names_and_shapes(tmp_path_factory):
     cfg, model, _ = _new_saved("mimo", tmp_path_factory)
     mc = hf_to_mcore(model.state_dict(), cfg, tp_rank=0, tp_size=2)
     assert mc["mtp.layers.1.eh_proj.weight"].shape == (32, 128)  # column parallel [H/TP, 2H]
-    assert mc["mtp.layers.0.transformer_layer.self_attention.linear_qkv.bias"].shape == ((4 + 4) * 16 // 2,)
+    assert mc["mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.bias"].shape == ((4 + 4) * 16 // 2,)
     assert not any(n.startswith("mtp.") for n in hf_to_mcore(model.state_dict(), cfg, pp_rank=0, pp_size=2))
 
     cfg, model, _ = _new_saved("qwen3_5_text", tmp_path_factory)
@@ -470,7 +470,7 @@ def test_mimo_mtp_eh_proj_matches_the_hf_mtp_layer():
     with torch.no_grad():
         ref = layer(emb, hid, (cos, sin), causal)[0]
         x = F.linear(torch.cat([rms(emb, p["enorm.weight"]), rms(hid, p["hnorm.weight"])], -1), p["eh_proj.weight"])[0]
-        t = {k[len("transformer_layer."):]: v for k, v in p.items() if k.startswith("transformer_layer.")}
+        t = {k[len("mtp_model_layer."):]: v for k, v in p.items() if k.startswith("mtp_model_layer.")}
         attn = _mcore_attention(rms(x, t["input_layernorm.weight"])[:, None], _layer_params(
             {f"decoder.layers.0.{k}": v for k, v in t.items()}, 0, "self_attention"), 4, 2, 16, cfg.rms_norm_eps,
             cos[0], sin[0])[:, 0]
@@ -515,8 +515,5 @@ def test_gpt_oss_mxfp4_checkpoint_is_dequantized_on_read(tmp_path):
 def test_megatron_model_build_is_refused_where_not_built():
     cfg, _ = _make_new("gpt_oss")  # GPT-OSS builds: biased MoE from megatron-core's config (megatron/gpt_oss.py)
     assert config_to_mcore_kwargs(cfg)["add_bias_linear"]
-    cfg, _ = _make_new("mimo")
-    with pytest.raises(ValueError, match="MTP layers.*--train-backend fsdp"):
-        gpt_model_kwargs(cfg)
-    cfg.num_nextn_predict_layers = 0  # MiMo without MTP layers is a Qwen2 decoder
-    assert config_to_mcore_kwargs(cfg)["add_qkv_bias"]
+    cfg, _ = _make_new("mimo")  # MiMo with MTP layers builds: a Qwen2 decoder plus megatron/mtp.py's block
+    assert config_to_mcore_kwargs(cfg)["add_qkv_bias"] and gpt_model_kwargs(cfg)["position_embedding_type"] == "none"

@@ -63,6 +63,7 @@ class _Micro:
     index: list[int]  # global sample indices
     routes: dict | None = None  # MoE: router-order targets / masks of this rank's tokens (_route_plan)
     vision: dict | None = None  # vision-language: pixel inputs and [3, T] RoPE positions (_vision_inputs)
+    mtp: tuple | None = None  # --enable-mtp-training, a training pass: mtp.plan_inputs (next ids, targets)
 
 
 class MegatronBackend:
@@ -87,6 +88,8 @@ class MegatronBackend:
         self.mg = mg = megatron_cfg or MegatronConfig()
         self.total_steps = total_steps
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}")
+        from polyrl import hf_families
+        hf_families.register()  # MiMo (no remote code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_checkpoint)
         self.dims = ParallelDims.from_world(tp=mg.tensor_model_parallel_size, pp=mg.pipeline_model_parallel_size,
                                             cp=mg.context_parallel_size, ep=mg.expert_model_parallel_size,
@@ -102,6 +105,11 @@ class MegatronBackend:
             self._rope_index_model = vision.rope_index_model(self.vl_config)
         self.vpp = mm.virtual_pipeline_size(self.hf_config.num_hidden_layers, self.dims.pp,
                                             mg.num_layers_per_virtual_pipeline_stage)
+        self.mtp_depths = 0  # --enable-mtp-training: the MTP layers' depths (polyrl/backends/megatron/mtp.py)
+        if model_cfg.enable_mtp_training and role == "actor":
+            from polyrl.backends.megatron import mtp
+            self.mtp_depths = mtp.check_trainable(self.hf_config, model_cfg.hf_checkpoint, pp=self.dims.pp,
+                                                  custom_provider=bool(mg.custom_model_provider_path))
         from megatron.core import parallel_state
         if role == "actor" or not parallel_state.model_parallel_is_initialized():  # a critic shares the actor's groups
             mm.init_parallel_state(self.dims, self.vpp, seed)
@@ -174,6 +182,9 @@ class MegatronBackend:
                     if self.mcfg.freeze_vision_tower:
                         c.vision_model.requires_grad_(False)
         mm.load_hf_weights(chunks, path, hf_config, config, vl=vl)
+        if train:  # MTP layers (MiMo) train only with --enable-mtp-training; otherwise they are kept as loaded
+            from polyrl.backends.megatron import mtp
+            mtp.set_trainable(chunks, self.role == "actor" and self.mcfg.enable_mtp_training)
         if train and self.role == "actor" and self.mcfg.lora_rank > 0:  # adapters before DDP: it buffers trainable params only
             from polyrl.backends.megatron import lora
             self.lora = lora.attach(chunks, hf_config, config, self.mcfg, self.seed,
@@ -287,9 +298,10 @@ class MegatronBackend:
         return dict(targets=targets.to(self.device) if routes is not None else None, has=has.to(self.device),
                     valid=real[glob_idx].to(self.device), glob=glob_idx, offsets=offs, lens=lens)
 
-    def _plan(self, glob: TrainBatch, routes: list | None = None) -> list[_Micro]:
+    def _plan(self, glob: TrainBatch, routes: list | None = None, mtp_depths: int = 0) -> list[_Micro]:
         """This data-parallel rank's micro-batches, as many on every rank (EP all-to-alls and
-        Megatron-FSDP gathers run per forward), a multiple of PP with virtual stages."""
+        Megatron-FSDP gathers run per forward), a multiple of PP with virtual stages. mtp_depths: the MTP layers'
+        inputs of each micro-batch (a training pass with --enable-mtp-training)."""
         ps = self.ps
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         lens = [int(x.numel()) for x in glob.input_ids]
@@ -325,6 +337,9 @@ class MegatronBackend:
                 rp = self._route_plan(pb, mb, [routes[i] for i in gidx] if (routes is not None and gidx) else None)
             vis = self._vision_inputs(mb, pb) if self.vl_config is not None else None
             out.append(_Micro(pb, fields, not gidx, gidx, rp, vis))
+            if mtp_depths:
+                from polyrl.backends.megatron import mtp
+                out[-1].mtp = mtp.plan_inputs(mb.input_ids, pb, mtp_depths)
         return out
 
     def _vision_inputs(self, mb: TrainBatch, pb) -> dict:
@@ -374,6 +389,9 @@ class MegatronBackend:
                 head = mm.logprob_head
                 ctx = mm.HeadContext(item.pb, hf_config.vocab_size, temperature, self.mcfg.logprob_chunk_size,
                                      with_entropy)
+                if item.mtp is not None and model is self.model:
+                    from polyrl.backends.megatron import mtp
+                    ctx.mtp = mtp.MTPInputs(mm.unwrap(chunk), *item.mtp, detach=self.mcfg.mtp_detach_encoder)
             out = chunk(ids, pos, None, packed_seq_params=psp, output_processor=head, output_processor_context=ctx,
                         **extra)
             return out, functools.partial(loss_func, item)
@@ -455,22 +473,32 @@ class MegatronBackend:
         num_tokens = float(sum(float(x.sum()) for x in glob.token_fields["loss_mask"]))
         num_seqs = float(len(glob))
         mode, routes = self._route_mode(glob, actor=True, logprob_pass=False)
-        micros = self._plan(glob, routes)
+        depths = self.mtp_depths
+        micros = self._plan(glob, routes, depths)
+        from polyrl.backends.fsdp.mtp import mtp_loss, mtp_token_counts, mtp_token_weights
+        # the MTP loss's global token counts per depth (glob is every rank's batch)
+        mtp_counts = mtp_token_counts(glob.response_lens, glob.token_fields["loss_mask"], depths) if depths else []
         scale = self.ps.get_data_parallel_world_size() * len(micros)  # megatron: x cp / n_micro; DDP: / (dp x cp)
         report = self._reporting_rank()
         sums: dict[str, float] = {}
 
         def loss_func(item: _Micro, output):
-            logp, ent = output
+            logp, ent, *mtp_logp = output
             loss, metrics = loss_fn(logp, ent if with_entropy else None, item.fields, num_tokens=num_tokens,
                                     num_seqs=num_seqs)
+            extra = 0.0  # the MTP loss trains but is reported apart from the policy loss (metric mtp_loss)
+            if mtp_logp:
+                weights = mtp_token_weights(item.fields["seq_ids"], item.fields["loss_mask"], depths)
+                term, per_depth = mtp_loss(mtp_logp[0], weights, mtp_counts)
+                extra = term * (0.0 if item.dummy else self.mcfg.mtp_loss_scaling_factor)
+                metrics = {**metrics, "mtp_loss": per_depth.mean()}
             if item.dummy:
                 loss = loss * 0.0
             elif report:
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                 for k, v in metrics.items():  # the largest over micro-batches and ranks for *_max, else the sum
                     merge_metric(sums, k, float(v.detach()))
-            return loss * scale, {}
+            return (loss + extra) * scale, {}
 
         for c in self.model:
             c.zero_grad_buffer()

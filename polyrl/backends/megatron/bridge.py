@@ -87,14 +87,15 @@ Checkpoints with MXFP4 experts (`gate_up_proj_blocks` / `_scales`) are dequantiz
 (`polyrl.backends.mxfp4`) and export BF16 / FP32 `gate_up_proj` (the unquantized names).
 
 MiMo (`mimo`, MiMo-7B: a Qwen2 decoder plus `model.mtp_layers.{i}.*`, `mtp`): each MTP layer is
-megatron-core's MultiTokenPredictionLayer on the last pipeline stage:
+megatron-core's MultiTokenPredictionLayer on the last pipeline stage (built by mtp.py):
 
     mtp.layers.{i}.enorm.weight         <- model.mtp_layers.{i}.token_layernorm.weight
     mtp.layers.{i}.hnorm.weight         <- model.mtp_layers.{i}.hidden_layernorm.weight
     mtp.layers.{i}.eh_proj.weight [H, 2H] <- input_proj.weight with its column halves swapped (MiMo concatenates
                                            [hidden; embedding], megatron [embedding; hidden]); column parallel
-    mtp.layers.{i}.transformer_layer.*  <- model.mtp_layers.{i}.{input_layernorm, self_attn, post_attention_layernorm,
-                                           mlp} as a decoder layer's names
+    mtp.layers.{i}.mtp_model_layer.*    <- model.mtp_layers.{i}.{input_layernorm, self_attn, post_attention_layernorm,
+                                           mlp} as a decoder layer's names (megatron-core 0.19's module name; its
+                                           dist-checkpoint keys say transformer_layer)
     mtp.layers.{i}.final_layernorm.weight <- model.mtp_layers.{i}.final_layernorm.weight
 
 The Transformer-Engine spec names things differently (norms fused into
@@ -278,7 +279,6 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
     embeddings, position embedding) are `GPTModel` arguments in megatron: see `gpt_model_kwargs`. Dtypes,
     parallel sizes and recompute are the backend's business and are left out."""
     cfg, fam = hf_config, _family(hf_config)
-    _refuse_unbuilt(cfg, fam)
     kw: dict[str, Any] = dict(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
@@ -340,14 +340,6 @@ def config_to_mcore_kwargs(hf_config: Any) -> dict[str, Any]:
     return kw
 
 
-def _refuse_unbuilt(cfg: Any, fam: _Family) -> None:
-    """Families whose names the bridge maps but whose megatron model polyrl does not build yet."""
-    if fam.mtp and getattr(cfg, "num_nextn_predict_layers", 0):
-        raise ValueError(f"megatron backend: MiMo's {cfg.num_nextn_predict_layers} MTP layers are not built in polyrl's "
-                         "megatron model yet, and dropping them would export a checkpoint without its draft heads; use "
-                         "--train-backend fsdp (it keeps them) or a checkpoint with num_nextn_predict_layers 0")
-
-
 def _mla_kwargs(cfg: Any) -> dict[str, Any]:
     """MLATransformerConfig fields of a DeepSeek-V3 config (RoPE: megatron's MLA applies its own)."""
     rope = _rope_params(cfg)
@@ -380,7 +372,6 @@ def gpt_model_kwargs(
 ) -> dict[str, Any]:
     """`GPTModel(config, transformer_layer_spec, **kwargs)` arguments for this HF config."""
     cfg = hf_config
-    _refuse_unbuilt(cfg, _family(cfg))
     return dict(
         vocab_size=padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_position_embeddings,
@@ -610,7 +601,7 @@ def _mtp_rules(cfg: Any, fam: _Family, i: int) -> list[_Rule]:
     return [(m + "enorm.weight", (h + "token_layernorm.weight",), "copy"),
             (m + "hnorm.weight", (h + "hidden_layernorm.weight",), "copy"),
             (m + "eh_proj.weight", (h + "input_proj.weight",), "swap_halves"),
-            *_layer_rules(cfg, fam, 0, 0, (), prefixes=(m + "transformer_layer.", h)),
+            *_layer_rules(cfg, fam, 0, 0, (), prefixes=(m + "mtp_model_layer.", h)),
             (m + "final_layernorm.weight", (h + "final_layernorm.weight",), "copy")]
 
 

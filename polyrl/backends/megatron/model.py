@@ -333,9 +333,14 @@ def build_chunks(config: TransformerConfig, hf_config, dims: ParallelDims, vpp: 
         if provider is not None:
             m = provider(config, hf_config, pre_process=pre, post_process=post, vp_stage=vp)
         else:
-            m = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp, hf_config), pre_process=pre,
+            spec = layer_spec(config, vp, hf_config)
+            m = GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre,
                          post_process=post, parallel_output=True, vp_stage=vp,
                          **bridge.gpt_model_kwargs(hf_config, dims.tp))
+            if post and bridge.num_mtp_layers(hf_config):  # MiMo's MTP layers (mtp.py), trained or kept frozen
+                from polyrl.backends.megatron import mtp
+                m.mtp = mtp.build_block(config, bridge.num_mtp_layers(hf_config), spec.layer_specs[-1], HFRMSNorm, vp,
+                                        m.pg_collection)
         chunks.append(m.cuda(torch.cuda.current_device()))
     return chunks
 
@@ -517,13 +522,14 @@ class HeadContext:
     temperature: float
     chunk_size: int
     with_entropy: bool
+    mtp: Any = None  # mtp.MTPInputs in a training forward with --enable-mtp-training: the head adds [D, R] MTP log-probs
 
 
-def logprob_head(*, hidden_states, output_layer, output_weight, context: HeadContext, config, **_: Any):
-    """GPTModel output_processor: per-response-token log-probs (and entropy) of this micro-batch,
-    [R] each, identical on every TP and CP rank. Mirrors ColumnParallelLinear's input handling
-    (sequence-parallel gather, or copy with a TP all-reduce in the backward) and never gathers
-    the vocabulary."""
+def response_logprobs(hidden_states, weight, targets, context: HeadContext, config, *, temperature: float,
+                      with_entropy: bool):
+    """Log-probs (and entropy) of `targets` [R_local] at this micro-batch's response positions, [R] each, identical
+    on every TP and CP rank. Mirrors ColumnParallelLinear's input handling (sequence-parallel gather, or copy with a
+    TP all-reduce in the backward) and never gathers the vocabulary."""
     tp_group = ps.get_tensor_model_parallel_group()
     h = hidden_states
     if config.sequence_parallel:
@@ -532,16 +538,28 @@ def logprob_head(*, hidden_states, output_layer, output_weight, context: HeadCon
         h = copy_to_tensor_model_parallel_region(h, group=tp_group)
     pb = context.pb
     h = h[:, 0].index_select(0, pb.logp_index)
-    weight = output_weight if output_weight is not None else output_layer.weight
     start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
-    logp, ent = thd.vocab_parallel_logprobs(h, weight, pb.targets, vocab_start=start, vocab_size=context.vocab_size,
-                                            group=tp_group, temperature=context.temperature,
-                                            chunk_size=context.chunk_size, with_entropy=context.with_entropy)
+    logp, ent = thd.vocab_parallel_logprobs(h, weight, targets, vocab_start=start, vocab_size=context.vocab_size,
+                                            group=tp_group, temperature=temperature,
+                                            chunk_size=context.chunk_size, with_entropy=with_entropy)
     cp_group = ps.get_context_parallel_group()
     logp = thd.assemble_responses(logp, pb.logp_slot, pb.num_response, cp_group)
     if ent is None:
         return logp, logp.new_zeros(0)
     return logp, thd.assemble_responses(ent, pb.logp_slot, pb.num_response, cp_group)
+
+
+def logprob_head(*, hidden_states, output_layer, output_weight, context: HeadContext, config, packed_seq_params=None,
+                 **_: Any):
+    """GPTModel output_processor: per-response-token log-probs (and entropy) of this micro-batch (response_logprobs),
+    and with `context.mtp` the MTP layers' [D, R] log-probs as a third output (mtp.py)."""
+    weight = output_weight if output_weight is not None else output_layer.weight
+    logp, ent = response_logprobs(hidden_states, weight, context.pb.targets, context, config,
+                                  temperature=context.temperature, with_entropy=context.with_entropy)
+    if context.mtp is None:
+        return logp, ent
+    from polyrl.backends.megatron import mtp
+    return logp, ent, mtp.mtp_logprobs(hidden_states, weight, context, config, packed_seq_params, response_logprobs)
 
 
 # ---------------------------------------------------------------------------------------------

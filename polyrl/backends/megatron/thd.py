@@ -15,6 +15,7 @@ token see one.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -238,7 +239,11 @@ class PackedRope:
     RoPE is therefore off for these models (bridge: position_embedding_type "none")."""
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device):
-        mod = importlib.import_module(f"transformers.models.{hf_config.model_type}.modeling_{hf_config.model_type}")
+        # the config's own model type, else the one its class extends (MiMo's config is Qwen2's: polyrl.hf_families)
+        for t in (getattr(c, "model_type", "") for c in type(hf_config).__mro__):
+            if t and importlib.util.find_spec(f"transformers.models.{t}") is not None:
+                break
+        mod = importlib.import_module(f"transformers.models.{t}.modeling_{t}")
         name = type(hf_config).__name__.removesuffix("Config") + "RotaryEmbedding"
         cls = getattr(mod, name, None) or next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))
         self.rotary = cls(hf_config).to(device)  # fp32 buffers; not a megatron submodule, never cast
