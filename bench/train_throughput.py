@@ -44,7 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
-                   "(megatron: base, ac = full recompute; compile does not apply)")
+                   "(megatron: base, ac = full recompute, keepgrads = --no-release-grad-buffers; compile does not apply)")
+    p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
+                   help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
+                        "backends are compared in one process; replaces --train-backend / --variants / --tokens")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per log-prob chunk")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
     p.add_argument("--out", default=None, help="append JSON rows here")
@@ -75,6 +78,17 @@ def matmul_params(model_dir: str) -> tuple[int, dict]:
     return L * (attn + mlp) + c.vocab_size * h, dict(layers=L, heads=nh, head_dim=hd)
 
 
+def total_params(model_dir: str) -> int:
+    """Every parameter of the HF model (the tied LM head once): the denominator of state bytes per parameter."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_dir)
+    h, i, L, nh, kv = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    hd = h // nh
+    attn = h * nh * hd + 2 * h * kv * hd + nh * hd * h + nh * hd + 2 * kv * hd  # Qwen2: q/k/v biases
+    layer = attn + 3 * h * i + 2 * h  # two RMSNorms
+    return L * layer + c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
+
+
 def synthetic_batch(tokens: int, lo: int, hi: int, vocab: int, seed: int):
     import torch
 
@@ -94,7 +108,7 @@ def synthetic_batch(tokens: int, lo: int, hi: int, vocab: int, seed: int):
     return TrainBatch(ids, plens, fields), lens
 
 
-def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
+def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -105,13 +119,14 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
                      attn_implementation="sdpa" if variant == "sdpa" else "auto", logprob_chunk_size=a.chunk)
     bc = BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=tokens)
     extra = {}
-    if a.train_backend == "megatron":  # TP=1; `ac` = megatron's full recompute of every layer
+    if backend == "megatron":  # TP=1; `ac` = megatron's full recompute of every layer
         from polyrl.config import MegatronConfig
         ac = "ac" in variant
         extra["megatron_cfg"] = MegatronConfig(recompute_granularity="full" if ac else None,
                                                recompute_method="uniform" if ac else None,
-                                               recompute_num_layers=1 if ac else None)
-    be = load_backend_class(a.train_backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device,
+                                               recompute_num_layers=1 if ac else None,
+                                               release_grad_buffers="keepgrads" not in variant)
+    be = load_backend_class(backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device,
                                              total_steps=a.steps + a.warmup, **extra)
     n_params, geo = matmul_params(model_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,10 +164,11 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str) -> dict:
     f = statistics.median(flops)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
-    return {"shape": shape, "backend": a.train_backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
+    return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
-            "state_mem_gib": round(state / 2**30, 1) if cuda else None, "device": name}
+            "state_mem_gib": round(state / 2**30, 1) if cuda else None,
+            "state_bytes_per_param": round(state / total_params(model_dir), 2) if cuda else None, "device": name}
 
 
 def print_profile(prof, step_s: float) -> None:
@@ -184,21 +200,25 @@ def main(argv=None) -> int:
         if dist.get_rank() == 0:
             make_model(shape, model_dir)
         dist.barrier()
-        for tokens in a.tokens:
-            for variant in a.variants.split(","):
-                try:
-                    rows.append(run_one(a, shape, model_dir, tokens, variant))
-                except torch.OutOfMemoryError as e:
-                    rows.append({"shape": shape, "backend": a.train_backend, "variant": variant, "tokens_per_gpu": tokens,
-                                 "gpus": dist.get_world_size(), "error": "OOM"})
-                    if dist.get_rank() == 0:
-                        print(f"OOM: {str(e).splitlines()[0][:300]}", flush=True)
-                if a.device == "cuda":
-                    torch.cuda.empty_cache()
+        plan = ([(b, v, int(t)) for b, v, t in (r.split(":") for r in a.rows)] if a.rows else
+                [(a.train_backend, v, t) for t in a.tokens for v in a.variants.split(",")])
+        for backend, variant, tokens in plan:
+            try:
+                rows.append(run_one(a, shape, model_dir, tokens, variant, backend))
+            except Exception as e:  # an OOM (or a failing row) is reported in its row; the next rows still run
+                oom = isinstance(e, torch.OutOfMemoryError)
+                rows.append({"shape": shape, "backend": backend, "variant": variant, "tokens_per_gpu": tokens,
+                             "gpus": dist.get_world_size(), "error": "OOM" if oom else f"{type(e).__name__}: {e}"[:300]})
                 if dist.get_rank() == 0:
-                    print(json.dumps(rows[-1]), flush=True)
+                    print(f"{'OOM' if oom else 'ERROR'}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
+                          flush=True)
+                gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+            if dist.get_rank() == 0:
+                print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
-        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "state_mem_gib"]
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "state_mem_gib", "state_bytes_per_param"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:

@@ -480,6 +480,10 @@ class MegatronConfig:
     optimizer_cpu_offload: bool = opt(False, "megatron-core's hybrid-device optimizer: fp32 main params and Adam state on "
                                              "the CPU, the Adam step there (needs the distributed optimizer, not "
                                              "--use-megatron-fsdp)")
+    release_grad_buffers: bool = opt(True, "free megatron DDP's gradient buffers (zero between steps) after each optimizer "
+                                           "step and make them again as zeros at the next train step: 4 bytes a "
+                                           "parameter less GPU memory between steps, training bit-identical, no "
+                                           "measurable step-time cost; on by default (Megatron-FSDP manages its own)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
 
@@ -1039,10 +1043,6 @@ def _validate_moe(cfg: Config) -> None:
 def _validate_critic(cfg: Config) -> None:
     a, o = cfg.algorithm, cfg.optimizer
     if a.advantage_estimator == "gae":
-        if cfg.cluster.train_backend == "megatron" and cfg.megatron.use_megatron_fsdp:
-            raise ConfigError("--advantage-estimator gae with --use-megatron-fsdp: the Megatron critic runs on megatron's "
-                              "DDP only for now (its unused LM output layer gets no gradient, which Megatron-FSDP's "
-                              "hooks would wait for); drop --use-megatron-fsdp")
         return
     given = [f for f, on in (("--critic-load", cfg.model.critic_load), ("--critic-lr", o.critic_lr is not None),
                              ("--critic-num-warmup-steps", o.critic_num_warmup_steps is not None),

@@ -128,6 +128,12 @@ class MegatronBackend:
         self.model = self._build(path, train=True)
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer,
                                             cpu_offload=mg.optimizer_cpu_offload)
+        # --release-grad-buffers (DDP): the gradient buffers, zero between steps, hold no GPU memory between steps
+        self._grads = None
+        if mg.release_grad_buffers and not self.ddp_config.use_megatron_fsdp:
+            from polyrl.backends.megatron.offload import ReleasedGrads, ddp_grad_buffers
+            self._grads = ReleasedGrads(ddp_grad_buffers(self.model))
+            self._grads.release()
         self._offloader = None  # --offload-train: offload.StorageOffloader, made at the first offload()
         self.offloaded_bytes: dict[str, int] = {}  # what the last offload() moved or released, per kind
         # with LoRA the reference is the actor with its adapters off: no second model
@@ -500,6 +506,8 @@ class MegatronBackend:
                     merge_metric(sums, k, float(v.detach()))
             return (loss + extra) * scale, {}
 
+        if self._grads is not None:
+            self._grads.materialize()
         for c in self.model:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -527,6 +535,8 @@ class MegatronBackend:
         for c in self.model:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self._grads is not None:
+            self._grads.release()
         out = {"loss": loss_total, **total}
         out.update(grad_norm=grad_norm, lr=lr, skipped_step=float(skipped))
         if self.routing is not None:

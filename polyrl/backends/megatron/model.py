@@ -572,12 +572,17 @@ def add_value_heads(chunks: list[GPTModel], config: TransformerConfig) -> None:
     """A Linear(hidden, 1) on each chunk that ends the pipeline (before DDP wrapping, so it trains and checkpoints
     with the rest). One output cannot be split over TP: the head is replicated, every TP rank computes all values
     from the full hidden state, so its gradient is whole on every rank (no TP reduction; megatron counts a parameter
-    without `tensor_model_parallel` once in the grad norm, as it does the norms). The LM output layer stays (unused)
-    so the model is exactly the actor's GPTModel."""
+    without `tensor_model_parallel` once in the grad norm, as it does the norms). The LM output layer stays, so the
+    model, its checkpoints and its loading are the actor's GPTModel's, but an untied one is frozen: the critic never
+    uses it, and a trainable parameter without a gradient would keep Megatron-FSDP waiting for it (DDP and the
+    optimizer then keep no gradient or Adam state for it either). A tied output weight is the embedding's (PP 1) or
+    its copy that finalize_model_grads keeps in step with it (PP > 1), so it stays as it is."""
     for c in chunks:
         if c.post_process:
             head = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype, device=torch.cuda.current_device())
             setattr(c, VALUE_HEAD, head)
+            if not c.share_embeddings_and_output_weights and c.output_layer.weight is not None:
+                c.output_layer.requires_grad_(False)
 
 
 @dataclass

@@ -5,7 +5,8 @@ parameter) stay valid without being found one by one.
 
 Storages that hold values (weights, FP32 main parameters, Adam moments, module buffers) are copied to pinned host
 memory first and back on onload; the DDP gradient buffers are zero between steps (train_step ends with
-zero_grad_buffer), so they are released and re-materialised as zeros. Pure torch: tested on CPU
+zero_grad_buffer), so they are released and re-materialised as zeros. `ReleasedGrads` does the same to the DDP
+gradient buffers alone after every optimizer step (the default, --release-grad-buffers). Pure torch: tested on CPU
 (tests/backends/megatron/test_offload_cpu.py); `megatron_state` names megatron's tensors by duck typing.
 """
 
@@ -27,7 +28,6 @@ class Slot:
     nbytes: int
     kind: str
     keep: bool  # copy the bytes to the host and back; False: release and refill with zeros
-    flat: torch.Tensor = field(repr=False, default=None)  # uint8 view of the whole storage
     host: torch.Tensor | None = field(repr=False, default=None)  # its pinned host copy (keep only)
 
 
@@ -88,6 +88,41 @@ def arena_layout(sizes: list[int], arena_bytes: int = ARENA_BYTES, align: int = 
     return out
 
 
+def _flat(s: Slot) -> torch.Tensor:
+    """A uint8 view of the whole storage (valid while it holds its bytes)."""
+    return torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage, 0, (s.nbytes,))
+
+
+def refill(s: Slot) -> None:
+    """Give an emptied storage its bytes back: its host copy (keep) or zeros."""
+    s.storage.resize_(s.nbytes)
+    flat = _flat(s)
+    if s.keep:
+        flat.copy_(s.host, non_blocking=True)
+    else:
+        flat.zero_()
+
+
+class ReleasedGrads:
+    """Gradient buffers that hold zeros between train steps, emptied in place after the step and refilled with zeros
+    before the next one, so they cost no GPU memory between steps (4 bytes a parameter for megatron's FP32 grads) while
+    every view into them (param.main_grad, bucket views) stays valid. No host copy, no synchronisation: the refill is
+    ordered on the current stream before the backward that writes into the buffers."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor | None], device_type: str = "cuda"):
+        self.slots = plan_slots([("grads", False, tensors)], device_type)
+        self.nbytes = sum(s.nbytes for s in self.slots)
+
+    def release(self) -> None:
+        for s in self.slots:
+            s.storage.resize_(0)
+
+    def materialize(self) -> None:
+        for s in self.slots:
+            if s.storage.nbytes() == 0:
+                refill(s)
+
+
 class StorageOffloader:
     """offload(groups) empties every storage `plan_slots` finds (after a non-blocking copy into pinned host arenas
     where it keeps values); onload() refills them (non-blocking copies back, zeros for the released ones). The host
@@ -123,10 +158,8 @@ class StorageOffloader:
         self.slots = plan_slots(groups, self.device_type)
         keep = [s for s in self.slots if s.keep]
         self._host_views(keep)
-        for s in self.slots:
-            s.flat = torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage, 0, (s.nbytes,))
         for s in keep:
-            s.host.copy_(s.flat, non_blocking=True)
+            s.host.copy_(_flat(s), non_blocking=True)
         if self.device_type == "cuda":
             # the host copies must land before the device memory is handed to another process (empty_cache)
             torch.cuda.synchronize()
@@ -141,15 +174,9 @@ class StorageOffloader:
         if not self.offloaded:
             return
         for s in self.slots:
-            s.storage.resize_(s.nbytes)
-            if s.keep:
-                s.flat.copy_(s.host, non_blocking=True)
-            else:
-                s.flat.zero_()
+            refill(s)
         if self.device_type == "cuda":
             torch.cuda.synchronize()  # Megatron-FSDP gathers weights on side streams that do not wait on this one
-        for s in self.slots:
-            s.flat = None
         self.offloaded = False
 
 
@@ -168,6 +195,16 @@ def _fsdp_buffers(chunk, names: tuple[str, ...]) -> Iterator[torch.Tensor]:
                 yield buf.data
 
 
+def ddp_grad_buffers(model: list) -> list[torch.Tensor]:
+    """megatron DDP's gradient buffers (every param.main_grad is a view into one of them); none under Megatron-FSDP."""
+    out = []
+    for c in model:
+        for name in ("buffers", "expert_parallel_buffers"):  # megatron DDP's _ParamAndGradBuffer lists
+            bufs = vars(c).get(name)
+            out += [getattr(b, "grad_data", None) for b in bufs] if isinstance(bufs, list) else []
+    return out
+
+
 def megatron_state(model: list, optimizer, frozen: list[list] = ()) -> list[tuple[str, bool, list]]:
     """The (kind, keep, tensors) groups of a Megatron backend: the trained chunks (DDP or Megatron-FSDP) and their
     gradient buffers, megatron's optimizer (main parameters, Adam state), and frozen models (reference, teacher)."""
@@ -175,11 +212,8 @@ def megatron_state(model: list, optimizer, frozen: list[list] = ()) -> list[tupl
     weights = list(_module_tensors(model))
     for c in model:  # Megatron-FSDP: the weight buffers the sharded parameters view
         weights += list(_fsdp_buffers(c, ("model_weight_buffer", "transpose_weight_buffer")))
-    grads, kept_grads = [], []
+    grads, kept_grads = ddp_grad_buffers(model), []
     for c in model:
-        for name in ("buffers", "expert_parallel_buffers"):  # megatron DDP's _ParamAndGradBuffer lists
-            bufs = vars(c).get(name)
-            grads += [getattr(b, "grad_data", None) for b in bufs] if isinstance(bufs, list) else []
         grads += [getattr(p, "main_grad", None) for p in torch.nn.Module.parameters(c)]
         kept_grads += list(_fsdp_buffers(c, ("main_grad_buffer",)))  # its own lifecycle: keep its values
     mains, opt_state = [], []

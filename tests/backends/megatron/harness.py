@@ -669,11 +669,13 @@ def _mem() -> dict:
 
 
 def mode_offload(a) -> None:
-    """--offload-train on one GPU, FP32 and BF16, TP1: (1) after offload() at most 5% of the model-state bytes stay
-    allocated (allocated / reserved before and after, the round trip's GB/s); (2) 3 steps with offload / onload after
-    every step give bit-identical losses, grad norms and exported weights to 3 steps without (deterministic kernels:
-    dense attention, torch's deterministic algorithms; should the two differ, a second run without offload tells
-    nondeterminism from an offload error)."""
+    """--offload-train on one GPU, FP32 and BF16, TP1 (`--layout fsdp=1`: under Megatron-FSDP): (1) after offload() at
+    most 5% of the model-state bytes stay allocated (allocated / reserved before and after, the round trip's GB/s); (2)
+    3 steps with offload / onload after every step give bit-identical losses, grad norms and exported weights to 3
+    steps without (deterministic kernels: dense attention, torch's deterministic algorithms; should the two differ, a
+    second run without offload tells nondeterminism from an offload error). DDP also (3): the default release of the
+    gradient buffers between steps (--release-grad-buffers) against 3 steps that keep them: bit-identical, and the
+    state between steps smaller by the buffers' bytes."""
     import gc
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -681,16 +683,42 @@ def mode_offload(a) -> None:
     from polyrl.backends.megatron import model as mm
     mm.VarlenCoreAttention.impl = "dense"  # flash varlen's backward may accumulate in any order
     model_dir = build_medium_llama(a.arg1)
+    layout = a.layout or "tp=1"
+    fsdp = "fsdp=1" in layout
     global FP32
-    for fp32 in (True, False):
-        FP32 = fp32
-        be = _backend(model_dir)
-        ref = _curve(be, 3, 8192)
-        be = None
+
+    def free():
         gc.collect()
         torch.cuda.empty_cache()
+
+    def equal(x, y) -> tuple[bool, bool, bool]:
+        return (x[0] == y[0], x[1] == y[1],
+                sorted(x[2]) == sorted(y[2]) and all(torch.equal(x[2][k], y[2][k]) for k in x[2]))
+
+    for fp32 in (True, False):
+        FP32 = fp32
+        free()
+        empty = _mem()["allocated"]
+        be = _backend(model_dir, layout=layout)
+        ref = _curve(be, 3, 8192)
+        state_release = _mem()["allocated"] - empty  # between steps: what the backend keeps on the GPU
+        grad_bytes = be._grads.nbytes if be._grads is not None else 0
+        be = None
+        free()
+        if not fsdp:
+            be = _backend(model_dir, layout=layout, release_grad_buffers=False)
+            kept_curve = _curve(be, 3, 8192)
+            state_keep = _mem()["allocated"] - empty
+            be = None
+            free()
+            same = equal(ref, kept_curve)
+            emit(check="release_grad_buffers", fp32=fp32, layout=layout, losses=ref[0], losses_kept=kept_curve[0],
+                 grad_norms=ref[1], grad_norms_kept=kept_curve[1], losses_equal=same[0], norms_equal=same[1],
+                 weights_equal=same[2], grad_buffer_bytes=grad_bytes, state_bytes_released=state_release,
+                 state_bytes_kept=state_keep, ok=all(same) and grad_bytes > 0
+                 and state_keep - state_release >= grad_bytes)
         base = _mem()
-        be = _backend(model_dir, offload_train=True)
+        be = _backend(model_dir, layout=layout, offload_train=True)
         timing: dict = {}
 
         def between():
@@ -714,28 +742,25 @@ def mode_offload(a) -> None:
         kept = sum(s.nbytes for s in be._offloader.slots if s.keep)
         remaining = timing["after"]["allocated"] - base["allocated"]
         n_params = sum(p.numel() for c in be.model for p in c.parameters())
-        same = (ref[0] == got[0], ref[1] == got[1],
-                sorted(ref[2]) == sorted(got[2]) and all(torch.equal(ref[2][k], got[2][k]) for k in ref[2]))
+        same = equal(ref, got)
         control = None
         if not all(same):
             be = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            again = _curve(_backend(model_dir), 3, 8192)
+            free()
+            again = _curve(_backend(model_dir, layout=layout), 3, 8192)
             control = dict(losses_equal=again[0] == ref[0], norms_equal=again[1] == ref[1])
-        emit(check="offload_memory", fp32=fp32, params=n_params, state_bytes=sizes, baseline=base,
+        emit(check="offload_memory", fp32=fp32, layout=layout, params=n_params, state_bytes=sizes, baseline=base,
              before_offload=timing["before"], after_offload=timing["after"], remaining_bytes=remaining,
              remaining_frac=remaining / sizes["total"], copied_bytes=kept,
              offload_gbps=kept / timing["offload_s"] / 1e9, onload_gbps=kept / timing["onload_s"] / 1e9,
              round_trip_gbps=2 * kept / (timing["offload_s"] + timing["onload_s"]) / 1e9,
              first_offload_gbps=kept / timing["first"][0] / 1e9,
              ok=remaining / sizes["total"] <= 0.05)
-        emit(check="offload_bit_identical", fp32=fp32, losses=ref[0], losses_offload=got[0], grad_norms=ref[1],
-             grad_norms_offload=got[1], losses_equal=same[0], norms_equal=same[1], weights_equal=same[2],
-             control_without_offload=control, ok=all(same))
+        emit(check="offload_bit_identical", fp32=fp32, layout=layout, losses=ref[0], losses_offload=got[0],
+             grad_norms=ref[1], grad_norms_offload=got[1], losses_equal=same[0], norms_equal=same[1],
+             weights_equal=same[2], control_without_offload=control, ok=all(same))
         be = None
-        gc.collect()
-        torch.cuda.empty_cache()
+        free()
 
 
 def mode_recompute(a) -> None:

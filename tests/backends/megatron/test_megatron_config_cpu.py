@@ -172,3 +172,14 @@ def test_foreach_grad_kernels_match_the_per_tensor_fallbacks():
     foreach_scale(0, None, [src, src], 0.5)  # clipping scales the grads in place
     assert all(torch.equal(s, t * 0.5) for s, t in zip(src, ts))
 
+
+
+def test_critic_under_megatron_fsdp_and_the_grad_buffer_switch_are_accepted(tmp_path):
+    """PPO's critic runs on Megatron-FSDP (its unused LM output layer is frozen, model.add_value_heads); megatron DDP's
+    gradient buffers are released between steps unless --no-release-grad-buffers."""
+    from conftest import make_model_dir
+    make_model_dir(str(tmp_path))
+    cfg = _cfg("--advantage-estimator", "gae", "--use-megatron-fsdp", tmp_path=tmp_path)
+    validate(cfg)
+    assert cfg.megatron.use_megatron_fsdp and cfg.megatron.release_grad_buffers
+    assert not _cfg("--no-release-grad-buffers", tmp_path=tmp_path).megatron.release_grad_buffers

@@ -305,6 +305,44 @@ def test_ppo_critic_value_loss_megatron_tp2_matches_fsdp(tmp_path):
     _critic_parity(tmp_path, 2, 2)
 
 
+@pytest.mark.gpu
+def test_ppo_critic_on_megatron_fsdp_matches_ddp(tmp_path):
+    """PPO's critic (gae) under --use-megatron-fsdp against megatron's DDP, FP32, TP1, on an untied model (so the
+    critic's LM output layer is a parameter of its own that it never uses; add_value_heads freezes it, else
+    Megatron-FSDP would wait for its gradient). DDP generates, trains and saves its samples; Megatron-FSDP trains on
+    the same samples. Both run the same megatron modules and FP32 kernels on one GPU; Megatron-FSDP differs in where
+    the weights and FP32 gradients live (its own flat buffers) and in how the grad norm and the Adam step walk them,
+    i.e. in the order of FP32 sums (relative 2^-24 each, ~1e-7 over these few-thousand-term sums). So step 1 (same
+    weights, same samples) agrees to rel 1e-5 (100x that); steps 2-3 follow one and two Adam steps at --critic-lr 1e-4
+    from gradients equal to ~1e-7, which can move a weight whose gradient is ~0 by up to the learning rate on one side
+    only (see _critic_parity), so they get rel 1e-3, ten times tighter than the FSDP-backend parity's 1e-2 (whose
+    kernels differ). A wrong wiring (a missing gradient, a head on the wrong hidden state) moves them by O(1)."""
+    _need(1)
+    from conftest import make_model_dir
+    from polyrl.tasks.arithmetic import write_datasets
+    make_model_dir(tmp_path / "m", arch="qwen2", layers=2, hidden=64, tied=False)
+    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
+    (tmp_path / "rm.py").write_text(_DIGITS)
+    common = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d" / "train.jsonl"),
+              "--custom-rm-path", f"{tmp_path / 'rm.py'}:digits", "--rollout-batch-size", "4", "--n-samples-per-prompt",
+              "4", "--rollout-max-response-len", "6", "--lr", "1e-5", "--num-rollout", "3", "--fp32", "--quiet",
+              "--train-backend", "megatron", "--advantage-estimator", "gae", "--gamma", "0.99", "--lambd", "0.95",
+              "--critic-lr", "1e-4"]
+    data = str(tmp_path / "rollouts" / "step_{rollout_id}.jsonl")
+    ddp = _polyrl_train(common + ["--save-debug-rollout-data", data], 1, tmp_path / "ddp")
+    fsdp = _polyrl_train(common + ["--load-debug-rollout-data", data, "--use-megatron-fsdp"], 1, tmp_path / "fsdp")
+    print("critic DDP vs Megatron-FSDP:", json.dumps([{k: (a.get(k), b.get(k)) for k in (
+        "critic/value_loss", "critic/vf_explained_var", "critic/grad_norm", "grad_norm")} for a, b in zip(ddp, fsdp)]))
+    assert [r["step"] for r in fsdp] == [1, 2, 3]
+    for k, (a, b) in enumerate(zip(ddp, fsdp)):
+        rel = 1e-5 if k == 0 else 1e-3
+        assert a["critic/value_loss"] > 0, a
+        assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=rel), (k, a, b)
+        assert b["critic/vf_explained_var"] == pytest.approx(a["critic/vf_explained_var"], abs=rel), (k, a, b)
+        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=rel), (k, a, b)
+    assert ddp[0]["critic/values_mean"] == 0.0 and fsdp[0]["critic/values_mean"] == 0.0  # both heads start at zero
+
+
 @pytest.fixture(scope="module")
 def family_refs32(tmp_path_factory):
     """DeepSeek-V3 / GLM4-MoE / GLM4 tiny models (harness `families`) and their FP32 FSDP references."""
@@ -404,12 +442,15 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_offload_train_frees_the_gpu_and_is_bit_identical(tmp_path):
-    """--offload-train (harness `offload`, a 21M-parameter Llama, TP1, FP32 and BF16): after offload() at most 5% of the
-    model-state bytes stay allocated, and 3 steps with offload / onload after each (the freed memory overwritten in
-    between) give bit-identical losses, grad norms and exported weights to 3 steps without."""
+@pytest.mark.parametrize("layout", ["tp=1", "fsdp=1"])
+def test_offload_train_frees_the_gpu_and_is_bit_identical(tmp_path, layout):
+    """--offload-train (harness `offload`, a 21M-parameter Llama, TP1, FP32 and BF16; DDP and Megatron-FSDP): after
+    offload() at most 5% of the model-state bytes stay allocated, and 3 steps with offload / onload after each (the freed
+    memory overwritten in between) give bit-identical losses, grad norms and exported weights to 3 steps without. DDP
+    also: releasing the gradient buffers between steps (the default) is bit-identical to keeping them and keeps their
+    bytes off the GPU between steps."""
     _need(1)
-    _assert_ok(_run(["offload", str(tmp_path)], nproc=1), 4)
+    _assert_ok(_run(["offload", str(tmp_path), "--layout", layout], nproc=1), 4 if "fsdp" in layout else 6)
 
 
 @pytest.mark.gpu

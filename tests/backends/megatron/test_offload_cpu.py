@@ -77,3 +77,25 @@ def test_megatron_state_reads_ddp_grad_buffers_beside_module_buffers():
     groups = megatron_state([ddp], opt, [None])
     sizes = summarize(plan_slots(groups, device_type="cpu"))
     assert sizes == {"weights": 8 * 4 + 2 * 4 + 3 * 4, "grads": 10 * 4, "total": 92}
+
+
+def test_released_grads_free_the_buffer_keep_its_views_and_come_back_as_zeros():
+    """Between train steps the DDP grad buffers are emptied in place (ReleasedGrads) and refilled with zeros before the
+    next backward: main_grad views write into the buffer again, and an offload meanwhile finds nothing to move there."""
+    from polyrl.backends.megatron.offload import ReleasedGrads
+    buf, w1, w2, grad, g1, adam = _state()
+    rg = ReleasedGrads([grad, g1, None], device_type="cpu")
+    assert rg.nbytes == 96 and len(rg.slots) == 1
+    grad.fill_(7.0)
+    rg.release()
+    assert grad.untyped_storage().nbytes() == 0
+    off = StorageOffloader(device_type="cpu", pin=False)
+    assert off.offload([("weights", True, [w1, w2]), ("grads", False, [grad, g1])]) == {"weights": 96, "total": 96}
+    off.onload()
+    assert grad.untyped_storage().nbytes() == 0  # still released: the next train step makes it
+    rg.materialize()
+    assert torch.equal(grad, torch.zeros(24))
+    g1.add_(1.0)  # the view writes into the one buffer again
+    assert float(grad[0]) == 1.0 and float(grad[8]) == 0.0
+    rg.materialize()  # already there: its values stay
+    assert float(grad[0]) == 1.0
