@@ -482,8 +482,9 @@ class MegatronConfig:
                                              "--use-megatron-fsdp)")
     release_grad_buffers: bool = opt(True, "free megatron DDP's gradient buffers (zero between steps) after each optimizer "
                                            "step and make them again as zeros at the next train step: 4 bytes a "
-                                           "parameter less GPU memory between steps, training bit-identical, no "
-                                           "measurable step-time cost; on by default (Megatron-FSDP manages its own)")
+                                           "parameter less GPU memory between steps (BF16: 18 -> 14), training "
+                                           "bit-identical, at the cost of one memset of the buffers a step; on by "
+                                           "default (Megatron-FSDP manages its own buffers)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
 
