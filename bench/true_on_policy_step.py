@@ -1,7 +1,6 @@
 """The GRPO step with and without --true-on-policy, in the same call: `polyrl train` on one GPU, the Qwen2.5-0.5B shape
-(random weights), 16 prompts x 8 samples x 256 new tokens, default batching (the exact mode: 16 samples per
-micro-batch, since its per-sequence forwards keep each sequence's full-vocabulary log-softmax for the backward; the
-micro-batch size does not change its arithmetic), bench/compare_trl.py's settings. Each
+(random weights), 16 prompts x 8 samples x 256 new tokens, default batching in both modes (`--exact-args` adds flags
+to the exact run only, e.g. a micro-batch size, which does not change its arithmetic), bench/compare_trl.py's settings. Each
 mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
 metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
 seconds, and the log-prob mismatch (exactly 0 with the mode).
@@ -31,10 +30,12 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     run = os.path.join(work, "exact" if exact else "default")
     s = dict(model_dir=model_dir, train_data=data, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
              max_new_tokens=a.new_tokens, total_steps=a.warmup + a.steps, polyrl_default_batching=True, lr=1e-6,
-             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args="--true-on-policy --micro-batch-size 16" if exact else "")
+             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args=("--true-on-policy " + a.exact_args) if exact else "")
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)
+    with open(os.path.join(run, "stdout.txt"), "w") as f:  # a --profile-step table lands here
+        f.write(res.stdout)
     if res.returncode != 0:
         raise RuntimeError(f"{'exact' if exact else 'default'} run failed ({res.returncode}): {res.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
@@ -56,6 +57,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per mode's run")
     p.add_argument("--out", default=None)
+    p.add_argument("--modes", default="default,exact", help="which runs: default, exact or both (comma list)")
+    p.add_argument("--exact-args", default="", help="more polyrl flags for the exact run (e.g. --profile-step 3)")
     a = p.parse_args()
     import torch
     from polyrl.tasks.arithmetic import write_datasets
@@ -66,7 +69,11 @@ def main() -> int:
     device = torch.cuda.get_device_name(0)
     result = {"device": device, "shape": a.shape, "setting": f"{a.prompts} prompts x {a.samples} samples x "
               f"{a.new_tokens} new tokens, median of {a.steps} steps after {a.warmup} warm-up"}
+    wanted = set(a.modes.split(","))
     for name, exact in (("default", False), ("true_on_policy", True)):
+        if ("exact" if exact else "default") not in wanted:
+            result[name] = {k: float("nan") for k in KEYS}
+            continue
         try:
             result[name] = run_mode(a, model_dir, data, work, exact)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other mode still runs

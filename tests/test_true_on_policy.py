@@ -214,14 +214,14 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
     when the engine's buffer moves (sleep / wake rebind it), and sees weight updates made in place."""
     from transformers import AutoModelForCausalLM
 
-    from polyrl.backends.true_on_policy import EngineScorer, pin_threads, sequence_logprobs
+    from polyrl.backends.true_on_policy import EngineScorer, pin_threads, prepare, sequence_logprobs
     from polyrl.rollout.gpu.engine import GPUEngine
     from polyrl.types import SamplingParams
     pin_threads()
     eng = GPUEngine(tiny_model, device="cpu", dtype=torch.float32, num_kv_blocks=256, block_size=4)
     eng.rescore = EngineScorer(tiny_model, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
     shell_params = sum(p.numel() for p in eng.rescore.lm.parameters())
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    hf = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=1)
 
@@ -307,9 +307,11 @@ def test_a_tokens_value_does_not_depend_on_its_pack(tiny_model):
 
 
 def test_gradients_flow_through_the_scoring_function(tiny_model):
-    """The trainer differentiates the very function the engine runs without grad; the forward values agree."""
+    """The trainer differentiates the very function the engine runs without grad; the forward values agree, and the
+    gradient of every parameter is the plain HF model's (the fixed-block Linear / norm / head have their own backward:
+    whole GEMMs, the norm re-run over all rows, the chunked head)."""
     from transformers import AutoModelForCausalLM
-    from polyrl.backends.true_on_policy import prepare, sequence_logprobs
+    from polyrl.backends.true_on_policy import ROWS, prepare, sequence_logprobs, sequences_logprobs
     lm = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
     logp, ent = sequence_logprobs(lm, ids, 3, temperature=1.0, with_entropy=True)
@@ -317,6 +319,31 @@ def test_gradients_flow_through_the_scoring_function(tiny_model):
     assert logp.shape == ent.shape == (4,) and lm.get_output_embeddings().weight.grad.abs().sum() > 0
     with torch.no_grad():
         assert torch.equal(sequence_logprobs(lm, ids, 3, temperature=1.0)[0], logp.detach())
+
+    # several sequences spanning more than one block, temperature 0.7, a loss that weighs tokens unequally
+    lm.zero_grad()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(1, 14, (n,), generator=g), p) for n, p in ((50, 10), (31, 4), (12, 11))]
+    assert sum(len(x) for x, _ in seqs) > ROWS["cpu"]
+    logp, ent = sequences_logprobs(lm, seqs, temperature=0.7, with_entropy=True)
+    w = torch.rand(logp.shape, generator=g)
+    ((logp * w).sum() + 0.1 * ent.sum()).backward()
+    parts = []
+    for x, p in seqs:  # the plain model, one sequence at a time, full logits under autograd
+        z = ref(input_ids=x[None]).logits[0, p - 1:-1].float() / 0.7
+        lp_all = torch.log_softmax(z, -1)
+        parts.append((lp_all.gather(1, x[p:, None]).squeeze(1), -(lp_all.exp() * lp_all).sum(-1)))
+    want_lp, want_ent = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+    ((want_lp * w).sum() + 0.1 * want_ent.sum()).backward()
+    # FP32: the two forwards differ by reassociation only (~1e-7 relative per op over a 2-layer model), so values
+    # agree to 1e-5 and each gradient entry (a sum over ~80 tokens of O(1) terms) to 1e-4 absolute
+    assert torch.allclose(logp.detach(), want_lp.detach(), atol=1e-5)
+    assert torch.allclose(ent.detach(), want_ent.detach(), atol=1e-5)
+    got = dict(lm.named_parameters())
+    for name, p in ref.named_parameters():
+        assert got[name].grad is not None, name
+        assert torch.allclose(got[name].grad, p.grad, atol=1e-4, rtol=1e-4), (name, (got[name].grad - p.grad).abs().max())
 
 
 # ---- start-up refusals ------------------------------------------------------------------------------------------

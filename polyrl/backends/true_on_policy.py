@@ -4,15 +4,18 @@ two agree bit for bit (docs/true-on-policy.md). On CUDA the GPU engine keeps its
 log-probs from an HF module shell whose parameters are views of its weight buffer (`EngineScorer`): the trainer's module
 code over the same BF16 bits, with no weight copy.
 
-Batch invariance by fixed shapes, not by special kernels: sequences are packed into one row, and every operation
-that reduces over a dimension runs on operands whose shape does not depend on the pack. Linear layers and RMSNorms
-run on fixed blocks of ROWS rows (the last one zero-padded), so each GEMM and each norm reduction has one shape
-whatever the micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one
-kernel, so a token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py
-checks this bit for bit). Attention runs per sequence (SDPA, causal, over that sequence alone: the same shape on both
-sides). The LM head and an FP32 log-softmax with the temperature run on the same fixed blocks. The remaining inputs
-to the arithmetic are the weights (the same bits on both sides after a sync) and, on CPU, the thread count, which
-MKL's GEMM splits its reduction over for some shapes: `pin_threads` fixes it in every process that scores.
+Batch invariance by fixed shapes, not by special kernels: sequences are packed into one row (padded by a dummy last
+sequence to a whole number of blocks), and every operation that reduces over a dimension runs on operands whose shape
+does not depend on the pack. Linear layers and RMSNorms run on fixed blocks of ROWS rows, so each GEMM and each norm
+reduction has one shape whatever the micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape
+cuBLAS / MKL pick one kernel, so a token's result does not depend on its neighbours or its place in the pack
+(tests/test_true_on_policy.py checks this bit for bit). Only the values need that: the backward of a Linear is two
+whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
+call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
+elsewhere per-sequence causal SDPA. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
+(polyrl.backends.logprobs) in chunks of exactly ROWS rows. The remaining inputs to the arithmetic are the weights (the
+same bits on both sides after a sync) and, on CPU, the thread count, which MKL's GEMM splits its reduction over for
+some shapes: `pin_threads` fixes it in every process that scores.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from polyrl.backends import varlen
+from polyrl.backends.logprobs import chunked_logprobs
 
 # intra-op threads of every process in this mode: GEMM results can depend on the thread count (a 64x8192 @ 8192x512
 # product differs by 1.6e-4 between 1 and 2 threads with this MKL), and the trainer ranks and a serve process would
@@ -61,30 +67,96 @@ def _active() -> bool:
     return getattr(_mode, "on", False)
 
 
+def _rows(x: torch.Tensor) -> int:
+    return ROWS.get(x.device.type, ROWS["cuda"])
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % rows
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
 def fixed_rows(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...]."""
-    rows = ROWS.get(x.device.type, ROWS["cuda"])
-    n = x.shape[0]
-    pad = (-n) % rows
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    out = torch.cat([fn(c) for c in x.split(rows)]) if x.shape[0] > rows else fn(x)
-    return out[:n] if pad else out
+    """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...]. Values only
+    (no autograd through the blocks: see _FixedRows for the differentiable form)."""
+    rows, n = _rows(x), x.shape[0]
+    xp = _padded(x, rows)
+    out = torch.cat([fn(c) for c in xp.split(rows)]) if xp.shape[0] > rows else fn(xp)
+    return out[:n] if out.shape[0] != n else out
+
+
+class _FixedRowsLinear(torch.autograd.Function):
+    """y = x W^T + b with the forward on fixed blocks of ROWS rows (each written into the output in place: no cat),
+    the backward as two whole GEMMs: only the values must not depend on the pack, the gradient is the layer's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        rows, n = _rows(x), x.shape[0]
+        xp = _padded(x, rows)
+        out = xp.new_empty(xp.shape[0], weight.shape[0])
+        wt = weight.t()
+        for c, o in zip(xp.split(rows), out.split(rows)):
+            if bias is None:
+                torch.mm(c, wt, out=o)
+            else:
+                torch.addmm(bias, c, wt, out=o)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out[:n] if out.shape[0] != n else out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = g @ weight if ctx.needs_input_grad[0] else None
+        gw = g.t() @ x if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+class _FixedRows(torch.autograd.Function):
+    """A row-wise module (a norm) with its value from fixed blocks of ROWS rows and its gradient from the module over
+    the whole x, re-run under autograd in the backward with the parameters saved here (functional_call: the backward
+    must not depend on which parameter objects the module holds by then)."""
+
+    @staticmethod
+    def forward(ctx, module, names, x, *params):
+        with torch.no_grad():
+            out = fixed_rows(module._polyrl_plain, x)
+        ctx.module, ctx.names = module, names
+        ctx.save_for_backward(x, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:]
+        prev = getattr(_mode, "on", False)
+        _mode.on = False  # the re-run is the plain module (the engine's autograd thread may have it off already)
+        try:
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(need[0])
+                ps = [p.detach().requires_grad_(n) for p, n in zip(params, need[1:])]
+                y = torch.func.functional_call(ctx.module, dict(zip(ctx.names, ps)), (xd,))
+                wanted = [t for t, n in zip([xd, *ps], need) if n]
+                grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
+        finally:
+            _mode.on = prev
+        return (None, None, *(next(grads) if n else None for n in need))
 
 
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _active():
         return F.linear(x, self.weight, self.bias)
-    y = fixed_rows(lambda c: F.linear(c, self.weight, self.bias), x.reshape(-1, x.shape[-1]))
+    y = _FixedRowsLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _norm_forward(plain):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _active():
-            return plain(x)
-        return fixed_rows(plain, x.reshape(-1, x.shape[-1])).reshape(x.shape)
-    return forward
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not _active():
+        return self._polyrl_plain(x)
+    names = [n for n, _ in self.named_parameters(recurse=False)]
+    params = [p for _, p in self.named_parameters(recurse=False)]
+    return _FixedRows.apply(self, names, x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
 
 
 def prepare(lm: torch.nn.Module) -> torch.nn.Module:
@@ -96,7 +168,8 @@ def prepare(lm: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, torch.nn.Linear):
             m.forward = types.MethodType(_linear_forward, m)
         elif type(m).__name__.endswith("RMSNorm"):
-            m.forward = _norm_forward(m.forward)
+            m._polyrl_plain = m.forward
+            m.forward = types.MethodType(_norm_forward, m)
         else:
             continue
         m._polyrl_invariant = True
@@ -113,6 +186,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if varlen.usable(query.device, query.dtype):
+        # one FlashAttention varlen call over the pack: each (sequence, head, query block) is its own program that
+        # reduces over that sequence's keys in a fixed order, so a token's value does not depend on the pack
+        # (tests/backends/test_true_on_policy_gpu.py checks it bit for bit)
+        n = kwargs["max_length_q"]
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return varlen.causal(q, k, v, cu, cu, n, n, scale=scaling)[None], None
     gqa = query.shape[1] != key.shape[1]
     bounds = cu.tolist()
     outs = []
@@ -136,41 +216,36 @@ def register_attention() -> str:
     return ATTENTION
 
 
-def scoring_attention(requested: str) -> str:
-    """The attention implementation a model that scores in this mode is built with (prepare() sets it too)."""
-    return register_attention()
-
-
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
     (fp32) of the response tokens under softmax(logits / temperature) (temperature 0, greedy: 1), and their entropy
     | None. One packed forward; each token's value is the one it gets alone or in any other pack. Differentiable."""
-    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     device = sequences[0][0].device
-    ids = torch.cat([x for x, _ in sequences])
     lens = [int(x.numel()) for x, _ in sequences]
-    pos = torch.cat([torch.arange(n, device=device) for n in lens])
-    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    rows_per_block = ROWS.get(device.type, ROWS["cuda"])
+    pad = (-sum(lens)) % rows_per_block  # a dummy last sequence: every layer then sees whole blocks, no per-layer pad
+    ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
+    seg = lens + ([pad] if pad else [])
+    pos = torch.cat([torch.arange(n, device=device) for n in seg])
+    cu = torch.tensor([0] + seg, device=device).cumsum(0).to(torch.int32)
     starts = cu[:-1].tolist()
     rows = torch.cat([torch.arange(st + p - 1, st + n - 1, device=device) for st, n, (_, p) in zip(starts, lens, sequences)])
     targets = torch.cat([x[p:] for x, p in sequences])
     base = getattr(lm, lm.base_model_prefix)
     head = lm.get_output_embeddings()
+    if head.bias is not None:
+        raise ValueError("--true-on-policy: an LM head with a bias is not supported by the log-prob head")
     with invariant():
         hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
-                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens)
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seg), max_length_k=max(seg)
                       ).last_hidden_state[0].index_select(0, rows)
-
-        def block(h: torch.Tensor) -> torch.Tensor:
-            z = F.linear(h, head.weight, head.bias).float()
-            return torch.log_softmax(z * inv_temp if inv_temp != 1.0 else z, dim=-1)
-
-        logp_all = fixed_rows(block, hidden)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    if not with_entropy:
-        return logp, None
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+    # the head in chunks of exactly ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
+    # one shape whatever the pack, and no [T, V] logits are kept for the backward
+    n = targets.numel()
+    logp, ent = chunked_logprobs(_padded(hidden, rows_per_block), head.weight, _padded(targets, rows_per_block),
+                                 temperature=temperature, chunk_size=rows_per_block, with_entropy=with_entropy)
+    return logp[:n], (ent[:n] if ent is not None else None)
 
 
 def sequence_logprobs(lm: torch.nn.Module, ids: torch.Tensor, prompt_len: int, *, temperature: float,
@@ -218,11 +293,11 @@ class EngineScorer:
     rotary buffers (computed on the CPU, as the trainer's from_pretrained computes them) and one sequence's
     activations. The views are re-read whenever the engine's buffer moved (sleep / wake rebinds them)."""
 
-    def __init__(self, hf_checkpoint: str, weights, *, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):
+    def __init__(self, hf_checkpoint: str, weights, *, device: torch.device, dtype: torch.dtype):
         from transformers import AutoConfig, AutoModelForCausalLM
         config = AutoConfig.from_pretrained(hf_checkpoint)
         with torch.device("meta"):
-            self.lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=scoring_attention(attn))
+            self.lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=register_attention())
         self.lm.eval().requires_grad_(False)
         prepare(self.lm)
         for name, mod in list(self.lm.named_modules()):

@@ -305,8 +305,7 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
                             quantization=quantization, **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
             if kw.get("true_on_policy"):  # it samples with its own kernels and reports the trainer's scoring
                 from polyrl.backends.true_on_policy import EngineScorer
-                eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype,
-                                           attn=kw.get("attn_implementation", "sdpa"))
+                eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
             return eng
         log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
                     device, hf_checkpoint, why)

@@ -91,3 +91,32 @@ def test_half_b_shape_bf16_exact_over_three_steps(half_b, arith_data, tmp_path, 
 def test_tiny_qwen3_and_llama_bf16_exact(arch, arith_data, tmp_path, monkeypatch):
     model = make_model_dir(tmp_path / arch, arch=arch, hidden=128, layers=2, tied=arch == "qwen3")
     assert_exact(*run_exact(model, arith_data["train"], tmp_path, monkeypatch, "--micro-batch-size", "3"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
+    """tests/test_true_on_policy.py's invariance check on CUDA in BF16 (varlen attention, 1024-row blocks, the chunked
+    head): each sequence's log-probs are the same bits alone, in packs of other orders and behind leading sequences
+    that move it across block boundaries, with autograd recording or not."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import ROWS, prepare, sequences_logprobs
+    lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
+    g = torch.Generator().manual_seed(0)
+    vocab = lm.config.vocab_size
+    seqs = [(torch.randint(0, vocab, (n,), generator=g).cuda(), p) for n, p in ((700, 40), (1500, 300), (90, 89), (333, 1))]
+    assert sum(len(x) for x, _ in seqs) > 2 * ROWS["cuda"]
+    with torch.no_grad():
+        alone = [sequences_logprobs(lm, [q], temperature=0.9)[0] for q in seqs]
+        for order in ([0, 1, 2, 3], [3, 2, 0, 1], [1, 3]):
+            for lead in (0, 1, 517):
+                pre = [(torch.randint(0, vocab, (lead,), generator=g).cuda(), 1)] if lead else []
+                got = sequences_logprobs(lm, pre + [seqs[i] for i in order], temperature=0.9)[0]
+                got = got[(lead - 1 if lead else 0):].split([len(seqs[i][0]) - seqs[i][1] for i in order])
+                for i, lp in zip(order, got):
+                    assert torch.equal(lp, alone[i]), (order, lead, i, (lp - alone[i]).abs().max())
+    lm.requires_grad_(True)
+    with_grad = sequences_logprobs(lm, seqs, temperature=0.9)[0]
+    assert torch.equal(with_grad.detach(), torch.cat(alone))
+    with_grad.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lm.parameters())

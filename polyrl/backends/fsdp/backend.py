@@ -207,8 +207,8 @@ class FSDPBackend:
         recurrent = "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
         requested = "sdpa" if recurrent and model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
         if model_cfg.true_on_policy and role == "actor":  # one unpadded row per sequence, the engine's attention
-            from polyrl.backends.true_on_policy import scoring_attention
-            requested = scoring_attention(requested)
+            from polyrl.backends.true_on_policy import register_attention
+            requested = register_attention()
         # attention sinks / sliding windows: polyrl's packed masks and varlen kernel express neither, HF's eager
         # attention on padded rows does (it builds each layer's causal or sliding mask from the padding mask)
         problem = hf_families.fsdp_layout_problem(self.hf_config, model_cfg.attn_implementation,
