@@ -13,6 +13,8 @@ output layer enter the MTP loss detached: only the MTP layers learn from it and 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -40,8 +42,14 @@ def mtp_logprobs(lm: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, p
         hidden, head = hidden.detach(), head.detach()
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # padded rows: the causal + padding mask the decoder built for itself
-        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=mask, cache=None,
-                                  position_ids=position_ids)
+        # (transformers 5.x releases name the embeddings and the cache differently: pass what this one takes)
+        params = inspect.signature(create_causal_mask).parameters
+        kw = {"config": base.config, "attention_mask": mask, "position_ids": position_ids,
+              ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): hidden}
+        kw.update({k: None for k in ("cache", "past_key_values") if k in params})
+        if "cache_position" in params:
+            kw["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+        mask = create_causal_mask(**kw)
     pos_emb = base.rotary_emb(hidden, position_ids)
     flat_ids = input_ids.reshape(-1)
     last = flat_ids.numel() - 1
