@@ -1156,6 +1156,9 @@ def _validate_megatron(m: MegatronConfig) -> None:
     if m.optimizer_cpu_offload and (m.use_megatron_fsdp or not m.use_distributed_optimizer):
         raise ConfigError("--optimizer-cpu-offload needs megatron's distributed optimizer (--use-distributed-optimizer) "
                           "and not --use-megatron-fsdp")
+    if m.use_megatron_fsdp and not m.release_grad_buffers:
+        raise ConfigError("--no-release-grad-buffers keeps megatron DDP's gradient buffers; Megatron-FSDP "
+                          "(--use-megatron-fsdp) manages its own: drop --no-release-grad-buffers")
     for item in m.override_ddp_config:
         if "=" not in item:
             raise ConfigError(f"--override-ddp-config {item!r}: expected key=value")

@@ -41,6 +41,7 @@ def test_megatron_flags_keep_megatron_names(tmp_path):
     (["--gradient-checkpointing", "--recompute-granularity", "selective"], "give either, not both"),
     (["--optimizer-cpu-offload", "--no-use-distributed-optimizer"], "--optimizer-cpu-offload needs megatron's distributed"),
     (["--optimizer-cpu-offload", "--use-megatron-fsdp"], "not --use-megatron-fsdp"),
+    (["--no-release-grad-buffers", "--use-megatron-fsdp"], "Megatron-FSDP .--use-megatron-fsdp. manages its own"),
 ])
 def test_megatron_degrees_are_validated_at_start_up(tmp_path, flags, needle):
     with pytest.raises(ConfigError, match=needle.replace("+", r"\+").replace("[", r"\[")):
