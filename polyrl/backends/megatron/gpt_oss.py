@@ -37,16 +37,28 @@ def sigmoid_gate(y: Tensor, alpha: float) -> Tensor:
     return y * torch.sigmoid(alpha * y)
 
 
+def hf_swiglu_constants(cfg: Any) -> tuple[float, float]:
+    """(alpha, limit) as the installed transformers' GptOssExperts reads them from `cfg`: recent releases take the
+    config's swiglu_alpha / swiglu_limit, earlier ones hard-code 1.702 / 7.0 (or lack swiglu_alpha). Built on the
+    meta device, so no expert weight is allocated."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    with torch.device("meta"):
+        experts = GptOssExperts(cfg)
+    return float(experts.alpha), float(experts.limit)
+
+
 def mcore_kwargs(cfg: Any) -> dict[str, Any]:
     """TransformerConfig fields of GPT-OSS's biased, clamped SwiGLU experts and biased router (module docstring),
     on top of config_to_mcore_kwargs' MoE fields. The attention is the wrapped HF module and every layer is MoE,
     so `add_bias_linear` reaches the router and the experts only."""
+    alpha, limit = hf_swiglu_constants(cfg)
     return dict(
         add_bias_linear=True,
         gated_linear_unit=True,
-        activation_func=functools.partial(sigmoid_gate, alpha=float(cfg.swiglu_alpha)),
+        activation_func=functools.partial(sigmoid_gate, alpha=alpha),
         glu_linear_offset=1.0,
-        activation_func_clamp_value=float(cfg.swiglu_limit),
+        activation_func_clamp_value=limit,
     )
 
 
