@@ -118,7 +118,7 @@ def test_multimodal_keys_flag_is_checked_at_start_up():
 
 def test_both_backends_take_the_image_flags():
     """Image flags pass the start-up check on FSDP and on Megatron (Qwen2.5-VL at one model-parallel rank; its own
-    refusals, Qwen3-VL and TP/PP/CP/EP > 1, come when the backend builds: tests/backends/megatron/test_vision_cpu.py)."""
+    refusals, other VL types and TP/PP/CP/EP > 1, come when the backend builds: tests/backends/megatron/test_vision_cpu.py)."""
     from polyrl.capabilities import refuse_unhonoured
     from polyrl.config import Config
     for section, name, value in (("data", "multimodal_keys", '{"image": "images"}'),
