@@ -187,6 +187,7 @@ class MegatronBackend:
                     c.vision_model = vision.build_tower(self.vl_config, config.params_dtype, self.device)
                     if self.mcfg.freeze_vision_tower:
                         c.vision_model.requires_grad_(False)
+                    vision.attach_deepstack(c, self.vl_config)  # Qwen3-VL: its features join the first layers
         mm.load_hf_weights(chunks, path, hf_config, config, vl=vl)
         if train:  # MTP layers (MiMo) train only with --enable-mtp-training; otherwise they are kept as loaded
             from polyrl.backends.megatron import mtp
@@ -204,7 +205,6 @@ class MegatronBackend:
 
     def _build_teacher(self, path: str) -> list:
         """The OPD teacher in the actor's parallel layout (TP / PP / virtual stages / CP / EP), from its own config.
-                    vision.attach_deepstack(c, self.vl_config)  # Qwen3-VL: its features join the first layers
         Micro-batches are packed once for all models (sequence-parallel padding included), and a pipeline runs one
         schedule, so the teacher must split into the same stages and agree on sequence parallelism."""
         from transformers import AutoConfig
