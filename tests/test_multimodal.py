@@ -302,6 +302,16 @@ def test_serve_takes_sglang_image_data_and_the_http_engine_sends_it(qwen25_vl, t
         status, out = post({"input_ids": ps[0], "image_data": image_data_url(imgs[0]),
                             "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
         assert status == 200 and len(out["output_ids"]) >= 1
+        # SGLang's other form: `text` as the chat template renders it, one image pad per image, expanded by the server
+        from polyrl.multimodal import place_images
+        rendered = ref.processor.tokenizer.apply_chat_template(place_images(PROMPT, 1), add_generation_prompt=True,
+                                                               tokenize=False)
+        status, by_text = post({"text": rendered, "image_data": image_data_url(imgs[0]),
+                                "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert status == 200 and by_text["output_ids"] == out["output_ids"], by_text
+        status, text = post({"text": rendered.replace("<|image_pad|>", "<|image_pad|><|image_pad|>"),
+                             "image_data": image_data_url(imgs[0])})
+        assert status == 400 and "image tokens but its images make 4" in text, text
         for body, msg in (({"input_ids": ps[0], "image_data": "/etc/passwd"}, "send images as data URLs"),
                           ({"input_ids": ps[0][:3], "image_data": image_data_url(imgs[0])}, "image tokens but its images make 4"),
                           ({"input_ids": [ps[0], ps[1]], "image_data": [image_data_url(imgs[0])]}, "list of 2 entries")):

@@ -337,7 +337,7 @@ class EngineServer:
     async def generate(self, request):
         body = await self._body(request)
         prompts, single = self._prompts(body)
-        images = self._images(body.get("image_data"), prompts, single)
+        images = self._images(body.get("image_data"), prompts, single, from_text=body.get("text") is not None)
         for k, ok in GENERATE_UNSUPPORTED.items():
             if body.get(k) not in (None, ok):
                 raise bad(f"{k!r} is not supported by polyrl serve")
@@ -435,10 +435,12 @@ class EngineServer:
                           "no room for a new one")
         return prompts, single
 
-    def _images(self, data: Any, prompts: list[list[int]], single: bool) -> list[list | None]:
+    def _images(self, data: Any, prompts: list[list[int]], single: bool, from_text: bool = False) -> list[list | None]:
         """SGLang's image_data: one image or a list of them for a single prompt; a list with one entry (None, an image
         or a list of images) per prompt for a batch. Images come as data URLs or base64 (a server does not read paths
-        or URLs its clients name); prompts hold each image's expanded pads, as the model's processor writes them."""
+        or URLs its clients name). `input_ids` hold each image's expanded pads, as the model's processor writes them;
+        a `text` prompt holds one image pad per image (as the chat template renders it), which is expanded here, in
+        place in `prompts`, as SGLang's processor does."""
         B = len(prompts)
         if data is None:
             return [None] * B
@@ -461,9 +463,15 @@ class EngineServer:
                 raise bad(f"image_data of prompt {i}: send images as data URLs ('data:image/png;base64,...') or base64")
             try:
                 loaded = [load_image(x) for x in imgs]
-                proc.check(ids, proc.pixel_inputs(loaded)["image_grid_thw"])
+                grid = proc.pixel_inputs(loaded)["image_grid_thw"]
+                if from_text and sum(1 for t in ids if t == proc.image_token_id) == len(loaded):
+                    ids = prompts[i] = proc.expand(ids, grid)
+                proc.check(ids, grid)
             except ImageError as e:
                 raise bad(f"image_data of prompt {i}: {e}") from None
+            if self.max_len and len(ids) >= self.max_len:
+                raise bad(f"prompt {i} has {len(ids)} tokens with its images' pads; the model's context is "
+                          f"{self.max_len} tokens, which leaves no room for a new one")
             out.append(loaded)
         return out
 
