@@ -15,6 +15,9 @@ unfused GLU `activation_func(min(x_glu, c)) * (clamp(x_linear, -c, c) + glu_line
 `activation_func_clamp_value=c`. The bridge writes fc1 as [gate; up] (de-interleaved), which is the
 order megatron's GLU chunks. Megatron scales the expert by its routing weight before fc2 and adds
 `w_e * bias` after it (MLP.forward's per_token_scale): the same sum as HF's, rounded differently.
+That bias add is in place on fc2's output, which megatron hands back as a view when the expert-TP group has one rank
+and EP is 1; autograd refuses it in training, so model.layer_spec builds biased experts' fc2 as
+model.ExpertRowParallelLinear (the one-rank reduce skipped, as megatron itself does at EP > 1).
 
 The activation is a plain function rather than megatron's `fused_bias_geglu.quick_gelu` (the same
 y * sigmoid(1.702 y)) because that one is wrapped in megatron's jit fuser (torch.compile), which would

@@ -35,14 +35,17 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import get_pg_size
 
 from polyrl.backends.megatron import bridge, compat, gpt_oss, thd
 from polyrl.backends.megatron.ddp import ddp_kwargs
@@ -187,6 +190,37 @@ class TPMLASelfAttention(MLASelfAttention):
         return q_compressed, kv_combined
 
 
+class ExpertRowParallelLinear(RowParallelLinear):
+    """An expert's linear_fc2 that hands back its matmul output itself when its expert-TP group has one rank.
+
+    megatron-core (0.19.2) passes it through a one-rank TP reduce (or reduce-scatter under sequence parallelism): an
+    autograd Function that returns its input as-is, i.e. a view. MLP.forward then adds a biased expert's
+    routing-weighted bias to that view in place (per_token_scale), which autograd refuses in a training forward
+    ("... is a view and is being modified inplace. This view was created inside a custom Function ..."). A one-rank
+    reduce is the identity, so skipping it changes no arithmetic; megatron takes this path itself with EP > 1."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.is_expert and get_pg_size(self.tp_group) == 1:
+            self.explicit_expert_comm = True
+
+
+def _biased_experts(mlp):
+    """A MoE layer spec (functools.partial of MoELayer) with its routed experts' linear_fc2 made
+    ExpertRowParallelLinear; a dense MLP spec as it is."""
+    if getattr(mlp, "func", None) is not MoELayer:
+        return mlp
+    sub = mlp.keywords["submodules"]
+    experts = sub.experts
+    if not isinstance(experts, functools.partial) or "submodules" not in experts.keywords:
+        raise TypeError(f"biased experts: megatron's MoE experts spec {experts!r} is not the local SequentialMLP "
+                        "partial whose linear_fc2 polyrl swaps (ExpertRowParallelLinear)")
+    esub = dataclasses.replace(experts.keywords["submodules"], linear_fc2=ExpertRowParallelLinear)
+    experts = functools.partial(experts.func, *experts.args, **{**experts.keywords, "submodules": esub})
+    sub = dataclasses.replace(sub, experts=experts)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+
+
 def _norm(spec, cls):
     return spec if spec in (None, IdentityOp) else cls
 
@@ -221,6 +255,10 @@ def layer_spec(config: TransformerConfig, vp_stage: int | None, hf_config=None):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
     post_norms = hf_config is not None and bridge.FAMILIES[hf_config.model_type].post_norms
     specs = [_patch_layer_spec(s, post_norms) for s in block.layer_specs]
+    if config.num_moe_experts and config.add_bias_linear:  # biased experts (GPT-OSS)
+        specs = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules,
+                                                                       mlp=_biased_experts(s.submodules.mlp)))
+                 for s in specs]
     if hf_config is not None and bridge.FAMILIES[hf_config.model_type].mixers:
         from polyrl.backends.megatron import hf_wrap
         specs = hf_wrap.wrap_layer_specs(specs, hf_config)

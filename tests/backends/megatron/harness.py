@@ -371,6 +371,7 @@ def mode_layouts(a) -> None:
             try:
                 check_layout(model_dir, ref, text, checks)
             except Exception as e:  # record and go on with the next layout
+                traceback.print_exc()  # whole, on stderr: the record's text is cut to fit a RESULT line
                 emit(check="error", model=model_dir, layout=text, error=f"{type(e).__name__}: {e}"[:2000],
                      tb=traceback.format_exc()[-3000:])
                 if a.stop_on_error:
