@@ -215,7 +215,7 @@ def test_fc1_tp_shard_keeps_gate_and_up_halves():
 
 
 def test_unsupported_model_type_errors_clearly():
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*'llama', 'mimo', 'qwen2', 'qwen3', 'qwen3_5_text', 'qwen3_moe'"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*'llama', 'mimo', 'mimo_v2_flash', 'qwen2', 'qwen3', 'qwen3_5_text', 'qwen3_moe'"):
         config_to_mcore_kwargs(GPT2Config())
     with pytest.raises(ValueError, match="unknown megatron parameter"):
         list(mcore_to_hf([("decoder.layers.0.foo.weight", torch.zeros(1))], LlamaConfig(**COMMON)))

@@ -98,6 +98,13 @@ megatron-core's MultiTokenPredictionLayer on the last pipeline stage (built by m
                                            dist-checkpoint keys say transformer_layer)
     mtp.layers.{i}.final_layernorm.weight <- model.mtp_layers.{i}.final_layernorm.weight
 
+MiMo-V2-Flash (`mimo_v2_flash`): attention runs as the HF module (`mixers`: MiMoV2FlashAttention, q / k heads of
+head_dim, v heads of v_head_dim, v scaled by attention_value_scale, partial RoPE with a theta per layer type, twice the
+k / v heads and learned sinks on sliding layers), its parameters 1:1 under `self_attention.hf.` except the sinks,
+which checkpoints store as `self_attn.attention_sink_bias` (`mixer_renames`; in memory `self_attn.sinks`). The MLP is
+megatron's: dense where `mlp_layer_types` says "dense", else an MoELayer with DeepSeek-V3's sigmoid router
+(`sigmoid_router` above; no shared experts) and experts as the generic MoE names below.
+
 The Transformer-Engine spec names things differently (norms fused into
 `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, grouped experts as
 `experts.linear_fc1.weight{i}`); this bridge covers the local spec only.
@@ -144,6 +151,8 @@ class _Family:
     fused_gate_up: bool = False  # HF dense MLP stores [gate; up] as one mlp.gate_up_proj
     oss_experts: bool = False  # GPT-OSS: stacked, interleaved, biased experts and a biased router (docstring)
     mtp: bool = False  # MiMo: model.mtp_layers.* <-> megatron-core's mtp.layers.* (docstring)
+    # wrapped HF module parameter -> its checkpoint name where they differ (MiMo-V2-Flash: sinks <-> attention_sink_bias)
+    mixer_renames: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between supported decoders
@@ -169,6 +178,11 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
                        mixers=(("sliding_attention", "self_attn"), ("full_attention", "self_attn"))),
     # MiMo-7B (MiMoForCausalLM, polyrl.hf_families): Qwen2 decoder + MTP layers
     "mimo": _Family(qkv_bias=True, qk_norm=False, moe=False, mtp=True),
+    # MiMoV2FlashForCausalLM: HF attention (sinks on sliding layers, q/k heads wider than v heads) wrapped; dense
+    # first layers, then DeepSeek-style sigmoid-routed MoE without shared experts
+    "mimo_v2_flash": _Family(qkv_bias=False, qk_norm=False, moe=True, sigmoid_router=True,
+                             mixers=(("sliding_attention", "self_attn"), ("full_attention", "self_attn")),
+                             mixer_renames=(("sinks", "attention_sink_bias"),)),
     # Qwen3_5ForCausalLM (text): Qwen3-Next's mixers (unfused DeltaNet projections), dense MLP
     "qwen3_5_text": _Family(qkv_bias=False, qk_norm=False, moe=False, zero_centered_norm=True,
                             mixers=(("linear_attention", "linear_attn"), ("full_attention", "self_attn"))),
@@ -176,7 +190,7 @@ FAMILIES: dict[str, _Family] = {  # HF model_type -> what differs between suppor
 
 _SUPPORTED = ("LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
               "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MiMoForCausalLM, "
-              "Qwen3_5ForCausalLM")
+              "MiMoV2FlashForCausalLM, Qwen3_5ForCausalLM")
 
 
 def _flag(cfg: Any, value: bool | str) -> bool:
@@ -262,6 +276,8 @@ def is_moe_layer(cfg: Any, layer: int) -> bool:
         return False
     if _family(cfg).oss_experts:  # GPT-OSS: every layer
         return True
+    if getattr(cfg, "mlp_layer_types", None) is not None:  # MiMo-V2-Flash: "dense" / "sparse" per layer
+        return cfg.mlp_layer_types[layer] == "sparse"
     if getattr(cfg, "first_k_dense_replace", None) is not None:
         return layer >= cfg.first_k_dense_replace
     return (
@@ -528,8 +544,9 @@ def _layer_rules(
     rules: list[_Rule] = [(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy")]
     mixer = wrapped_mixer(cfg, layer)
     if mixer is not None:  # the HF module's own parameters, renamed under the wrapper, 1:1
-        hp = f"{h}{mixer}."
-        rules += [(f"{a}hf.{n[len(hp):]}", (n,), "copy") for n in hf_names if n.startswith(hp)]
+        hp, module_name = f"{h}{mixer}.", {ckpt: mod for mod, ckpt in fam.mixer_renames}
+        rules += [(f"{a}hf.{module_name.get(n[len(hp):], n[len(hp):])}", (n,), "copy")
+                  for n in hf_names if n.startswith(hp)]
     elif fam.mla:
         rules += [(a + mc, (sa + hf,), "copy") for mc, hf in _MLA_NAMES]
     else:
@@ -779,7 +796,8 @@ def mcore_to_hf(
     expert indices local to the EP rank (`expert_offset`). Wrapper prefixes (`module.` from DDP /
     Float16Module) are stripped. The tied `output_layer.weight` copy is skipped, so `lm_head.weight`
     appears only when the HF config is untied. `fused_experts=True` emits the transformers>=5
-    in-memory layout (`mlp.experts.gate_up_proj`/`down_proj`), buffering each layer's experts
+    in-memory layout (`mlp.experts.gate_up_proj`/`down_proj`, and a wrapped module's own parameter names where
+    the checkpoint renames them: `_Family.mixer_renames`), buffering each layer's experts
     until all `num_experts` have arrived: feed every expert, e.g. gathered over EP."""
     cfg, fam = hf_config, _family(hf_config)
     nq, ng = cfg.num_attention_heads, _num_query_groups(cfg)
@@ -806,7 +824,10 @@ def mcore_to_hf(
             experts = [(int(expert[1]), int(expert[1]) + expert_offset)] if expert else []
             wrapped = _MC_WRAPPED.fullmatch(m[2])
             mixer = wrapped_mixer(cfg, layer) if wrapped else None
-            hf_name = [f"model.layers.{layer}.{mixer}.{wrapped[1]}"] if mixer else []
+            rest = wrapped[1] if wrapped else ""
+            if not fused_experts:  # the checkpoint's names (mixer_renames); fused_experts: the HF module's own
+                rest = dict(fam.mixer_renames).get(rest, rest)
+            hf_name = [f"model.layers.{layer}.{mixer}.{rest}"] if mixer else []
             rule = next((r for r in _layer_rules(cfg, fam, layer, local, experts, hf_name) if r[0] == name), None)
             if rule is None:
                 raise ValueError(f"mcore_to_hf: unknown megatron parameter {name!r} ({cfg.model_type})")

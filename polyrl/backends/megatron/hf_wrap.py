@@ -47,6 +47,7 @@ Limits.
     slow for long-context training at scale.
   - Qwen3.5 (text) wraps the same way (`qwen3_5_mixer`; its DeltaNet's unfused in_proj_qkv splits like conv1d);
     GPT-OSS's attention (`gpt_oss_mixer`) runs eager with an explicit causal / sliding mask (its sinks need it).
+    MiMo-V2-Flash's attention (`mimo_v2_flash_mixer`) runs the same way (sinks on its sliding layers).
   - Qwen3-Next's MTP head is not supported (`mtp.*` checkpoint tensors are ignored). Its sparse MoE
     layers are megatron's own MoELayer with a gated shared expert (bridge.py), not wrapped.
 
@@ -201,6 +202,35 @@ def gpt_oss_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
 
 MIXERS: dict[str, Callable[[Any, int, Any], Mixer]] = {"qwen3_next": qwen3_next_mixer, "qwen3_5_text": qwen3_5_mixer,
                                                       "gpt_oss": gpt_oss_mixer}
+
+
+def mimo_v2_flash_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
+    """MiMo-V2-Flash layer `layer_idx`: MiMoV2FlashAttention replicated (q / k heads wider than v heads, values scaled
+    by attention_value_scale; on sliding layers twice the k / v heads and learned sinks), run with eager attention and
+    an explicit causal (+ window) mask as GPT-OSS's: SDPA has no sinks. Partial RoPE from the HF rotary module with the
+    layer type's theta. The layer's MLP is megatron-core's (dense, or the sigmoid-routed MoELayer: bridge.py)."""
+    from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as hf
+
+    cfg = copy.deepcopy(hf_config)
+    cfg._attn_implementation = "eager"
+    attn = hf.MiMoV2FlashAttention(cfg, layer_idx)
+    rotary = hf.MiMoV2FlashRotaryEmbedding(cfg)  # captured, not registered: stays fp32 under Float16Module
+    kind = cfg.layer_types[layer_idx]
+    window = cfg.sliding_window if kind == "sliding_attention" else None
+
+    def call(x: Tensor, pos: Tensor) -> Tensor:
+        n = x.shape[1]
+        i = torch.arange(n, device=x.device)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:  # HF's sliding mask: the last `window` positions, the query's own included
+            allowed &= i[:, None] - i[None, :] < window
+        mask = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        return attn(x, position_embeddings=rotary(x, pos, kind), attention_mask=mask[None, None])[0]
+
+    return Mixer(attn, call)
+
+
+MIXERS["mimo_v2_flash"] = mimo_v2_flash_mixer
 
 
 def mixer_config(hf_config: Any) -> Any:

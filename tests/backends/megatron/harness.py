@@ -227,6 +227,49 @@ def build_gpt_oss(out: str, tokenizer=None) -> str:
     return d
 
 
+def build_mimo_v2_flash(out: str, tokenizer=None) -> str:
+    """Tiny MiMo-V2-Flash (OUT/mimo_v2_flash): 4 layers, full / sliding / sliding / full attention (window 4, shorter
+    than fixed_batch's sequences; sliding layers with twice the k / v heads and learned sinks), q / k head_dim 16, v
+    heads 8 wide, values scaled by 0.6, partial RoPE (half the channels) with a theta per layer type; layer 0 a dense
+    MLP, layers 1-3 sigmoid-routed MoE (8 experts in 2 groups, top-1 group, top-2 experts, scaling 2.5, a random
+    correction bias so it changes the choice). Weights random as in build_gpt_oss. With `tokenizer` (the arithmetic
+    task's) the vocabulary is its size and it is saved alongside, for GRPO through the CLI."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+    tok = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+               bos_token_id=tokenizer.eos_token_id) if tokenizer is not None else dict(vocab_size=250)
+    rope = {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5}
+            for kind, theta in (("full_attention", 100000.0), ("sliding_attention", 500.0))}
+    cfg = MiMoV2FlashConfig(**tok, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, v_head_dim=8, attention_value_scale=0.6,
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=4,
+                            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                            topk_group=1, routed_scaling_factor=2.5, rope_parameters=rope, max_position_embeddings=128,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = MiMoV2FlashForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1:  # sinks
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "lm_head" in name:
+                p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
+            elif "embed_tokens" in name:
+                p.normal_(std=1.0)
+            else:  # q/k/v/o, dense MLP, router, stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]): x @ W.T
+                p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    d = os.path.join(out, "mimo_v2_flash")
+    model.save_pretrained(d)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(d)
+    return d
+
+
 def fixed_batch(n: int = 8, vocab: int = 250, seed: int = 0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     ids, plens, f = [], [], {"loss_mask": [], "advantages": [], "rollout_logprobs": []}
@@ -920,6 +963,8 @@ def main() -> None:
         print(json.dumps(build_bridge_families(a.arg1)))
     elif a.mode == "gpt-oss":  # OUT/gpt_oss (vocab 250, for `layouts`)
         print(json.dumps(build_gpt_oss(a.arg1)))
+    elif a.mode == "mimo-v2-flash":  # OUT/mimo_v2_flash (vocab 250, for `layouts`)
+        print(json.dumps(build_mimo_v2_flash(a.arg1)))
     elif a.mode == "fsdp-ref":
         mode_fsdp_ref(a.arg1, a.arg2)
     elif a.mode in MODES:

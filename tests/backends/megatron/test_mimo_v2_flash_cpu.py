@@ -1,0 +1,214 @@
+"""MiMo-V2-Flash on the megatron backend, CPU half (megatron-core not needed): the bridge's tensors round-trip
+bit-exactly through TP / PP / EP layouts from the checkpoint (per-expert names, sinks stored as
+`attention_sink_bias`) and from the in-memory state dict (stacked experts, `sinks`); the TransformerConfig fields of
+the sigmoid router (correction bias fixed, groups, scaling) reproduce HF's MiMoV2FlashMoE when run through a
+pure-torch copy of megatron-core 0.19's routing and SequentialMLP; and the whole megatron layer layout (HF-wrapped
+attention with sinks / sliding windows / narrow value heads, dense then MoE MLPs, the norms) gives the HF model's
+logits on a packed batch. The tiny model is the GPU harness's (`build_mimo_v2_flash`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polyrl.backends.megatron import bridge, hf_wrap
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = _harness().build_mimo_v2_flash(str(tmp_path_factory.mktemp("mimo_v2_flash")))
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    return d, AutoConfig.from_pretrained(d), model
+
+
+def test_megatron_config_fields(tiny):
+    _, cfg, _ = tiny
+    kw = bridge.config_to_mcore_kwargs(cfg)  # no longer refused
+    assert kw["moe_layer_freq"] == [0, 1, 1, 1]  # mlp_layer_types: dense, then sparse
+    assert kw["ffn_hidden_size"] == 96 and kw["moe_ffn_hidden_size"] == 32 and kw["num_moe_experts"] == 8
+    assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_router_enable_expert_bias"]
+    assert kw["moe_router_bias_update_rate"] == 0.0  # HF's correction bias is a fixed buffer
+    assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"], kw["moe_router_topk"]) == (2, 1, 2)
+    assert kw["moe_router_topk_scaling_factor"] == 2.5 and kw["moe_router_load_balancing_type"] == "none"
+    assert "moe_shared_expert_intermediate_size" not in kw  # MiMo-V2-Flash has no shared experts
+    assert not kw["add_bias_linear"]
+    assert bridge.gpt_model_kwargs(cfg)["position_embedding_type"] == "none"  # RoPE: the wrapped HF attention's
+    assert [bridge.wrapped_mixer(cfg, i) for i in range(4)] == ["self_attn"] * 4
+
+
+def _roundtrip(hf, cfg, tp: int, pp: int, ep: int, fused: bool = False) -> dict[str, torch.Tensor]:
+    """Per rank hf_to_mcore (expert TP = TP, megatron's default), the TP gather, mcore_to_hf per (PP stage, EP rank),
+    as weight export gathers them."""
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        for ep_rank in range(ep):
+            shards = [bridge.hf_to_mcore(hf, cfg, tp_rank=r, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
+                                         ep_rank=ep_rank, ep_size=ep) for r in range(tp)]
+            full = {n: bridge.gather_from_tp(n, [s[n] for s in shards], cfg) for n in shards[0]}
+            if ep_rank > 0:
+                full = {n: t for n, t in full.items() if ".local_experts." in n}
+            stream = bridge.mcore_to_hf(
+                full.items(), cfg, layer_offset=bridge.pp_layer_range(cfg.num_hidden_layers, pp_rank, pp).start,
+                expert_offset=bridge.expert_range(bridge.num_experts(cfg), ep_rank, ep).start, fused_experts=fused)
+            for name, t in stream:
+                assert name not in out, name
+                out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4)])
+def test_roundtrip_from_disk_is_exact(tiny, tp, pp, ep):
+    d, cfg, _ = tiny
+    hf = bridge.load_hf_safetensors(d)
+    for name in ("model.layers.1.self_attn.attention_sink_bias", "model.layers.3.mlp.gate.e_score_correction_bias"):
+        assert hf[name].abs().min() > 0, name  # every entry random: a dropped or misplaced tensor shows
+    assert "model.layers.3.mlp.experts.7.gate_proj.weight" in hf  # checkpoint form: one tensor per expert
+    out = _roundtrip(hf, cfg, tp, pp, ep)
+    assert set(out) == set(hf)
+    for name in hf:
+        assert torch.equal(out[name], hf[name]), name
+
+
+def test_roundtrip_from_in_memory_state_dict_is_exact(tiny):
+    """The in-memory names (stacked experts, `self_attn.sinks`) with fused_experts=True: what export_weights sends the
+    rollout engine and save_hf loads into the HF model."""
+    _, cfg, model = tiny
+    sd = model.state_dict()
+    assert "model.layers.1.self_attn.sinks" in sd and "model.layers.1.mlp.experts.gate_up_proj" in sd
+    out = _roundtrip(sd, cfg, 2, 2, 1, fused=True)  # (fused buffering needs every expert in one stream)
+    assert set(out) == set(sd)
+    for name in sd:
+        assert torch.equal(out[name], sd[name]), name
+
+
+def test_megatron_names(tiny):
+    d, cfg, model = tiny
+    sd = bridge.hf_to_mcore(bridge.load_hf_safetensors(d), cfg, tp_rank=1, tp_size=2)
+    a = "decoder.layers.{}.self_attention.hf."
+    # sinks on the sliding layers only, under the HF module's own name; sliding layers carry twice the k / v heads
+    assert [(a.format(i) + "sinks") in sd for i in range(4)] == [False, True, True, False]
+    assert not any("attention_sink_bias" in k for k in sd)
+    assert sd[a.format(1) + "k_proj.weight"].shape == (2 * 2 * 16, 64) and sd[a.format(0) + "k_proj.weight"].shape == (32, 64)
+    assert sd[a.format(0) + "v_proj.weight"].shape == (2 * 8, 64) and sd[a.format(0) + "o_proj.weight"].shape == (64, 32)
+    assert torch.equal(sd[a.format(2) + "q_proj.weight"], model.model.layers[2].self_attn.q_proj.weight)  # replicated
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in sd and "decoder.layers.0.mlp.router.weight" not in sd
+    assert sd["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert sd["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (32, 64)  # [gate_r; up_r]
+
+
+def test_grouped_routing_with_another_group_scoring_is_refused(tiny):
+    """HF scores a group by its top-2 experts, megatron-core by its top-(topk / topk_group)."""
+    _, cfg, _ = tiny
+    bad = type(cfg).from_dict({**cfg.to_dict(), "num_experts_per_tok": 4})
+    with pytest.raises(ValueError, match="topk_group"):
+        bridge.config_to_mcore_kwargs(bad)
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _megatron_sigmoid_routing(logits, kw, expert_bias):
+    """megatron-core 0.19's topk_routing_with_score_function(score_function="sigmoid", expert_bias=...) with
+    group_limited_topk (groups scored by their top-(topk / group_topk)), renormalised, scaled."""
+    topk, groups, gtop = kw["moe_router_topk"], kw["moe_router_num_groups"], kw["moe_router_group_topk"]
+    scores = torch.sigmoid(logits.float())
+    choice = scores + expert_bias
+    if groups:
+        t = choice.shape[0]
+        gs = choice.view(t, groups, -1).topk(topk // gtop, dim=-1)[0].sum(-1)
+        mask = torch.zeros_like(gs).scatter_(1, torch.topk(gs, k=gtop, dim=-1, sorted=False)[1], 1)
+        keep = mask.unsqueeze(-1).expand(t, groups, choice.shape[1] // groups).reshape(t, -1).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    idx = torch.topk(choice, k=topk, dim=-1)[1]
+    probs = scores.gather(1, idx)
+    probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    return probs * kw["moe_router_topk_scaling_factor"], idx
+
+
+def _mcore_mlp(h: torch.Tensor, sd: dict, layer: int, kw: dict, experts: range | None = None) -> torch.Tensor:
+    """Layer `layer`'s megatron MLP from the bridge's tensors: the dense SwiGLU MLP, or (MoE) the router above and
+    SequentialMLP's experts (`experts`: this EP rank's, numbered locally from 0) weighted by their routing probs."""
+    m = f"decoder.layers.{layer}.mlp."
+    if m + "linear_fc1.weight" in sd:
+        gate, up = F.linear(h, sd[m + "linear_fc1.weight"]).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, sd[m + "linear_fc2.weight"])
+    probs, idx = _megatron_sigmoid_routing(F.linear(h, sd[m + "router.weight"]), kw, sd[m + "router.expert_bias"])
+    out = torch.zeros_like(h)
+    for local, e in enumerate(experts if experts is not None else range(kw["num_moe_experts"])):
+        x = f"{m}experts.local_experts.{local}."
+        gate, up = F.linear(h, sd[x + "linear_fc1.weight"]).chunk(2, -1)
+        out += (probs * (idx == e)).sum(-1, keepdim=True) * F.linear(F.silu(gate) * up, sd[x + "linear_fc2.weight"])
+    return out
+
+
+def test_moe_layers_match_hf(tiny):
+    """HF's MiMoV2FlashMoE (sigmoid scores in fp32, choice by score + e_score_correction_bias within the best group,
+    unbiased scores renormalised, times routed_scaling_factor; stacked experts) == the megatron arithmetic above from
+    the bridge's tensors and config, experts split over EP=2. FP32, summation order only: a few ulps of the largest
+    output (1e-5 relative is ~100 ulps)."""
+    _, cfg, model = tiny
+    kw = bridge.config_to_mcore_kwargs(cfg)
+    sd = model.state_dict()
+    ranks = [bridge.hf_to_mcore(sd, cfg, ep_rank=r, ep_size=2) for r in range(2)]
+    torch.manual_seed(1)
+    h = torch.randn(40, cfg.hidden_size)
+    for layer in (1, 2, 3):
+        with torch.no_grad():
+            ref = model.model.layers[layer].mlp(h[None])[0]
+            m = f"decoder.layers.{layer}.mlp."
+            logits = F.linear(h, ranks[0][m + "router.weight"])
+            _, idx = _megatron_sigmoid_routing(logits, kw, ranks[0][m + "router.expert_bias"])
+            _, unbiased = _megatron_sigmoid_routing(logits, kw, torch.zeros(8))
+            _, ungrouped = _megatron_sigmoid_routing(logits, {**kw, "moe_router_num_groups": None},
+                                                     ranks[0][m + "router.expert_bias"])
+            assert not torch.equal(idx.sort(-1).values, unbiased.sort(-1).values)  # the bias changes some choices
+            assert not torch.equal(idx.sort(-1).values, ungrouped.sort(-1).values)  # and so does the group limit
+            out = sum(_mcore_mlp(h, ranks[r], layer, kw, bridge.expert_range(8, r, 2)) for r in range(2))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_megatron_layout_gives_the_hf_logits_on_a_packed_batch(tiny):
+    """Embedding, then per layer: input norm, the HF attention as HFMixer runs it (full / sliding with sinks, partial
+    RoPE with the layer type's theta from the mixer's own rotary module, value scaling; one call per packed
+    sequence), residual, pre-MLP norm, the dense MLP or the MoE above, residual; final norm and output layer (vocab
+    padded to 128) - all from the bridge's megatron state dict of the checkpoint - equal the HF model run on each
+    sequence alone. FP32, summation order only: 1e-4 absolute on logits of rms ~3 is ~1000 float32 ulps, far above
+    the reordering, far below any wiring error (O(0.1) and up)."""
+    d, cfg, model = tiny
+    kw = bridge.config_to_mcore_kwargs(cfg)
+    sd = bridge.hf_to_mcore(bridge.load_hf_safetensors(d), cfg)
+    g = torch.Generator().manual_seed(2)
+    lens = [9, 3, 14]  # > sliding_window 4: the window changes the sliding layers' result
+    ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    mcfg = SimpleNamespace(context_parallel_size=1, sequence_parallel=False)
+    with torch.no_grad():
+        x = F.embedding(torch.cat(ids), sd["embedding.word_embeddings.weight"])
+        for layer in range(cfg.num_hidden_layers):
+            m = f"decoder.layers.{layer}."
+            mixer = hf_wrap.HFMixer(mcfg, layer + 1, hf_config=hf_wrap.mixer_config(cfg),
+                                    factory=hf_wrap.MIXERS["mimo_v2_flash"])
+            pre = m + "self_attention."
+            mixer.load_state_dict({n[len(pre):]: t for n, t in sd.items() if n.startswith(pre)}, strict=True)
+            attn, _ = mixer.eval()(_rms(x, sd[m + "input_layernorm.weight"], cfg.rms_norm_eps)[:, None],
+                                   packed_seq_params=SimpleNamespace(cu_seqlens_q=cu))
+            x = x + attn[:, 0]
+            x = x + _mcore_mlp(_rms(x, sd[m + "pre_mlp_layernorm.weight"], cfg.rms_norm_eps), sd, layer, kw)
+        logits = F.linear(_rms(x, sd["decoder.final_layernorm.weight"], cfg.rms_norm_eps), sd["output_layer.weight"])
+        assert logits.shape[-1] == 256 and not logits[:, cfg.vocab_size:].any()  # zero padding rows
+        want = torch.cat([model(s[None]).logits[0] for s in ids])
+        torch.testing.assert_close(logits[:, :cfg.vocab_size], want, rtol=0, atol=1e-4)
