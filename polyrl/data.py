@@ -269,13 +269,16 @@ def load_sft_records(
     """(prompt, response, source) triples for supervised fine-tuning. A row whose --input-key holds chat messages
     with assistant turns and which has no --response-key column is a conversation: response None, and the loss
     covers every assistant turn (build_conversation_example). With multimodal_keys: (prompt, response, source,
-    images) for prompt/response rows (image conversations are not supported)."""
+    images), conversations included (response None)."""
     out = []
     for source, row in _read_rows(spec):
         prompt = _check_prompt(_get(row, input_key, source, "--input-key"), source)
         if multimodal_keys:
             images = _row_images(row, source, spec, multimodal_keys)
             _check_image_slots(prompt, images, source)
+            if response_key not in row and _is_conversation(prompt):
+                out.append((prompt, None, source, images))
+                continue
             response = _get(row, response_key, source, "--response-key")
             if not isinstance(response, str):
                 raise DataError(f"{source}: response {response_key!r} must be a string, got {type(response).__name__}")

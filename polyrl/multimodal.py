@@ -176,18 +176,24 @@ class VisionProcessor:
 
     def expand(self, ids: list[int], grid_thw: torch.Tensor) -> list[int]:
         """Each single image pad of `ids` expanded to its image's token count."""
-        counts, out, k = self.tokens_per_image(grid_thw), [], 0
-        for t in ids:
+        return self.expand_masked(ids, [0] * len(ids), grid_thw)[0]
+
+    def expand_masked(self, ids: list[int], mask: list[int], grid_thw: torch.Tensor) -> tuple[list[int], list[int]]:
+        """expand(), with a per-token mask whose bit each pad's copies keep."""
+        counts, out, out_mask, k = self.tokens_per_image(grid_thw), [], [], 0
+        for t, bit in zip(ids, mask):
             if t == self.image_token_id:
                 if k >= len(counts):
                     raise ImageError(f"the prompt has more image pads than its {len(counts)} image(s)")
                 out += [t] * counts[k]
+                out_mask += [bit] * counts[k]
                 k += 1
             else:
                 out.append(t)
+                out_mask.append(bit)
         if k != len(counts):
             raise ImageError(f"{len(counts)} image(s) but {k} image pad(s) in the rendered prompt")
-        return out
+        return out, out_mask
 
     def check(self, ids: list[int], grid_thw: torch.Tensor) -> None:
         """The (expanded) prompt holds exactly the images' tokens: engines and backends rely on it."""
@@ -274,15 +280,22 @@ def train_position_ids(model, input_ids: list[torch.Tensor], mms: list[dict | No
     return torch.cat([text_pos.cpu()[None], pos3]).to(text_pos.device)
 
 
-def build_image_sft_example(processor: VisionProcessor | None, prompt, response: str, images: list
+def build_image_sft_example(processor: VisionProcessor | None, prompt, response: str | None, images: list
                             ) -> tuple[list[int], list[int], dict]:
     """(input_ids, loss_mask, pixel inputs) of an SFT row with images: the rendered prompt (mask 0), then the response
-    and EOS (mask 1), as polyrl.data.build_sft_example does for text."""
+    and EOS (mask 1), as polyrl.data.build_sft_example does for text; with response None, the conversation `prompt`
+    with mask 1 on its assistant turns (polyrl.data.build_conversation_example), its image pads expanded."""
     if processor is None:
         raise ImageError("the row has images but the model has no image processor (--hf-checkpoint is not a "
                          "vision-language model with a preprocessor_config.json)")
-    prompt_ids, mm = processor.encode(prompt, images)
     tok = processor.tokenizer
+    if response is None:
+        from polyrl.data import build_conversation_example
+        ids, mask = build_conversation_example(tok, place_images(prompt, len(images)))
+        mm = processor.pixel_inputs(images)
+        ids, mask = processor.expand_masked(ids, mask, mm["image_grid_thw"])
+        return ids, mask, mm
+    prompt_ids, mm = processor.encode(prompt, images)
     response_ids = list(tok(response, add_special_tokens=False)["input_ids"])
     if tok.eos_token_id is not None:
         response_ids.append(tok.eos_token_id)
