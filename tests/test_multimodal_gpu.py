@@ -77,15 +77,18 @@ def test_packed_bf16_logprobs_equal_unpacked_hf_forward(vl_model):
 
 @gpu
 @pytest.mark.gpu
-def test_grpo_steps_with_images_through_the_cli_on_cuda(vl_model, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_grpo_steps_with_images_through_the_cli_on_cuda(vl_model, tmp_path, backend):
     """2 GRPO steps on CUDA: the embedded engine generates from the images (its transformers path: the GPU fast path
-    does not run VL models), the FSDP backend trains in BF16 with packed varlen micro-batches, the weights reach the
-    engine. Each step trains (finite loss, a gradient). The engine's rollout log-probs and the trainer's agree within
+    does not run VL models), the backend trains in BF16 (FSDP: packed varlen micro-batches; Megatron: the HF vision
+    tower on the first stage, its features in the decoder input), the weights reach the engine. Each step trains (finite loss, a gradient). The engine's rollout log-probs and the trainer's agree within
     0.1 on average: the engine samples with the image / video pads excluded, which for random weights over a
     45-token vocabulary shifts every log-prob by log(1 - 2/45) ~ 0.046, plus the BF16 rounding bounded above (0.02)."""
     from polyrl.cli import main
     from polyrl.tasks import counting
 
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the Megatron backend needs megatron-core (docs/megatron.md)")
     data = counting.write_datasets(str(tmp_path / "data"), n_train=32, n_eval=8, seed=0)
     rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
     rm.write_text("def r(sample):\n    return float(sum(sample.response_ids) % 5 + len(sample.response_ids))\n")
@@ -93,7 +96,7 @@ def test_grpo_steps_with_images_through_the_cli_on_cuda(vl_model, tmp_path):
     assert main(["train", "--hf-checkpoint", vl_model, "--prompt-data", data["train"], "--multimodal-keys",
                  '{"image": "images"}', "--apply-chat-template", "--custom-rm-path", f"{rm}:r", "--device", "cuda",
                  "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "3",
-                 "--num-rollout", "2", "--run-dir", str(run), "--quiet"]) == 0
+                 "--num-rollout", "2", "--run-dir", str(run), "--quiet", "--train-backend", backend]) == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
