@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench-smoke clean
+.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-rest
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,15 +29,20 @@ test: $(STAMP)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
 # (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. The whole suite took 526 s on one
-# H100 with four workers (bench/RESULTS.md#gpu-test-runs); for one 10-minute device call each, split it in two:
-#   make test-gpu GPU_PATHS="$(GPU_MEGATRON)"
-#   make test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON))"
+# H100 with four workers (bench/RESULTS.md#gpu-test-runs); for one 10-minute device call each, run its two halves,
+# test-gpu-megatron and test-gpu-rest.
 GPU_WORKERS ?= 3
 GPU_MEGATRON = tests/backends/megatron tests/backends/test_megatron_lora_gpu.py
 GPU_PATHS ?= tests
 test-gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest $(GPU_PATHS) -m "gpu or multigpu" -p no:cacheprovider -rs \
 		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS))
+
+test-gpu-megatron:
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON)"
+
+test-gpu-rest:
+	$(MAKE) test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON))"
 
 clean:
 	rm -rf $(VENV) runs
