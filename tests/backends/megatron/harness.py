@@ -11,6 +11,7 @@
     torchrun ... harness.py sft-fsdp MODEL_DIR [--layout ...]
     torchrun ... harness.py hf-wrap OUT_DIR --layouts "tp=1;pp=2;tp=2,sp=1"   (Qwen3-Next, hf_wrap.py)
     torchrun ... harness.py hf-wrap OUT_DIR --sparse --fp32 --layouts "ep=2;tp=2;pp=2;tp=2,ep=2,etp=1"
+    torchrun ... harness.py hf-wrap OUT_DIR --family qwen3_5 --fp32 --layouts "tp=1"     (Qwen3.5 text)
 Results: `RESULT {json}` lines on stdout (rank 0).
 """
 
@@ -187,6 +188,45 @@ def build_qwen3_next(out: str, sparse: bool = False) -> str:
                 p.normal_(std=1.0 / math.sqrt(p[0].numel()))
     d = os.path.join(out, "qwen3_next_moe" if sparse else "qwen3_next")
     model.save_pretrained(d)
+    return d
+
+
+def build_qwen3_5(out: str, tokenizer=None) -> str:
+    """Tiny Qwen3.5 text (OUT/qwen3_5, Qwen3_5ForCausalLM, hf_wrap.py): gated DeltaNet with unfused projections
+    (in_proj_qkv / _z / _b / _a) and gated full attention alternate, dense MLPs; the released configs' RoPE (partial
+    rotary 0.25, interleaved mrope sections, which text positions leave equal to plain RoPE). Weights random as in
+    build_qwen3_next. With `tokenizer` (the arithmetic task's) the vocabulary is its size, saved alongside."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    tok = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+               bos_token_id=tokenizer.eos_token_id) if tokenizer is not None else dict(vocab_size=250)
+    cfg = Qwen3_5TextConfig(
+        **tok, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+            elif "lm_head" in name:
+                p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
+            elif "embed_tokens" in name:
+                p.normal_(std=1.0)
+            else:
+                p.normal_(std=1.0 / math.sqrt(p[0].numel()))
+    d = os.path.join(out, "qwen3_5")
+    model.save_pretrained(d)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(d)
     return d
 
 
@@ -572,9 +612,10 @@ def mode_hf_wrap(a) -> None:
     from one sequence into the next. With --sparse the model has sparse MoE layers (megatron's
     MoELayer with a gated shared expert; layouts may then use ep=)."""
     init_distributed("cuda")
-    model_dir = os.path.join(a.arg1, "qwen3_next_moe" if a.sparse else "qwen3_next")
+    qwen3_5 = a.family == "qwen3_5"  # --family qwen3_5: the Qwen3.5 text model (build_qwen3_5) instead
+    model_dir = os.path.join(a.arg1, "qwen3_5" if qwen3_5 else "qwen3_next_moe" if a.sparse else "qwen3_next")
     if dist.get_rank() == 0:
-        build_qwen3_next(a.arg1, sparse=a.sparse)
+        build_qwen3_5(a.arg1) if qwen3_5 else build_qwen3_next(a.arg1, sparse=a.sparse)
     dist.barrier()
     from polyrl.backends.fsdp.backend import FSDPBackend
     be = FSDPBackend(ModelConfig(hf_checkpoint=model_dir, fp32=FP32, attn_implementation="sdpa", compile=False),
@@ -951,6 +992,7 @@ def main() -> None:
     ap.add_argument("--stop-on-error", action="store_true")
     ap.add_argument("--fp32", action="store_true", help="FP32 params and compute on both backends (tight tolerances)")
     ap.add_argument("--sparse", action="store_true", help="hf-wrap: Qwen3-Next with sparse MoE layers")
+    ap.add_argument("--family", default="qwen3_next", choices=("qwen3_next", "qwen3_5"), help="hf-wrap: which model")
     a = ap.parse_args()
     global FP32
     FP32 = a.fp32
