@@ -70,7 +70,11 @@ stored as is and megatron's `layernorm_zero_centered_gamma` tells polyrl's norm 
 
 Qwen3.5 (text, `qwen3_5_text`) is Qwen3-Next's mixers with a dense MLP and the DeltaNet's projections
 unfused: `in_proj_qkv` [2*nk*dk + nv*dv, H] (rows q | k | v, split over TP like conv1d), `in_proj_z`
-[nv*dv, H], `in_proj_b` / `in_proj_a` [nv, H] (rows per value head: dim-0 chunks).
+[nv*dv, H], `in_proj_b` / `in_proj_a` [nv, H] (rows per value head: dim-0 chunks). What else differs from Qwen3-Next
+lives inside the wrapped HF modules (the attention's output gate folded into q_proj, partial RoPE with interleaved
+mrope sections, equal to plain RoPE for text positions). Its checkpoints' multi-token-prediction tensors (`mtp.*`,
+as those of Qwen3-Next) are not loaded, trained or exported, as transformers' Qwen3_5ForCausalLM drops them; a
+warning names them. The vision-language checkpoints (`qwen3_5`) are refused by the backend (vision.py).
 
 GPT-OSS (`oss_experts`): attention (learned sinks, alternating sliding / full layers, biases) runs as the
 HF module (`mixers`); every layer is megatron's MoELayer with a biased router and biased experts (the clamped
@@ -118,6 +122,7 @@ either form and `mcore_to_hf(..., fused_experts=True)` writes the stacked one.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -130,6 +135,9 @@ from safetensors import safe_open
 from torch import Tensor
 
 from polyrl.backends.megatron import gpt_oss
+
+log = logging.getLogger(__name__)
+_MTP_WARNED: set[str] = set()  # model types whose dropped mtp.* tensors were reported (once per process)
 
 
 @dataclass(frozen=True)
@@ -730,6 +738,12 @@ def hf_to_mcore(
     if first:
         rules.append(("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
     names = list(hf_state) if fam.mixers else []  # names only: a lazy checkpoint reads no tensor here
+    dropped = [n for n in names if n.startswith("mtp.")] if not fam.mtp and cfg.model_type not in _MTP_WARNED else []
+    if dropped:  # Qwen3-Next / Qwen3.5 multi-token prediction: no megatron module holds it
+        _MTP_WARNED.add(cfg.model_type)
+        log.warning("megatron bridge: %s checkpoint's %d multi-token-prediction tensors (%s, ...) are not loaded: they "
+                    "are neither trained nor exported (--save-hf / weight sync), as transformers drops them",
+                    cfg.model_type, len(dropped), dropped[0])
     for local, layer in enumerate(layer_range):
         rules += _layer_rules(cfg, fam, layer, local, experts, names)
     if last:  # megatron-core builds the MTP block on the last pipeline stage

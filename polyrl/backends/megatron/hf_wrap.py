@@ -48,7 +48,8 @@ Limits.
   - Qwen3.5 (text) wraps the same way (`qwen3_5_mixer`; its DeltaNet's unfused in_proj_qkv splits like conv1d);
     GPT-OSS's attention (`gpt_oss_mixer`) runs eager with an explicit causal / sliding mask (its sinks need it).
     MiMo-V2-Flash's attention (`mimo_v2_flash_mixer`) runs the same way (sinks on its sliding layers).
-  - Qwen3-Next's MTP head is not supported (`mtp.*` checkpoint tensors are ignored). Its sparse MoE
+  - Qwen3-Next's and Qwen3.5's MTP heads are not supported (`mtp.*` checkpoint tensors are skipped with a warning
+    naming them: bridge.hf_to_mcore). Qwen3-Next's sparse MoE
     layers are megatron's own MoELayer with a gated shared expert (bridge.py), not wrapped.
 
 Extension point. `MIXERS` maps an HF model_type to a factory `(hf_config, layer_idx, tp_group) -> Mixer`
@@ -163,7 +164,8 @@ def qwen3_next_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
 
 def qwen3_5_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     """Qwen3.5 (text) layer `layer_idx`: Qwen3_5GatedDeltaNet (its projections unfused; split over `tp_group` like
-    Qwen3-Next's) or Qwen3_5Attention (replicated). GPU-untested."""
+    Qwen3-Next's) or Qwen3_5Attention (replicated; the text rotary module gives every mrope section the same position
+    ids, so its interleaved sections are plain partial RoPE). Parity with FSDP: tests/backends/megatron/test_qwen3_5_gpu.py."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     if hf_config.layer_types[layer_idx] == "linear_attention":

@@ -1,7 +1,8 @@
 """Qwen3.5 text (`qwen3_5_text`) on the megatron backend, GPU: its HF gated DeltaNet (unfused in_proj_qkv / _z / _b /
 _a) and gated full attention (partial, interleaved-mrope RoPE) wrapped in megatron layers (hf_wrap.py) with megatron's
 dense MLP, against the FSDP backend in FP32 at TP=1 (log-probs, exact HF export round trip, grad norm; harness
-`hf-wrap --family qwen3_5`), and GRPO through the CLI on both backends."""
+`hf-wrap --family qwen3_5`), and GRPO through the CLI on both backends. One CPU test: the checkpoint's MTP tensors are
+skipped by name."""
 
 from __future__ import annotations
 
@@ -64,3 +65,22 @@ def test_grpo_through_the_cli(tmp_path, backend):
     for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_b.weight",
                  "model.layers.0.linear_attn.A_log", "model.layers.1.self_attn.q_proj.weight"):
         assert not torch.equal(after[name].float(), before[name].float()), name  # trained through the backend
+
+
+def test_mtp_tensors_are_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Released Qwen3.5 checkpoints carry multi-token-prediction tensors (`mtp.*`) that no megatron module holds: the
+    bridge maps the same tensors with or without them and says by name that they are not loaded (CPU, no megatron)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from polyrl.backends.megatron import bridge
+    model = _harness().build_qwen3_5(str(tmp_path / "m"))
+    cfg, hf = AutoConfig.from_pretrained(model), load_file(str(Path(model) / "model.safetensors"))
+    plain = bridge.hf_to_mcore(hf, cfg)
+    monkeypatch.setattr(bridge, "_MTP_WARNED", set())
+    with caplog.at_level("WARNING", logger=bridge.__name__):
+        with_mtp = bridge.hf_to_mcore({**hf, "mtp.fc.weight": torch.zeros(64, 128),
+                                       "mtp.layers.0.self_attn.q_proj.weight": torch.zeros(256, 64)}, cfg)
+    assert sorted(with_mtp) == sorted(plain) and all(torch.equal(with_mtp[k], plain[k]) for k in plain)
+    assert "2 multi-token-prediction tensors (mtp." in caplog.text and "qwen3_5_text" in caplog.text
+    assert {n for n, _ in bridge.mcore_to_hf(with_mtp.items(), cfg)} == set(hf)  # export writes the checkpoint's own
