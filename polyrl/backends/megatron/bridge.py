@@ -159,7 +159,7 @@ class _Family:
     fused_gate_up: bool = False  # HF dense MLP stores [gate; up] as one mlp.gate_up_proj
     oss_experts: bool = False  # GPT-OSS: stacked, interleaved, biased experts and a biased router (docstring)
     mtp: bool = False  # MiMo: model.mtp_layers.* <-> megatron-core's mtp.layers.* (docstring)
-    # wrapped HF module parameter -> its checkpoint name where they differ (MiMo-V2-Flash: sinks <-> attention_sink_bias)
+    # wrapped HF module parameter -> its checkpoint name where they differ (MiMo-V2-Flash: sinks, attention_sink_bias)
     mixer_renames: tuple[tuple[str, str], ...] = ()
 
 

@@ -101,8 +101,10 @@ def test_megatron_names(tiny):
     # sinks on the sliding layers only, under the HF module's own name; sliding layers carry twice the k / v heads
     assert [(a.format(i) + "sinks") in sd for i in range(4)] == [False, True, True, False]
     assert not any("attention_sink_bias" in k for k in sd)
-    assert sd[a.format(1) + "k_proj.weight"].shape == (2 * 2 * 16, 64) and sd[a.format(0) + "k_proj.weight"].shape == (32, 64)
-    assert sd[a.format(0) + "v_proj.weight"].shape == (2 * 8, 64) and sd[a.format(0) + "o_proj.weight"].shape == (64, 32)
+    assert sd[a.format(1) + "k_proj.weight"].shape == (2 * 2 * 16, 64)
+    assert sd[a.format(0) + "k_proj.weight"].shape == (2 * 16, 64)
+    assert sd[a.format(0) + "v_proj.weight"].shape == (2 * 8, 64)
+    assert sd[a.format(0) + "o_proj.weight"].shape == (64, 4 * 8)  # v heads 8 wide
     assert torch.equal(sd[a.format(2) + "q_proj.weight"], model.model.layers[2].self_attn.q_proj.weight)  # replicated
     assert "decoder.layers.0.mlp.linear_fc1.weight" in sd and "decoder.layers.0.mlp.router.weight" not in sd
     assert sd["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
