@@ -1,8 +1,8 @@
 """MiMo-V2-Flash on the megatron backend, GPU half: the HF-wrapped attention (sinks and sliding windows, q / k heads
 wider than v heads) with megatron-core's dense MLP and sigmoid-routed MoELayer (correction bias fixed, groups, scaling)
-against the FSDP backend in FP32 at TP=1, and TP / EP 2 with 2 GPUs (log-probs, exact HF export round trip, grad norm;
-harness `layouts`), and GRPO through the CLI. The CPU half (test_mimo_v2_flash_cpu.py) proves the same arithmetic
-without megatron-core."""
+against the FSDP backend in FP32 at TP=1, and TP / EP / PP 2 with 2 GPUs (log-probs, exact HF export round trip,
+grad norm; harness `layouts`), and GRPO through the CLI. The CPU half (test_mimo_v2_flash_cpu.py) proves the same
+arithmetic without megatron-core."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from test_megatron_gpu import _assert_ok, _gpus, _polyrl_train, _run
 
 @pytest.mark.gpu
 def test_fp32_parity_export_grad(tmp_path):
-    """FP32 at TP=1 (with 2 GPUs also TP=2 with sequence parallelism, EP=2 and TP=2 x EP=2 at expert TP 1): log-probs
+    """FP32 at TP=1 (with 2 GPUs also TP=2 with sequence parallelism, EP=2, TP=2 x EP=2 at expert TP 1, PP=2): log-probs
     and grad norm equal FSDP's up to summation order (FP32_LOGP_TOL, FP32_GRAD_TOL in the harness), every exported
     tensor equals the checkpoint's bit for bit."""
     need_megatron_gpus(1)
     n = 2 if _gpus() >= 2 else 1
-    layouts = "tp=1;tp=2;ep=2;tp=2,ep=2,etp=1" if n == 2 else "tp=1"
+    layouts = "tp=1;tp=2;ep=2;tp=2,ep=2,etp=1;pp=2" if n == 2 else "tp=1"
     _run(["mimo-v2-flash", str(tmp_path / "m")])
     model, ref = str(tmp_path / "m" / "mimo_v2_flash"), str(tmp_path / "ref32.pt")
     _run(["fsdp-ref", model, ref, "--fp32"])
