@@ -239,9 +239,11 @@ class PackedRope:
     RoPE is therefore off for these models (bridge: position_embedding_type "none")."""
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device):
-        # the config's own model type, else the one its class extends (MiMo's config is Qwen2's: polyrl.hf_families)
-        for t in (getattr(c, "model_type", "") for c in type(hf_config).__mro__):
-            if t and importlib.util.find_spec(f"transformers.models.{t}") is not None:
+        # the config's own model type (a text config's module drops "_text": qwen3_5_text is in qwen3_5), else the
+        # one its class extends (MiMo's config is Qwen2's: polyrl.hf_families)
+        types = [getattr(c, "model_type", "") for c in type(hf_config).__mro__]
+        for t in (x for t in types if t for x in dict.fromkeys((t, t.removesuffix("_text")))):
+            if importlib.util.find_spec(f"transformers.models.{t}") is not None:
                 break
         mod = importlib.import_module(f"transformers.models.{t}.modeling_{t}")
         name = type(hf_config).__name__.removesuffix("Config") + "RotaryEmbedding"
@@ -252,7 +254,12 @@ class PackedRope:
     def tables(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """position_ids [T] (inside each sequence) -> cos, sin [T, 1, r] in the model's dtype."""
         x = torch.empty(0, dtype=self.dtype, device=position_ids.device)
-        cos, sin = self.rotary(x, position_ids[None])
+        pos = position_ids[None]
+        if getattr(self.rotary, "mrope_section", None) is not None:
+            # a text model with a multimodal rope (Qwen3.5): text tokens carry the same id on its 3 axes, and some
+            # transformers releases index the [3, batch, T] form without expanding a [batch, T] one
+            pos = pos[None].expand(3, -1, -1)
+        cos, sin = self.rotary(x, pos)
         return cos[0, :, None, :], sin[0, :, None, :]
 
 
