@@ -149,6 +149,36 @@ def test_safetensors_loader_reads_sharded_index(saved):
     assert torch.equal(hf["model.norm.weight"], model.state_dict()["model.norm.weight"])
 
 
+def test_block_fp8_checkpoints_read_dequantized(saved, tmp_path):
+    """A block-FP8 checkpoint (polyrl's own FP8 copy: quantization_config fp8, weight + weight_scale_inv, as the
+    Qwen3-*-FP8 / MiMo-V2-Flash releases store theirs) reads as the dequantized weights under the unquantized names,
+    its scales unlisted, and converts to megatron and back like the BF16 one (sharded or single-file)."""
+    from polyrl.weight_sync.fp8_checkpoint import write_fp8_checkpoint
+    from polyrl.weight_sync.quantize import dequantize_fp8_block
+    from safetensors import safe_open
+    cfg, _, path = saved
+    dst = write_fp8_checkpoint(str(path), str(tmp_path / "fp8"))
+    plain, fp8 = load_hf_safetensors(path), load_hf_safetensors(dst)
+    assert set(fp8) == set(plain) and not any(n.endswith("_scale_inv") for n in fp8)
+    raw = {}
+    for f in (tmp_path / "fp8").glob("*.safetensors"):
+        with safe_open(f, framework="pt") as h:
+            raw.update({k: h.get_tensor(k) for k in h.keys()})
+    quantized = [n for n in plain if raw[n].dtype == torch.float8_e4m3fn]
+    assert quantized and all(n + "_scale_inv" in raw for n in quantized)
+    for n in plain:
+        # exactly the block dequantization; E4M3 keeps 3 mantissa bits, so each value is within 2^-4 of itself (and
+        # subnormals within 2^-9 of the block's scale), below 0.07 of the tensor's largest magnitude
+        if n in quantized:
+            assert torch.equal(fp8[n], dequantize_fp8_block(raw[n], raw[n + "_scale_inv"])), n
+            w = plain[n].float()
+            assert (fp8[n] - w).abs().max() <= 0.07 * w.abs().max(), n
+        else:
+            assert torch.equal(fp8[n], plain[n]), n
+    out = _roundtrip(fp8, cfg, 2, 1, 1)
+    assert set(out) == set(plain) and all(torch.equal(out[n], fp8[n].to(out[n].dtype)) for n in quantized[:4])
+
+
 def test_shapes_padding_and_tied_output_layer():
     cfg, model = _make("qwen2")  # tied
     sd = model.state_dict()

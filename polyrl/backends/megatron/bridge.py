@@ -892,7 +892,10 @@ class SafetensorsCheckpoint(Mapping[str, Tensor]):
     """Read-only mapping over an HF safetensors checkpoint; each lookup reads one tensor.
 
     Handles `model.safetensors` and sharded `model.safetensors.index.json` checkpoints. Files are
-    memory-mapped by `safe_open`, so nothing is copied until a tensor is asked for."""
+    memory-mapped by `safe_open`, so nothing is copied until a tensor is asked for. A block-FP8 checkpoint
+    (config.json's quantization_config `quant_method: fp8`: a `weight` in float8_e4m3fn beside its `weight_scale_inv`)
+    reads dequantized, as FP32 weight * scale per block (what transformers' dequantizing load and SGLang compute), and
+    the scales are not listed."""
 
     def __init__(self, hf_dir: str | Path):
         d = Path(hf_dir)
@@ -906,12 +909,25 @@ class SafetensorsCheckpoint(Mapping[str, Tensor]):
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")
         self._handles: dict[Path, Any] = {}
+        self._scales: dict[str, tuple[str, Path]] = {}  # FP8 weight name -> its weight_scale_inv's name and file
+        self._block: tuple[int, int] | None = None
+        q = json.loads((d / "config.json").read_text()).get("quantization_config") if (d / "config.json").exists() else None
+        if q and q.get("quant_method") == "fp8":
+            self._block = tuple(q.get("weight_block_size") or (128, 128))
+            for name in [n for n in self._file_of if n.endswith(".weight_scale_inv")]:
+                self._scales[name.removesuffix("_scale_inv")] = (name, self._file_of.pop(name))
 
-    def __getitem__(self, name: str) -> Tensor:
-        path = self._file_of[name]
+    def _read(self, name: str, path: Path) -> Tensor:
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt", device="cpu")
         return self._handles[path].get_tensor(name)
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self._read(name, self._file_of[name])
+        if name in self._scales and t.dtype == torch.float8_e4m3fn:
+            from polyrl.weight_sync.quantize import dequantize_fp8_block
+            t = dequantize_fp8_block(t, self._read(*self._scales[name]), self._block)
+        return t
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._file_of
