@@ -141,8 +141,13 @@ def refuse_for_model(cfg: Config, command: str) -> None:
     if problem is not None:
         raise ConfigError(f"--train-backend fsdp with {path}: {problem}")
     if cfg.model.enable_mtp_training and not hf_families.mtp_depths(hf_config):
+        kind = getattr(hf_config, "model_type", "?")
+        carried = int(getattr(hf_config, "num_nextn_predict_layers", 0) or getattr(hf_config, "mtp_num_hidden_layers", 0) or 0)
+        if carried:  # e.g. Qwen3.5 / DeepSeek-V3: the checkpoint has them, transformers' model drops them on load
+            raise ConfigError(f"--enable-mtp-training: {path} ({kind}) carries {carried} multi-token-prediction "
+                              "layer(s), but polyrl builds and trains MTP layers for MiMo checkpoints only")
         raise ConfigError(f"--enable-mtp-training: {path} has no multi-token-prediction layers "
-                          f"({getattr(hf_config, 'model_type', '?')}; MiMo checkpoints carry them)")
+                          f"({kind}; MiMo checkpoints carry them)")
 
 
 def refuse_unhonoured(cfg: Config, command: str = "train") -> None:

@@ -195,3 +195,21 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model, arith_data, caps
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type",
                  "arithmetic", "--enable-mtp-training"]) == 2
     assert "has no multi-token-prediction layers" in capsys.readouterr().err
+
+
+def test_mtp_layers_of_a_family_polyrl_does_not_build_are_named(tiny_model, tmp_path, arith_data, capsys):
+    """Qwen3.5 checkpoints carry MTP layers that transformers drops on load: the refusal says so instead of calling
+    the checkpoint MTP-free (the refusal comes at start-up, before any weight is loaded)."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from polyrl.cli import main
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.save_pretrained(tmp_path / "q35")
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        vocab_size=len(tok), mtp_num_hidden_layers=1)).save_pretrained(tmp_path / "q35")
+    assert main(["train", "--hf-checkpoint", str(tmp_path / "q35"), "--prompt-data", arith_data["train"],
+                 "--rm-type", "arithmetic", "--enable-mtp-training"]) == 2
+    assert "carries 1 multi-token-prediction layer(s), but polyrl builds and trains MTP layers for MiMo" in \
+        capsys.readouterr().err
