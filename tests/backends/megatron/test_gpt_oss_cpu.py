@@ -7,8 +7,6 @@ norms) gives the HF model's logits on a packed batch. The tiny model is the GPU 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,20 +15,12 @@ import torch.nn.functional as F
 
 from polyrl.backends.megatron import bridge, gpt_oss, hf_wrap
 
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tiny_models import tiny_hf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = _harness().build_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss")))
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    return d, AutoConfig.from_pretrained(d), model
+    return tiny_hf(tmp_path_factory, "build_gpt_oss", "eager")
 
 
 def test_megatron_config_fields(tiny):

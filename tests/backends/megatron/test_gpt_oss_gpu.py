@@ -5,14 +5,12 @@ SwiGLU from its config fields) under the HF-wrapped sink / sliding attention aga
 
 from __future__ import annotations
 
-import importlib.util
-import math
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import need_megatron_gpus
-from test_megatron_gpu import _assert_ok, _polyrl_train, _run
+from test_megatron_gpu import _assert_ok, _run
+from tiny_models import grpo_smoke
 
 
 @pytest.mark.gpu
@@ -31,28 +29,7 @@ def test_grpo_through_the_cli_trains_router_and_expert_biases(tmp_path):
     sampled tokens equal the engine's (FP32 both, different kernels and batching: summation order only, ~1e-6; 1e-3
     as on CPU in tests/test_families.py), and --save-hf exports every tensor with the biases trained."""
     need_megatron_gpus(1)
-    from safetensors.torch import load_file
-
-    from polyrl.tasks.arithmetic import build_tokenizer, write_datasets
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
-    model = harness.build_gpt_oss(str(tmp_path / "m"), tokenizer=build_tokenizer())
-    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
-    rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
-    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
-    rows = _polyrl_train(["--train-backend", "megatron", "--hf-checkpoint", model, "--prompt-data",
-                          str(tmp_path / "d" / "train.jsonl"), "--custom-rm-path", f"{rm}:r",
-                          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
-                          "--lr", "1e-3", "--fp32", "--num-rollout", "2", "--quiet", "--save-hf", str(tmp_path / "hf")],
-                         1, tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2], rows
-    for r in rows:
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and not r["skipped_step"], r
-        assert r["train_rollout_logprob_abs_diff_max"] < 1e-3, r
-    before = load_file(str(Path(model) / "model.safetensors"))
-    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert set(after) == set(before)
+    rows, before, after = grpo_smoke(tmp_path, "build_gpt_oss", "megatron")
     for name in ("model.layers.0.mlp.router.bias", "model.layers.1.mlp.experts.gate_up_proj_bias",
                  "model.layers.1.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks"):
         assert not torch.equal(after[name].float(), before[name].float()), name  # trained through megatron

@@ -5,9 +5,7 @@ the HF model's logits for every sequence of a packed batch."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,22 +14,14 @@ import torch.nn.functional as F
 
 from polyrl.backends.megatron import bridge, hf_wrap
 
+from tiny_models import tiny_hf
+
 LENS = [5, 1, 70, 12]  # 70 > the gated delta rule's 64-token chunk
-
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = _harness().build_qwen3_next(str(tmp_path_factory.mktemp("q3n")))
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return d, AutoConfig.from_pretrained(d), model
+    return tiny_hf(tmp_path_factory, "build_qwen3_next", "sdpa")
 
 
 def _mixer(cfg, layer: int, sd: dict, sequence_parallel: bool = False) -> hf_wrap.HFMixer:
@@ -225,10 +215,7 @@ _GLOBAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 @pytest.fixture(scope="module")
 def qwen3_next_moe(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = _harness().build_qwen3_next(str(tmp_path_factory.mktemp("q3n_moe")), sparse=True)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return d, AutoConfig.from_pretrained(d), model
+    return tiny_hf(tmp_path_factory, "build_qwen3_next", "sdpa", sparse=True)
 
 
 def test_sparse_moe_bridge_round_trips_over_tp_pp_ep(qwen3_next_moe):

@@ -8,8 +8,6 @@ logits on a packed batch. The tiny model is the GPU harness's (`build_mimo_v2_fl
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,20 +16,12 @@ import torch.nn.functional as F
 
 from polyrl.backends.megatron import bridge, hf_wrap
 
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tiny_models import tiny_hf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = _harness().build_mimo_v2_flash(str(tmp_path_factory.mktemp("mimo_v2_flash")))
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    return d, AutoConfig.from_pretrained(d), model
+    return tiny_hf(tmp_path_factory, "build_mimo_v2_flash", "eager")
 
 
 def test_megatron_config_fields(tiny):

@@ -6,14 +6,12 @@ arithmetic without megatron-core."""
 
 from __future__ import annotations
 
-import importlib.util
-import math
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import need_megatron_gpus
-from test_megatron_gpu import _assert_ok, _gpus, _polyrl_train, _run
+from test_megatron_gpu import _assert_ok, _gpus, _run
+from tiny_models import grpo_smoke
 
 
 @pytest.mark.gpu
@@ -39,28 +37,7 @@ def test_grpo_through_the_cli_trains_sinks_and_keeps_the_routing_bias(tmp_path):
     1e-3 as on CPU in tests/test_families.py), and --save-hf exports every tensor, the sinks, router and experts
     trained, the routing correction bias unchanged (HF never moves it: bias update rate 0)."""
     need_megatron_gpus(1)
-    from safetensors.torch import load_file
-
-    from polyrl.tasks.arithmetic import build_tokenizer, write_datasets
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
-    model = harness.build_mimo_v2_flash(str(tmp_path / "m"), tokenizer=build_tokenizer())
-    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
-    rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
-    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
-    rows = _polyrl_train(["--train-backend", "megatron", "--hf-checkpoint", model, "--prompt-data",
-                          str(tmp_path / "d" / "train.jsonl"), "--custom-rm-path", f"{rm}:r",
-                          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
-                          "--lr", "1e-3", "--fp32", "--num-rollout", "2", "--quiet", "--save-hf", str(tmp_path / "hf")],
-                         1, tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2], rows
-    for r in rows:
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and not r["skipped_step"], r
-        assert r["train_rollout_logprob_abs_diff_max"] < 1e-3, r
-    before = load_file(str(Path(model) / "model.safetensors"))
-    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert set(after) == set(before)
+    rows, before, after = grpo_smoke(tmp_path, "build_mimo_v2_flash", "megatron")
     for name in ("model.layers.1.self_attn.attention_sink_bias", "model.layers.1.mlp.gate.weight",
                  "model.layers.0.mlp.down_proj.weight"):
         assert not torch.equal(after[name].float(), before[name].float()), name  # trained through megatron

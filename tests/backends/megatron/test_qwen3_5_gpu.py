@@ -6,21 +6,13 @@ skipped by name."""
 
 from __future__ import annotations
 
-import importlib.util
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import need_megatron_gpus
-from test_megatron_gpu import _assert_ok, _gpus, _polyrl_train, _run
-
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("megatron_harness", Path(__file__).with_name("harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
-    return harness
+from test_megatron_gpu import _assert_ok, _gpus, _run
+from tiny_models import grpo_smoke, harness
 
 
 @pytest.mark.gpu
@@ -46,25 +38,7 @@ def test_grpo_through_the_cli(tmp_path, backend):
         need_megatron_gpus(1)
     elif not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from safetensors.torch import load_file
-
-    from polyrl.tasks.arithmetic import build_tokenizer, write_datasets
-    model = _harness().build_qwen3_5(str(tmp_path / "m"), tokenizer=build_tokenizer())
-    write_datasets(str(tmp_path / "d"), digits=2, n_train=64, n_eval=16)
-    rm = tmp_path / "rm.py"  # random weights answer nothing right: a reward that differs within a group instead
-    rm.write_text("def r(sample):\n    return float(sum(sample.rollout_logprobs))\n")
-    rows = _polyrl_train(["--train-backend", backend, "--hf-checkpoint", model, "--prompt-data",
-                          str(tmp_path / "d" / "train.jsonl"), "--custom-rm-path", f"{rm}:r",
-                          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
-                          "--lr", "1e-3", "--fp32", "--num-rollout", "2", "--quiet", "--save-hf", str(tmp_path / "hf")],
-                         1, tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2], rows
-    for r in rows:
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and not r["skipped_step"], r
-        assert r["train_rollout_logprob_abs_diff_max"] < 1e-3, r
-    before = load_file(str(Path(model) / "model.safetensors"))
-    after = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert set(after) == set(before)
+    rows, before, after = grpo_smoke(tmp_path, "build_qwen3_5", backend)
     for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_b.weight",
                  "model.layers.0.linear_attn.A_log", "model.layers.1.self_attn.q_proj.weight"):
         assert not torch.equal(after[name].float(), before[name].float()), name  # trained through the backend
@@ -77,7 +51,7 @@ def test_mtp_tensors_are_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
     from transformers import AutoConfig
 
     from polyrl.backends.megatron import bridge
-    model = _harness().build_qwen3_5(str(tmp_path / "m"))
+    model = harness().build_qwen3_5(str(tmp_path / "m"))
     cfg, hf = AutoConfig.from_pretrained(model), load_file(str(Path(model) / "model.safetensors"))
     plain = bridge.hf_to_mcore(hf, cfg)
     monkeypatch.setattr(bridge, "_MTP_WARNED", set())
