@@ -153,23 +153,9 @@ def build_bridge_families(out: str) -> dict[str, str]:
     return made
 
 
-def build_qwen3_next(out: str, sparse: bool = False) -> str:
-    """Tiny Qwen3-Next for HF module wrapping (hf_wrap.py): gated DeltaNet and gated full attention
-    (partial RoPE) alternate; dense MLPs everywhere (mlp_only_layers = every layer), or with
-    `sparse` (OUT/qwen3_next_moe) layer 0 dense and layers 1-3 sparse MoE (4 routed experts, top 2,
-    and a sigmoid-gated shared expert). Every weight is random; the zero-centered norms (output
-    x_norm * (1 + w)) around 0, the gated DeltaNet norm (plain x_norm * w) around 1."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig(
-        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_only_layers=[0] if sparse else [0, 1, 2, 3], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(cfg)
+def _random_deltanet_weights(model):
+    """Random weights of a gated-DeltaNet model (Qwen3-Next, Qwen3.5), drawn in parameter order from the global RNG:
+    zero-centered norms around 0, the DeltaNet's plain norm around 1, A_log / dt_bias moved off their init."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias")):
@@ -186,6 +172,26 @@ def build_qwen3_next(out: str, sparse: bool = False) -> str:
                 p.normal_(std=1.0 / math.sqrt(p.shape[-1]))
             else:
                 p.normal_(std=1.0 / math.sqrt(p[0].numel()))
+    return model
+
+
+def build_qwen3_next(out: str, sparse: bool = False) -> str:
+    """Tiny Qwen3-Next for HF module wrapping (hf_wrap.py): gated DeltaNet and gated full attention
+    (partial RoPE) alternate; dense MLPs everywhere (mlp_only_layers = every layer), or with
+    `sparse` (OUT/qwen3_next_moe) layer 0 dense and layers 1-3 sparse MoE (4 routed experts, top 2,
+    and a sigmoid-gated shared expert). Every weight is random; the zero-centered norms (output
+    x_norm * (1 + w)) around 0, the gated DeltaNet norm (plain x_norm * w) around 1."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_only_layers=[0] if sparse else [0, 1, 2, 3], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    torch.manual_seed(0)
+    model = _random_deltanet_weights(Qwen3NextForCausalLM(cfg))
     d = os.path.join(out, "qwen3_next_moe" if sparse else "qwen3_next")
     model.save_pretrained(d)
     return d
@@ -208,21 +214,7 @@ def build_qwen3_5(out: str, tokenizer=None) -> str:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn_like(p))
-            elif "lm_head" in name:
-                p.normal_(std=3.0 / math.sqrt(p.shape[-1]))
-            elif "embed_tokens" in name:
-                p.normal_(std=1.0)
-            else:
-                p.normal_(std=1.0 / math.sqrt(p[0].numel()))
+    model = _random_deltanet_weights(Qwen3_5ForCausalLM(cfg))
     d = os.path.join(out, "qwen3_5")
     model.save_pretrained(d)
     if tokenizer is not None:
