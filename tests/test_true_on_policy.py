@@ -210,11 +210,11 @@ def test_the_gate_names_the_step_the_sample_and_the_token(args, monkeypatch, cap
 
 def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weights(tiny_model):
     """The GPU engine's reporter (run here on CPU in FP32 with its reference ops): an HF shell whose parameters are the
-    engine's weight views reports exactly what sequence_logprobs gives on the checkpoint's HF model, follows the views
+    engine's weight views reports exactly what sequences_logprobs gives on the checkpoint's HF model, follows the views
     when the engine's buffer moves (sleep / wake rebind it), and sees weight updates made in place."""
     from transformers import AutoModelForCausalLM
 
-    from polyrl.backends.true_on_policy import EngineScorer, pin_threads, prepare, sequence_logprobs
+    from polyrl.backends.true_on_policy import EngineScorer, pin_threads, prepare, sequences_logprobs
     from polyrl.rollout.gpu.engine import GPUEngine
     from polyrl.types import SamplingParams
     pin_threads()
@@ -230,8 +230,8 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
         assert len(out) == 4
         for s in out:
             with torch.no_grad():
-                want = sequence_logprobs(model, torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids),
-                                         temperature=1.0)[0]
+                want = sequences_logprobs(model, [(torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids))],
+                                          temperature=1.0)[0]
             assert s.rollout_logprobs == want.tolist()
         st = eng.stats()
         assert 0 <= st["rollout/sampler_logprob_abs_diff_max"] < 1e-4 and eng.stats() == {}  # decode's FP32 rounding
@@ -252,9 +252,9 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
 
 # ---- the shared function ----------------------------------------------------------------------------------------
 def test_engine_reports_the_scoring_function_whatever_its_batch(tiny_model):
-    """A sample's reported log-probs are sequence_logprobs of its tokens, the same whether it was generated alone or
+    """A sample's reported log-probs are sequences_logprobs of its tokens, the same whether it was generated alone or
     in a batch of 8, and scoring the same shape again (after other shapes) gives the same bits."""
-    from polyrl.backends.true_on_policy import THREADS, sequence_logprobs
+    from polyrl.backends.true_on_policy import THREADS, sequences_logprobs
     from polyrl.rollout.embedded import EmbeddedEngine
     from polyrl.types import SamplingParams
     eng = EmbeddedEngine(tiny_model, true_on_policy=True)
@@ -269,9 +269,9 @@ def test_engine_reports_the_scoring_function_whatever_its_batch(tiny_model):
         assert a.response_ids == b.response_ids and a.rollout_logprobs == b.rollout_logprobs
         ids = torch.tensor(a.prompt_ids + a.response_ids)
         with torch.no_grad():
-            want = sequence_logprobs(eng.model, ids, len(a.prompt_ids), temperature=0.7)[0]
-            sequence_logprobs(eng.model, torch.arange(20) % 10 + 3, 3, temperature=0.7)  # another shape between
-            again = sequence_logprobs(eng.model, ids, len(a.prompt_ids), temperature=0.7)[0]
+            want = sequences_logprobs(eng.model, [(ids, len(a.prompt_ids))], temperature=0.7)[0]
+            sequences_logprobs(eng.model, [(torch.arange(20) % 10 + 3, 3)], temperature=0.7)  # another shape between
+            again = sequences_logprobs(eng.model, [(ids, len(a.prompt_ids))], temperature=0.7)[0]
         assert a.rollout_logprobs == want.tolist() == again.tolist()
     with pytest.raises(ValueError, match="top-p / top-k"):
         eng.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=2))
@@ -311,14 +311,14 @@ def test_gradients_flow_through_the_scoring_function(tiny_model):
     gradient of every parameter is the plain HF model's (the fixed-block Linear / norm / head have their own backward:
     whole GEMMs, the norm re-run over all rows, the chunked head)."""
     from transformers import AutoModelForCausalLM
-    from polyrl.backends.true_on_policy import ROWS, prepare, sequence_logprobs, sequences_logprobs
+    from polyrl.backends.true_on_policy import ROWS, prepare, sequences_logprobs
     lm = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
-    logp, ent = sequence_logprobs(lm, ids, 3, temperature=1.0, with_entropy=True)
+    logp, ent = sequences_logprobs(lm, [(ids, 3)], temperature=1.0, with_entropy=True)
     logp.sum().backward()
     assert logp.shape == ent.shape == (4,) and lm.get_output_embeddings().weight.grad.abs().sum() > 0
     with torch.no_grad():
-        assert torch.equal(sequence_logprobs(lm, ids, 3, temperature=1.0)[0], logp.detach())
+        assert torch.equal(sequences_logprobs(lm, [(ids, 3)], temperature=1.0)[0], logp.detach())
 
     # several sequences spanning more than one block, temperature 0.7, a loss that weighs tokens unequally
     lm.zero_grad()

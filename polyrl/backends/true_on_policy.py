@@ -248,12 +248,6 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     return logp[:n], (ent[:n] if ent is not None else None)
 
 
-def sequence_logprobs(lm: torch.nn.Module, ids: torch.Tensor, prompt_len: int, *, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """sequences_logprobs of one sequence: [L - P]."""
-    return sequences_logprobs(lm, [(ids, prompt_len)], temperature=temperature, with_entropy=with_entropy)
-
-
 def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device) -> list[torch.Tensor]:
     """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time."""
     out: list[torch.Tensor] = []
@@ -289,7 +283,7 @@ def check_sampling(sp, vocab: int) -> None:
 class EngineScorer:
     """The GPU engine's reporter (polyrl.rollout.gpu.engine.GPUEngine.rescore): an HF causal LM built on the meta
     device whose parameters are the engine's HF-named weight views (`weights()` -> name -> tensor), so the log-probs it
-    reports come from `sequence_logprobs` over the very bits the engine samples with. Costs no weight memory: only the
+    reports come from `sequences_logprobs` over the very bits the engine samples with. Costs no weight memory: only the
     rotary buffers (computed on the CPU, as the trainer's from_pretrained computes them) and one sequence's
     activations. The views are re-read whenever the engine's buffer moved (sleep / wake rebinds them)."""
 
