@@ -178,6 +178,17 @@ def qwen3_5_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos), attention_mask=None)[0])
 
 
+def causal_mask(x: Tensor, window: int | None) -> Tensor:
+    """The additive [1, 1, n, n] causal mask of x [1, n, h] for eager attention with sinks (SDPA has none), limited to
+    the last `window` positions, the query's own included, as HF's sliding layers mask."""
+    n = x.shape[1]
+    i = torch.arange(n, device=x.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    return torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)[None, None]
+
+
 def gpt_oss_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     """GPT-OSS layer `layer_idx`: GptOssAttention (learned sinks; sliding window on its sliding layers) replicated,
     run with eager attention and an explicit causal (+ window) mask: SDPA has no sinks. YaRN: the HF rotary module's
@@ -191,13 +202,7 @@ def gpt_oss_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
 
     def call(x: Tensor, pos: Tensor) -> Tensor:
-        n = x.shape[1]
-        i = torch.arange(n, device=x.device)
-        allowed = i[None, :] <= i[:, None]
-        if window is not None:  # HF's sliding mask: the last `window` positions, the query's own included
-            allowed &= i[:, None] - i[None, :] < window
-        mask = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
-        return attn(x, position_embeddings=rotary(x, pos), attention_mask=mask[None, None])[0]
+        return attn(x, position_embeddings=rotary(x, pos), attention_mask=causal_mask(x, window))[0]
 
     return Mixer(attn, call)
 
@@ -221,13 +226,7 @@ def mimo_v2_flash_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
     window = cfg.sliding_window if kind == "sliding_attention" else None
 
     def call(x: Tensor, pos: Tensor) -> Tensor:
-        n = x.shape[1]
-        i = torch.arange(n, device=x.device)
-        allowed = i[None, :] <= i[:, None]
-        if window is not None:  # HF's sliding mask: the last `window` positions, the query's own included
-            allowed &= i[:, None] - i[None, :] < window
-        mask = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
-        return attn(x, position_embeddings=rotary(x, pos, kind), attention_mask=mask[None, None])[0]
+        return attn(x, position_embeddings=rotary(x, pos, kind), attention_mask=causal_mask(x, window))[0]
 
     return Mixer(attn, call)
 
