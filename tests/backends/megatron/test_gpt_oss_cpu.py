@@ -7,15 +7,14 @@ norms) gives the HF model's logits on a packed batch. The tiny model is the GPU 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from polyrl.backends.megatron import bridge, gpt_oss, hf_wrap
+from polyrl.backends.megatron import bridge, gpt_oss
 
-from tiny_models import tiny_hf
+from tiny_models import assert_packed_layout_matches_hf, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +76,6 @@ def test_roundtrip_with_biases_is_exact(tiny, tp, pp, ep):
     assert set(out) == set(hf)
     for name in hf:
         assert torch.equal(out[name], hf[name]), name
-
-
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _mcore_moe(h: torch.Tensor, p: dict, kw: dict, experts: range) -> torch.Tensor:
@@ -156,25 +151,6 @@ def test_megatron_layout_gives_the_hf_logits_on_a_packed_batch(tiny):
     _, cfg, model = tiny
     kw = bridge.config_to_mcore_kwargs(cfg)
     sd = bridge.hf_to_mcore(model.state_dict(), cfg)
-    g = torch.Generator().manual_seed(2)
-    lens = [9, 3, 14]  # > sliding_window 4: the window changes layer 0's result
-    ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    mcfg = SimpleNamespace(context_parallel_size=1, sequence_parallel=False)
-    with torch.no_grad():
-        x = F.embedding(torch.cat(ids), sd["embedding.word_embeddings.weight"])
-        for layer in range(cfg.num_hidden_layers):
-            m = f"decoder.layers.{layer}."
-            mixer = hf_wrap.HFMixer(mcfg, layer + 1, hf_config=hf_wrap.mixer_config(cfg),
-                                    factory=hf_wrap.MIXERS["gpt_oss"])
-            pre = m + "self_attention."
-            mixer.load_state_dict({n[len(pre):]: t for n, t in sd.items() if n.startswith(pre)}, strict=True)
-            attn, _ = mixer.eval()(_rms(x, sd[m + "input_layernorm.weight"], cfg.rms_norm_eps)[:, None],
-                                   packed_seq_params=SimpleNamespace(cu_seqlens_q=cu))
-            x = x + attn[:, 0]
-            x = x + _mcore_moe(_rms(x, sd[m + "pre_mlp_layernorm.weight"], cfg.rms_norm_eps), _layer_params(sd, layer),
-                               kw, range(4))
-        logits = F.linear(_rms(x, sd["decoder.final_layernorm.weight"], cfg.rms_norm_eps), sd["output_layer.weight"])
-        assert logits.shape[-1] == 256 and not logits[:, cfg.vocab_size:].any()  # zero padding rows
-        want = torch.cat([model(s[None]).logits[0] for s in ids])
-        torch.testing.assert_close(logits[:, :cfg.vocab_size], want, rtol=0, atol=1e-4)
+    # lens 9 and 14 > sliding_window 4: the window changes layer 0's result
+    assert_packed_layout_matches_hf(cfg, sd, model, "gpt_oss",
+                                    lambda h, layer: _mcore_moe(h, _layer_params(sd, layer), kw, range(4)))
