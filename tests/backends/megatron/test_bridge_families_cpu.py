@@ -19,6 +19,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4Config, G
 
 from polyrl.backends.megatron import bridge, thd
 
+from tiny_models import megatron_sigmoid_routing
+
 COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -287,24 +289,6 @@ def test_glm4_layer_matches_hf(tp):
         torch.testing.assert_close(_rms(out, post, cfg.rms_norm_eps), ref, rtol=1e-4, atol=1e-5)
 
 
-def _megatron_sigmoid_routing(logits, kw, expert_bias):
-    """topk_routing_with_score_function(score_function="sigmoid", expert_bias=...) with
-    group_limited_topk (groups scored by their top-(topk / group_topk))."""
-    topk, groups, gtop = kw["moe_router_topk"], kw["moe_router_num_groups"], kw["moe_router_group_topk"]
-    scores = torch.sigmoid(logits.float())
-    choice = scores + expert_bias
-    if groups:
-        t = choice.shape[0]
-        gs = choice.view(t, groups, -1).topk(topk // gtop, dim=-1)[0].sum(-1)
-        mask = torch.zeros_like(gs).scatter_(1, torch.topk(gs, k=gtop, dim=-1, sorted=False)[1], 1)
-        keep = mask.unsqueeze(-1).expand(t, groups, choice.shape[1] // groups).reshape(t, -1).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    idx = torch.topk(choice, k=topk, dim=-1)[1]
-    probs = scores.gather(1, idx)
-    probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-    return probs * kw["moe_router_topk_scaling_factor"], idx
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_sigmoid_moe_layer_matches_hf(family):
     """Router (sigmoid, expert_bias from e_score_correction_bias, groups, scaling) + SequentialMLP experts
@@ -320,8 +304,8 @@ def test_sigmoid_moe_layer_matches_hf(family):
     with torch.no_grad():
         ref = model.model.layers[1].mlp(x)[0]
         logits = F.linear(tokens, ranks[0]["router.weight"])
-        probs, idx = _megatron_sigmoid_routing(logits, kw, ranks[0]["router.expert_bias"])
-        _, unbiased = _megatron_sigmoid_routing(logits, kw, torch.zeros(4))
+        probs, idx = megatron_sigmoid_routing(logits, kw, ranks[0]["router.expert_bias"])
+        _, unbiased = megatron_sigmoid_routing(logits, kw, torch.zeros(4))
         assert not torch.equal(idx.sort(-1).values, unbiased.sort(-1).values)  # the bias changes some choices
         out = torch.zeros_like(tokens)
         for ep_rank, r in enumerate(ranks):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from polyrl.backends.megatron import bridge
 
-from tiny_models import assert_packed_layout_matches_hf, tiny_hf
+from tiny_models import assert_packed_layout_matches_hf, megatron_sigmoid_routing, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -108,24 +108,6 @@ def test_grouped_routing_with_another_group_scoring_is_refused(tiny):
         bridge.config_to_mcore_kwargs(bad)
 
 
-def _megatron_sigmoid_routing(logits, kw, expert_bias):
-    """megatron-core 0.19's topk_routing_with_score_function(score_function="sigmoid", expert_bias=...) with
-    group_limited_topk (groups scored by their top-(topk / group_topk)), renormalised, scaled."""
-    topk, groups, gtop = kw["moe_router_topk"], kw["moe_router_num_groups"], kw["moe_router_group_topk"]
-    scores = torch.sigmoid(logits.float())
-    choice = scores + expert_bias
-    if groups:
-        t = choice.shape[0]
-        gs = choice.view(t, groups, -1).topk(topk // gtop, dim=-1)[0].sum(-1)
-        mask = torch.zeros_like(gs).scatter_(1, torch.topk(gs, k=gtop, dim=-1, sorted=False)[1], 1)
-        keep = mask.unsqueeze(-1).expand(t, groups, choice.shape[1] // groups).reshape(t, -1).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    idx = torch.topk(choice, k=topk, dim=-1)[1]
-    probs = scores.gather(1, idx)
-    probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-    return probs * kw["moe_router_topk_scaling_factor"], idx
-
-
 def _mcore_mlp(h: torch.Tensor, sd: dict, layer: int, kw: dict, experts: range | None = None) -> torch.Tensor:
     """Layer `layer`'s megatron MLP from the bridge's tensors: the dense SwiGLU MLP, or (MoE) the router above and
     SequentialMLP's experts (`experts`: this EP rank's, numbered locally from 0) weighted by their routing probs."""
@@ -133,7 +115,7 @@ def _mcore_mlp(h: torch.Tensor, sd: dict, layer: int, kw: dict, experts: range |
     if m + "linear_fc1.weight" in sd:
         gate, up = F.linear(h, sd[m + "linear_fc1.weight"]).chunk(2, -1)
         return F.linear(F.silu(gate) * up, sd[m + "linear_fc2.weight"])
-    probs, idx = _megatron_sigmoid_routing(F.linear(h, sd[m + "router.weight"]), kw, sd[m + "router.expert_bias"])
+    probs, idx = megatron_sigmoid_routing(F.linear(h, sd[m + "router.weight"]), kw, sd[m + "router.expert_bias"])
     out = torch.zeros_like(h)
     for local, e in enumerate(experts if experts is not None else range(kw["num_moe_experts"])):
         x = f"{m}experts.local_experts.{local}."
@@ -158,9 +140,9 @@ def test_moe_layers_match_hf(tiny):
             ref = model.model.layers[layer].mlp(h[None])[0]
             m = f"decoder.layers.{layer}.mlp."
             logits = F.linear(h, ranks[0][m + "router.weight"])
-            _, idx = _megatron_sigmoid_routing(logits, kw, ranks[0][m + "router.expert_bias"])
-            _, unbiased = _megatron_sigmoid_routing(logits, kw, torch.zeros(8))
-            _, ungrouped = _megatron_sigmoid_routing(logits, {**kw, "moe_router_num_groups": None},
+            _, idx = megatron_sigmoid_routing(logits, kw, ranks[0][m + "router.expert_bias"])
+            _, unbiased = megatron_sigmoid_routing(logits, kw, torch.zeros(8))
+            _, ungrouped = megatron_sigmoid_routing(logits, {**kw, "moe_router_num_groups": None},
                                                      ranks[0][m + "router.expert_bias"])
             assert not torch.equal(idx.sort(-1).values, unbiased.sort(-1).values)  # the bias changes some choices
             assert not torch.equal(idx.sort(-1).values, ungrouped.sort(-1).values)  # and so does the group limit

@@ -92,3 +92,21 @@ def assert_packed_layout_matches_hf(cfg, sd: dict, model, family: str, mlp, lens
         assert logits.shape[-1] == 256 and not logits[:, cfg.vocab_size:].any()  # zero padding rows
         want = torch.cat([model(s[None]).logits[0] for s in ids])
         torch.testing.assert_close(logits[:, :cfg.vocab_size], want, rtol=0, atol=1e-4)
+
+
+def megatron_sigmoid_routing(logits, kw, expert_bias):
+    """megatron-core 0.19's topk_routing_with_score_function(score_function="sigmoid", expert_bias=...) with
+    group_limited_topk (groups scored by their top-(topk / group_topk)), renormalised, scaled: (probs, expert ids)."""
+    topk, groups, gtop = kw["moe_router_topk"], kw["moe_router_num_groups"], kw["moe_router_group_topk"]
+    scores = torch.sigmoid(logits.float())
+    choice = scores + expert_bias
+    if groups:
+        t = choice.shape[0]
+        gs = choice.view(t, groups, -1).topk(topk // gtop, dim=-1)[0].sum(-1)
+        mask = torch.zeros_like(gs).scatter_(1, torch.topk(gs, k=gtop, dim=-1, sorted=False)[1], 1)
+        keep = mask.unsqueeze(-1).expand(t, groups, choice.shape[1] // groups).reshape(t, -1).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    idx = torch.topk(choice, k=topk, dim=-1)[1]
+    probs = scores.gather(1, idx)
+    probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    return probs * kw["moe_router_topk_scaling_factor"], idx
