@@ -234,19 +234,28 @@ def concat_inputs(mms: list[dict | None], device) -> dict[str, torch.Tensor]:
             "image_grid_thw": torch.cat([m["image_grid_thw"] for m in mms]).to(device)}
 
 
-def idle_vision_term(lm) -> torch.Tensor:
-    """0 times the vision tower's output on the smallest image it takes (one merged token, zero pixels): the forward of
-    a rank whose micro-batch has no image runs it, before the decoder as a real image would be, so that the vision
-    blocks' FSDP all-gathers, and in the backward their reduce-scatters (of zero gradients), match the ranks whose
-    micro-batches have images. Adding it changes no log-prob (x + 0.0 == x)."""
-    vl = lm.model
-    visual = vl.visual
+def blank_image(visual) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel values, grid [1, 3]) of the smallest image a Qwen-VL vision tower takes: one merged token of zero
+    pixels, in the tower's dtype and device."""
     merge = int(visual.spatial_merge_size)
     w = visual.patch_embed.proj.weight
     pixels = torch.zeros(merge * merge, math.prod(w.shape[1:]), dtype=w.dtype, device=w.device)
-    grid = torch.tensor([[1, merge, merge]], device=w.device)
-    out = vl.get_image_features(pixels, grid)
+    return pixels, torch.tensor([[1, merge, merge]], device=w.device)
+
+
+def zero_of(out) -> torch.Tensor:
+    """0 times the sum of every tensor in `out` (a tensor, or lists / tuples / dicts of them): a term that adds
+    nothing to a loss but reaches every parameter that made `out` in the backward."""
     return 0.0 * sum(t.float().sum() for t in _tensors(out))
+
+
+def idle_vision_term(lm) -> torch.Tensor:
+    """0 times the vision tower's output on the smallest image it takes (blank_image): the forward of a rank whose
+    micro-batch has no image runs it, before the decoder as a real image would be, so that the vision blocks' FSDP
+    all-gathers, and in the backward their reduce-scatters (of zero gradients), match the ranks whose micro-batches
+    have images. Adding it changes no log-prob (x + 0.0 == x)."""
+    vl = lm.model
+    return zero_of(vl.get_image_features(*blank_image(vl.visual)))
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -81,6 +81,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         from polyrl.backends.megatron import model as mm  # megatron-core itself, imported only now
+        from polyrl import multimodal
         from polyrl.backends.megatron import vision
 
         self.mm = mm
@@ -96,7 +97,7 @@ class MegatronBackend:
                                             etp=mg.expert_tensor_parallel_size)
         # vision-language: the decoder is built from its text config, the HF vision tower rides on the first stage
         self.vl_config = None
-        if vision.is_vision_language(self.hf_config):
+        if multimodal.is_vision_language(self.hf_config):
             vision.check_supported(self.hf_config, tp=self.dims.tp, pp=self.dims.pp, cp=self.dims.cp, ep=self.dims.ep,
                                    vpp=mg.num_layers_per_virtual_pipeline_stage, lora=model_cfg.lora_rank > 0,
                                    role=role, custom_provider=bool(mg.custom_model_provider_path),

@@ -42,10 +42,6 @@ PREFIX = "vision_model."  # the HF vision tower's attribute on a first-stage GPT
 DECODER_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
-def is_vision_language(cfg: Any) -> bool:
-    return getattr(cfg, "image_token_id", None) is not None and getattr(cfg, "vision_config", None) is not None
-
-
 def check_supported(cfg: Any, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None,
                     lora: bool = False, role: str = "actor", custom_provider: bool = False, teacher: bool = False,
                     megatron_fsdp: bool = False) -> None:
@@ -219,16 +215,12 @@ def image_features(tower: torch.nn.Module, pixel_values: Tensor, grid_thw: Tenso
 
 
 def idle_term(tower: torch.nn.Module) -> Tensor:
-    """0 times the tower's outputs (merged and deepstack features) on the smallest image it takes (one merged token of
-    zero pixels): a training micro-batch without images still reaches every vision parameter in the backward (with
-    zero gradient), so megatron's DDP sees the same parameters ready whichever micro-batch comes last
-    (overlap_grad_reduce waits for all of a bucket's). Adding it changes no value (x + 0.0 == x)."""
-    merge = int(tower.spatial_merge_size)
-    w = tower.patch_embed.proj.weight
-    pixels = torch.zeros(merge * merge, w[0].numel(), dtype=w.dtype, device=w.device)
-    grid = torch.tensor([[1, merge, merge]], device=w.device)
-    feats, deep = vision_outputs(tower, pixels, grid)
-    return 0.0 * sum((d.float().sum() for d in deep), feats.float().sum())
+    """0 times the tower's outputs (merged and deepstack features) on the smallest image it takes
+    (polyrl.multimodal.blank_image): a training micro-batch without images still reaches every vision parameter in
+    the backward (with zero gradient), so megatron's DDP sees the same parameters ready whichever micro-batch comes
+    last (overlap_grad_reduce waits for all of a bucket's). Adding it changes no value (x + 0.0 == x)."""
+    from polyrl.multimodal import blank_image, zero_of
+    return zero_of(vision_outputs(tower, *blank_image(tower)))
 
 
 def merge_embeddings(emb: Tensor, ids: Tensor, feats: Tensor, image_token_id: int) -> Tensor:
