@@ -175,7 +175,9 @@ def qwen3_5_mixer(hf_config: Any, layer_idx: int, tp_group=None) -> Mixer:
         return Mixer(gdn, lambda x, pos: gdn(x))
     attn = hf.Qwen3_5Attention(hf_config, layer_idx)
     rotary = hf.Qwen3_5TextRotaryEmbedding(hf_config)  # text positions: every multimodal section gets the same ids
-    return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos), attention_mask=None)[0])
+    # the [3, batch, n] form, which every transformers release takes (some index it without expanding [batch, n])
+    return Mixer(attn, lambda x, pos: attn(x, position_embeddings=rotary(x, pos[None].expand(3, -1, -1)),
+                                           attention_mask=None)[0])
 
 
 def causal_mask(x: Tensor, window: int | None) -> Tensor:
