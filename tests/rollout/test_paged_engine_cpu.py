@@ -196,3 +196,42 @@ def test_embedded_engine_keeps_the_transformers_path_on_cpu(tiny_model, tmp_path
     from transformers import GPT2Config
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     assert "gpt2" in unsupported_reason(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def mimo_dir(tmp_path_factory):
+    """MiMo-7B's layout at a tiny size: a Qwen2 decoder (QKV biases, untied head) plus two MTP layers."""
+    from polyrl import hf_families
+    from polyrl.tasks.arithmetic import build_tokenizer
+    hf_families.register()
+    path = str(tmp_path_factory.mktemp("mimo"))
+    tok = build_tokenizer()
+    tok.save_pretrained(path)
+    cfg = hf_families.MiMoConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 num_nextn_predict_layers=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                 bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return sharpen(hf_families.MiMoForCausalLM(cfg), path)
+
+
+def test_mimo_runs_on_this_path_as_its_qwen2_decoder(mimo_dir):
+    """MiMo-7B is a Qwen2 decoder plus MTP layers the engine does not run: greedy tokens and log-probs equal the HF
+    model's (the MTP layers take no part in its forward), and a weight sync that carries the MTP tensors (as the
+    trainer's export does) is taken, dropping them."""
+    from polyrl.rollout.gpu.model import spec_from_config
+    from transformers import AutoConfig
+    spec, why = spec_from_config(AutoConfig.from_pretrained(mimo_dir))
+    assert why is None and spec.qkv_bias and spec.ignored == ("model.mtp_layers.",)
+    e = engine(mimo_dir)
+    hf = AutoModelForCausalLM.from_pretrained(mimo_dir, dtype=torch.float64).eval()
+    out = e.generate(prompts(e), SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert len({tuple(s.response_ids) for s in out}) > 1
+    for p, s in zip(prompts(e), out):
+        assert s.response_ids == hf_greedy(hf, p, 8, e.tokenizer.eos_token_id, e.pad_id)
+        lp = hf_logprobs(hf, s).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs, dtype=torch.float64), lp, atol=1e-5, rtol=0)  # the sampler works in fp32
+    stream = [(n, p.detach() * 0.5) for n, p in hf.named_parameters()]
+    assert any(n.startswith("model.mtp_layers.") for n, _ in stream)
+    e.update_weights(iter(stream), version=1)
+    assert torch.equal(e.model.hf["model.layers.0.self_attn.q_proj.bias"], hf.model.layers[0].self_attn.q_proj.bias * 0.5)

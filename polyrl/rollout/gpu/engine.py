@@ -618,8 +618,10 @@ class GPUEngine(InProcessEngine):
             raise RuntimeError("update_weights while the weights sleep without a host copy (the engine shares this "
                                "process with the trainer): wake(('weights',)) first, then push every weight")
         # an in-process trainer's export writes straight into the views (polyrl.weight_sync.direct), else name by name
-        # (not into FP8 views: the direct copy knows no scales)
-        seen = weights.copy_into(self.model.hf) if hasattr(weights, "copy_into") and not self.model.fp8 else None
+        # (not into FP8 views: the direct copy knows no scales; nor for a model with ignored tensors, which it would
+        # refuse by name)
+        direct = hasattr(weights, "copy_into") and not self.model.fp8 and not self.model.spec.ignored
+        seen = weights.copy_into(self.model.hf) if direct else None
         if seen is None:
             seen = self.model.load(weights, strict=False)
         if self._stale or not self._host_valid:

@@ -26,13 +26,15 @@ from polyrl.rollout.gpu import fp8 as fp8_layout
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.weight_sync.quantize import FP8_DTYPE, SCALE_SUFFIX, Dequantizer, quantize_fp8_block
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+# families whose decoder is another's: MiMo-7B is a Qwen2 decoder plus MTP layers the engine never runs (a draft head
+# for speculative decoding, which this path does not do), so their tensors are accepted and dropped
+DECODER_OF = {"mimo": "qwen2"}
+IGNORED_PREFIXES = {"mimo": ("model.mtp_layers.",)}
 # families the transformers path runs and this path does not, and what is missing here
 NOT_YET = {
     "gpt_oss": "GPT-OSS needs learned attention sinks, sliding-window layers, YaRN RoPE and biased MoE experts with "
                "the clamped SwiGLU, which the paged-attention path does not have",
-    "mimo": "MiMo's Qwen2 decoder is not wired to this path's Qwen2 kernels yet (its MTP layers would have to be "
-            "skipped on load)",
     "mimo_v2_flash": "MiMo-V2-Flash needs learned attention sinks, sliding-window layers, value heads narrower than "
                      "the query/key heads and group-limited sigmoid routing, which the paged-attention path does not have",
     "qwen3_5_text": "Qwen3.5's gated DeltaNet layers are recurrent (no paged KV cache for them)",
@@ -59,6 +61,7 @@ class ModelSpec:
     max_pos: int
     # MoE (qwen3_moe): experts per layer, experts per token, expert MLP width, renormalised top-k gates, the layers
     # with experts (the others are dense MLPs of width `inter`)
+    ignored: tuple[str, ...] = ()  # HF name prefixes loaded and synced as nothing (MiMo's MTP layers)
     experts: int = 0
     top_k: int = 0
     moe_inter: int = 0
@@ -68,11 +71,12 @@ class ModelSpec:
 
 def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
     """(spec, None) for a supported HF config, else (None, why not)."""
-    mt = getattr(cfg, "model_type", None)
+    given = getattr(cfg, "model_type", None)
+    mt = DECODER_OF.get(given, given)
     if mt in NOT_YET:
         return None, NOT_YET[mt]
-    if mt not in SUPPORTED:
-        return None, f"model_type {mt!r} is not one of {', '.join(SUPPORTED)}"
+    if given not in SUPPORTED:
+        return None, f"model_type {given!r} is not one of {', '.join(SUPPORTED)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return None, f"hidden_act {cfg.hidden_act!r} (only silu)"
     if getattr(cfg, "use_sliding_window", False):
@@ -100,7 +104,7 @@ def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=kvh, head_dim=hd, eps=cfg.rms_norm_eps,
         qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
         qk_norm=mt in ("qwen3", "qwen3_moe"), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        max_pos=cfg.max_position_embeddings, **moe), None
+        max_pos=cfg.max_position_embeddings, ignored=IGNORED_PREFIXES.get(given, ()), **moe), None
 
 
 def rope_tables(cfg, spec: ModelSpec, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +314,7 @@ class DenseLM:
         seen = set()
         dsts, srcs = [], []
         for name, t in self._fp8_stream(weights):
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or name.startswith(self.spec.ignored):
                 continue
             try:
                 dst = self.hf[name]
