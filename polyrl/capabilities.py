@@ -177,7 +177,6 @@ def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
 _HINTS = {
     ("fsdp_cpu_offload", "megatron"): " (it is FSDP2's CPUOffloadPolicy); megatron's optimizer CPU offload is "
                                       "--optimizer-cpu-offload (megatron-core's hybrid-device optimizer)",
-    ("compile", "megatron"): " (the Megatron backend does not torch.compile)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",

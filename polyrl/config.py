@@ -336,11 +336,13 @@ class ModelConfig:
     freeze_vision_tower: bool = opt(False, "vision-language models: train the language model only (the vision tower's "
                                            "weights stay as loaded)")
     attn_implementation: str = opt("auto", "attention: auto (varlen on CUDA, sdpa on CPU) | varlen | sdpa | eager | flash_attention_2")
-    compile: bool | None = opt(None, "torch.compile each decoder layer and the log-prob chunk (FSDP backend); default: on "
-                                     "for CUDA (1.7x the train phase at the 1.5B shape, and it fits 16k-token micro-batches "
-                                     "that OOM eager) with a dense attention decoder (llama / mistral / qwen2 / qwen3), off on CPU "
-                                     "and for other architectures (linear-attention and MoE layers recompile per shape); "
-                                     "--compile forces it on, --no-compile off")
+    compile: bool | None = opt(None, "torch.compile each decoder layer (FSDP backend; --train-backend megatron: polyrl's "
+                                     "RMSNorms and the q/k RoPE inside megatron's layers, whose own forward dynamo cannot "
+                                     "trace whole); default: on for CUDA (FSDP: 1.7x the train phase at the 1.5B shape, and "
+                                     "it fits 16k-token micro-batches that OOM eager) with a dense attention decoder "
+                                     "(llama / mistral / qwen2 / qwen3), off on CPU and for other architectures "
+                                     "(linear-attention and MoE layers recompile per shape); --compile forces it on, "
+                                     "--no-compile off")
     fp16: bool = opt(False, "FP16 params/compute (default: BF16 on GPU, FP32 on CPU)")
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")

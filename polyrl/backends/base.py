@@ -32,6 +32,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider, optimizer CPU offload
         "offload",  # offload()/onload() empty weights, main params, grad buffers and Adam state to pinned host memory
         "gradient_checkpointing",  # megatron's full recompute of every layer
+        "compile",  # polyrl's RMSNorms and RoPE in megatron's layers under torch.compile (megatron/compiled.py)
         "critic", "opd_teacher", "routing_replay", "moe_aux_losses",
         "lora",  # adapters on the column / row-parallel linears (polyrl/backends/megatron/lora.py)
         "images",  # Qwen2.5-VL: the HF vision tower on the first stage, its features in the decoder input (vision.py)

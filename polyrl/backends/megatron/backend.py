@@ -120,6 +120,8 @@ class MegatronBackend:
         if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
             log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
                         "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")
+        # --compile (default on CUDA for the dense families, as on FSDP): polyrl's norms and RoPE compiled (compiled.py)
+        self.compiled = model_cfg.compiled(self.device.type, self.hf_config.model_type)
         path = (model_cfg.critic_load or model_cfg.hf_checkpoint) if role == "critic" else model_cfg.hf_checkpoint
         self.seed = seed
         self.lora = None  # --lora-rank: lora.Lora of the actor's adapters (set by _build); the critic trains in full
@@ -190,6 +192,9 @@ class MegatronBackend:
                         c.vision_model.requires_grad_(False)
                     vision.attach_deepstack(c, self.vl_config)  # Qwen3-VL: its features join the first layers
         mm.load_hf_weights(chunks, path, hf_config, config, vl=vl)
+        if self.compiled and not mm.apply_compile(chunks) and self.mcfg.compile:
+            raise ValueError("--compile: the model from --custom-model-provider-path has none of the modules the Megatron "
+                             "backend compiles (polyrl's HFRMSNorm and VarlenCoreAttention); drop --compile")
         if train:  # MTP layers (MiMo) train only with --enable-mtp-training; otherwise they are kept as loaded
             from polyrl.backends.megatron import mtp
             mtp.set_trainable(chunks, self.role == "actor" and self.mcfg.enable_mtp_training)
@@ -508,7 +513,7 @@ class MegatronBackend:
             return (loss + extra) * scale, {}
 
         if self._grads is not None:
-            self._grads.materialize()
+            self._grads.materialize(zero=False)  # zero_grad_buffer zeroes them next
         for c in self.model:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -533,8 +538,9 @@ class MegatronBackend:
             self._set_lr()
             self.optimizer.step()
             self.sched_step += 1  # a skipped step does not advance the schedule either
-        for c in self.model:
-            c.zero_grad_buffer()
+        if self._grads is None:  # released buffers are zeroed (and megatron's per-step flags reset) by the next step
+            for c in self.model:
+                c.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self._grads is not None:
             self._grads.release()

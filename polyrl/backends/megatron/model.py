@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_size
 
-from polyrl.backends.megatron import bridge, compat, gpt_oss, thd
+from polyrl.backends.megatron import bridge, compat, compiled, gpt_oss, thd
 from polyrl.backends.megatron.ddp import ddp_kwargs
 from polyrl.backends.parallel_dims import ParallelDims
 
@@ -79,6 +79,8 @@ class HFRMSNorm(torch.nn.Module):
     `layernorm_zero_centered_gamma` (Qwen3-Next) it computes HF's x_norm * (1 + w) in fp32 and then
     casts, as Qwen3NextRMSNorm does; the stored weight stays HF's."""
 
+    norm = staticmethod(compiled.rms_norm)  # apply_compile swaps in compiled.compiled_rms_norm
+
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
         super().__init__()
         self.zero_centered = config.layernorm_zero_centered_gamma
@@ -88,11 +90,7 @@ class HFRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return self.norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class HFQKNorm(HFRMSNorm):
@@ -117,6 +115,7 @@ class VarlenCoreAttention(MegatronModule):
     causal prefix of their sequence."""
 
     impl = os.environ.get("POLYRL_VARLEN_IMPL", "auto")  # auto | varlen | dense (tests compare them)
+    rope = staticmethod(compiled.rope_qk)  # apply_compile swaps in compiled.compiled_rope_qk
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
@@ -135,8 +134,7 @@ class VarlenCoreAttention(MegatronModule):
         if plan is None:
             raise ValueError("VarlenCoreAttention needs packed (THD) inputs built by polyrl.backends.megatron.thd.pack_thd")
         if packed_seq_params.rope is not None:  # this rank's tokens, before K/V are gathered over CP
-            cos, sin = packed_seq_params.rope
-            query, key = thd.apply_rope(query, cos, sin), thd.apply_rope(key, cos, sin)
+            query, key = self.rope(query, key, *packed_seq_params.rope)
         k = thd.all_gather_seq(key, self.cp_group)
         v = thd.all_gather_seq(value, self.cp_group)
         out = thd.varlen_attention(query, k, v, plan, self.scale, impl=self.impl)
@@ -471,6 +469,23 @@ def load_hf_weights(chunks: list[GPTModel], hf_dir: str, hf_config, config: Tran
             if params[name].shape != t.shape:
                 raise ValueError(f"{name}: megatron {tuple(params[name].shape)} vs HF-derived {tuple(t.shape)}")
             params[name].copy_(t)
+
+
+def apply_compile(chunks: list) -> int:
+    """--compile: every HFRMSNorm and VarlenCoreAttention of `chunks` runs polyrl's compiled norm / RoPE
+    (polyrl/backends/megatron/compiled.py). Returns how many modules it switched: 0 for a custom provider's model that
+    holds none of them."""
+    n = 0
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, HFRMSNorm):
+                m.norm = compiled.compiled_rms_norm
+            elif isinstance(m, VarlenCoreAttention):
+                m.rope = compiled.compiled_rope_qk
+            else:
+                continue
+            n += 1
+    return n
 
 
 def ddp_field_defaults() -> dict[str, Any]:

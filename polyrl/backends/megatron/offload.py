@@ -117,10 +117,14 @@ class ReleasedGrads:
         for s in self.slots:
             s.storage.resize_(0)
 
-    def materialize(self) -> None:
+    def materialize(self, zero: bool = True) -> None:
+        """zero=False: the bytes are left as the allocator gives them, for a caller that zeroes the buffers next."""
         for s in self.slots:
             if s.storage.nbytes() == 0:
-                refill(s)
+                if zero:
+                    refill(s)
+                else:
+                    s.storage.resize_(s.nbytes)
 
 
 class StorageOffloader:

@@ -49,6 +49,7 @@ class AttnPlan:
     q_pos: Tensor
     k_seq: Tensor  # over gathered keys, in gathered (rank-major) order
     k_pos: Tensor
+    kv_all: bool = False  # kv_index takes every gathered key in order (no CP): the varlen path skips the gather
 
 
 @dataclass
@@ -153,7 +154,7 @@ def pack_thd(input_ids: list[Tensor], prompt_lens: list[int], *, cp_size: int = 
         kv_index = torch.cat(kv)
     plan = AttnPlan(cu_q=cu_q.to(device), cu_k=cu_k.to(device), max_q=int(max_q), max_k=int(max_k),
                     kv_index=kv_index.to(device), q_seq=seq_g[local_index].to(device), q_pos=pos_g[local_index].to(device),
-                    k_seq=seq_g[k_global].to(device), k_pos=pos_g[k_global].to(device))
+                    k_seq=seq_g[k_global].to(device), k_pos=pos_g[k_global].to(device), kv_all=cp_size == 1)
     return PackedBatch(
         input_ids=ids_g[local_index].to(device), position_ids=pos_g[local_index].to(device),
         cu_seqlens=torch.tensor(offs, dtype=torch.int32, device=device), max_seqlen=max(lens), plan=plan,
@@ -282,8 +283,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttnPlan, scale: flo
         impl = "varlen" if varlen.usable(q.device, q.dtype) else "dense"
     if impl == "dense":
         return dense_attention(q, k, v, plan, scale)
-    return varlen.causal(q, k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index), plan.cu_q, plan.cu_k,
-                         plan.max_q, plan.max_k, scale)
+    if not plan.kv_all:
+        k, v = k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index)
+    return varlen.causal(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
 
 
 # ---------------------------------------------------------------------------------------------

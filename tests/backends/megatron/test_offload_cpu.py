@@ -99,3 +99,8 @@ def test_released_grads_free_the_buffer_keep_its_views_and_come_back_as_zeros():
     assert float(grad[0]) == 1.0 and float(grad[8]) == 0.0
     rg.materialize()  # already there: its values stay
     assert float(grad[0]) == 1.0
+    rg.release()
+    rg.materialize(zero=False)  # for a caller that zeroes next (train_step's zero_grad_buffer): bytes back, unwritten
+    assert grad.untyped_storage().nbytes() == 96
+    g1.fill_(2.0)
+    assert float(grad[0]) == 2.0  # the views write into the refilled buffer

@@ -90,6 +90,10 @@ def test_cp_attention_plan_equals_full_attention(cp):
         for s in range(len(pb.plan.cu_q) - 1):
             ks = pb.plan.kv_index[pb.plan.cu_k[s]:pb.plan.cu_k[s + 1]]
             assert torch.equal(pb.plan.k_pos[ks], torch.arange(ks.numel()))
+        # without CP the varlen path passes the keys as they are: kv_index must then be every key, in order
+        assert pb.plan.kv_all == (cp == 1)
+        if cp == 1:
+            assert torch.equal(pb.plan.kv_index, torch.arange(T))
 
 
 def test_gqa_heads_are_repeated():
