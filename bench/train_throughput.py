@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
-                   "(megatron: base, ac = full recompute, keepgrads = --no-release-grad-buffers; compile does not apply)")
+                   "(megatron: base, compile = its --compile (polyrl's norms and RoPE), ac = full recompute, keepgrads = "
+                   "--no-release-grad-buffers; combine with +, e.g. compile+ac); base is eager on both backends")
     p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
                         "backends are compared in one process; replaces --train-backend / --variants / --tokens")
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
     p.add_argument("--out", default=None, help="append JSON rows here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one measured step")
+    p.add_argument("--profile", nargs="*", default=None, metavar="BACKEND:VARIANT:TOKENS",
+                   help="print the top CUDA kernels of one measured step of every row, or of the rows named")
     return p.parse_args(argv)
 
 
@@ -136,10 +138,12 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
     for step in range(a.warmup + a.steps):
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
         prof = None
-        if a.profile and step == a.warmup and rank == 0:
+        profiled = a.profile is not None and (not a.profile or f"{backend}:{variant}:{tokens}" in a.profile)
+        if profiled and step == a.warmup and rank == 0:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                           with_stack=True)
             prof.__enter__()
@@ -167,6 +171,9 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+            # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
             "state_mem_gib": round(state / 2**30, 1) if cuda else None,
             "state_bytes_per_param": round(state / total_params(model_dir), 2) if cuda else None, "device": name}
 
@@ -218,7 +225,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
-        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "state_mem_gib", "state_bytes_per_param"]
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "peak_mem_gib", "peak_reserved_gib", "alloc_retries", "state_mem_gib", "state_bytes_per_param"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
