@@ -759,10 +759,10 @@ def mode_offload(a) -> None:
     init_distributed("cuda")
     # cuBLAS and cuBLASLt keep a workspace from the first GEMM on, allocated through torch's allocator (64 MiB here):
     # made now, before the first baseline, it is not counted as the first backend's state
-    a = torch.ones(64, 64, device="cuda")
+    m = torch.ones(64, 64, device="cuda")
     for dt in (torch.float32, torch.bfloat16):
-        torch.nn.functional.linear(a.to(dt), a.to(dt), a[0].to(dt)), a.to(dt) @ a.to(dt)
-    del a
+        torch.nn.functional.linear(m.to(dt), m.to(dt), m[0].to(dt)), m.to(dt) @ m.to(dt)
+    del m
     from polyrl.backends.megatron import model as mm
     mm.VarlenCoreAttention.impl = "dense"  # flash varlen's backward may accumulate in any order
     model_dir = build_medium_llama(a.arg1)
