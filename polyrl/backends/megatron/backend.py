@@ -132,11 +132,21 @@ class MegatronBackend:
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer,
                                             cpu_offload=mg.optimizer_cpu_offload)
         # --release-grad-buffers (DDP): the gradient buffers, zero between steps, hold no GPU memory between steps
-        self._grads = None
+        self._grads, self._step_weights = None, None
         if mg.release_grad_buffers and not self.ddp_config.use_megatron_fsdp:
-            from polyrl.backends.megatron.offload import ReleasedGrads, ddp_grad_buffers
-            self._grads = ReleasedGrads(ddp_grad_buffers(self.model))
+            from polyrl.backends.megatron.compat import inner_optimizers
+            from polyrl.backends.megatron.offload import Released, ddp_grad_buffers
+            self._grads = Released(ddp_grad_buffers(self.model))
             self._grads.release()
+            if self.dtype == torch.bfloat16 and not mg.optimizer_cpu_offload:
+                # the BF16 weights hold nothing while Adam runs (its moments are made at the first step): megatron
+                # rewrites every one from its FP32 main parameter right after the inner step, where this hook gives
+                # their bytes back; 2 bytes a parameter off the step's peak
+                trained = [p for c in self.model for p in torch.nn.Module.parameters(c)
+                           if p.requires_grad and p.dtype == torch.bfloat16]
+                self._step_weights = Released(trained, kind="weights")
+                for inner in inner_optimizers(self.optimizer):
+                    inner.register_step_post_hook(lambda *_: self._step_weights.materialize(zero=False))
         self._offloader = None  # --offload-train: offload.StorageOffloader, made at the first offload()
         self.offloaded_bytes: dict[str, int] = {}  # what the last offload() moved or released, per kind
         # with LoRA the reference is the actor with its adapters off: no second model
@@ -520,6 +530,8 @@ class MegatronBackend:
         self._run(self.model, micros, loss_func, forward_only=False, temperature=temperature, with_entropy=with_entropy,
                   route_mode=mode)
 
+        if self._offloader is not None:
+            self._offloader.onload()  # --offload-train: the main parameters and Adam moments, away until the step
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         parts: list = [None] * dist.get_world_size()
@@ -536,7 +548,12 @@ class MegatronBackend:
         lr = self.ocfg.lr * _lr_factor(self.ocfg, self.total_steps, self.sched_step)  # the rate this step applies
         if not skipped:
             self._set_lr()
+            if self._step_weights is not None:
+                self._step_weights.release()
             self.optimizer.step()
+            if self._step_weights is not None and self._step_weights.released:
+                raise RuntimeError("megatron's optimizer skipped its inner step, so the BF16 weights released for it "
+                                   "were not rewritten from the main parameters: run with --no-release-grad-buffers")
             self.sched_step += 1  # a skipped step does not advance the schedule either
         if self._grads is None:  # released buffers are zeroed (and megatron's per-step flags reset) by the next step
             for c in self.model:
@@ -877,15 +894,18 @@ class MegatronBackend:
             megatron_state(self.model, self.optimizer, [self.ref_model, self.teacher_model]))
 
     def onload(self) -> None:
+        """Weights, gradient buffers and frozen models back on the GPU; the FP32 main parameters and Adam moments only
+        at the optimizer step (train_step), so log-prob passes, forward and backward run beside less state."""
         if self._offloader is not None:
-            self._offloader.onload()
+            from polyrl.backends.megatron.offload import STEP_ONLY
+            self._offloader.onload(skip=STEP_ONLY)
 
     @contextlib.contextmanager
     def _resident(self):
         """Checkpoints and exports read the state: bring it back for them and leave it as it was."""
         away = self._offloader is not None and self._offloader.offloaded
         if away:
-            self.onload()
+            self._offloader.onload()
         try:
             yield
         finally:

@@ -5,8 +5,10 @@ parameter) stay valid without being found one by one.
 
 Storages that hold values (weights, FP32 main parameters, Adam moments, module buffers) are copied to pinned host
 memory first and back on onload; the DDP gradient buffers are zero between steps (train_step ends with
-zero_grad_buffer), so they are released and re-materialised as zeros. `ReleasedGrads` does the same to the DDP
-gradient buffers alone after every optimizer step (the default, --release-grad-buffers). Pure torch: tested on CPU
+zero_grad_buffer), so they are released and re-materialised as zeros. The state comes back in the order a train
+step reads it: `onload(skip=STEP_ONLY)` leaves the FP32 main parameters and Adam moments away until the optimizer
+step. `Released` empties storages whose values nobody reads for a while: the DDP gradient buffers between steps and
+the BF16 weights during the optimizer step (the default, --release-grad-buffers). Pure torch: tested on CPU
 (tests/backends/megatron/test_offload_cpu.py); `megatron_state` names megatron's tensors by duck typing.
 """
 
@@ -103,22 +105,30 @@ def refill(s: Slot) -> None:
         flat.zero_()
 
 
-class ReleasedGrads:
-    """Gradient buffers that hold zeros between train steps, emptied in place after the step and refilled with zeros
-    before the next one, so they cost no GPU memory between steps (4 bytes a parameter for megatron's FP32 grads) while
-    every view into them (param.main_grad, bucket views) stays valid. No host copy, no synchronisation: the refill is
-    ordered on the current stream before the backward that writes into the buffers."""
+STEP_ONLY = ("main_params", "optimizer")  # kinds only the optimizer step reads (FP32 main parameters, Adam moments)
 
-    def __init__(self, tensors: Iterable[torch.Tensor | None], device_type: str = "cuda"):
-        self.slots = plan_slots([("grads", False, tensors)], device_type)
+
+class Released:
+    """Storages emptied in place while nothing reads their values and given their bytes back before the next writer:
+    the DDP gradient buffers (zero between train steps; 4 bytes a parameter for megatron's FP32 grads) and the BF16
+    weights during the optimizer step (megatron rewrites each from its FP32 main parameter after the inner step).
+    Every view into them (param.data, param.main_grad, bucket views) stays valid. No host copy, no synchronisation:
+    the refill is ordered on the current stream before the kernels that write into the storages."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor | None], device_type: str = "cuda", kind: str = "grads"):
+        self.slots = plan_slots([(kind, False, tensors)], device_type)
         self.nbytes = sum(s.nbytes for s in self.slots)
+
+    @property
+    def released(self) -> bool:
+        return any(s.storage.nbytes() == 0 for s in self.slots)
 
     def release(self) -> None:
         for s in self.slots:
             s.storage.resize_(0)
 
     def materialize(self, zero: bool = True) -> None:
-        """zero=False: the bytes are left as the allocator gives them, for a caller that zeroes the buffers next."""
+        """zero=False: the bytes are left as the allocator gives them, for a caller that writes every one next."""
         for s in self.slots:
             if s.storage.nbytes() == 0:
                 if zero:
@@ -135,9 +145,14 @@ class StorageOffloader:
     def __init__(self, device_type: str = "cuda", pin: bool = True):
         self.device_type, self.pin = device_type, pin
         self.slots: list[Slot] = []
+        self._away: list[bool] = []  # per slot: emptied, its values (if kept) in the host arenas
         self._arenas: list[torch.Tensor] = []
         self._layout_key: tuple | None = None
-        self.offloaded = False
+
+    @property
+    def offloaded(self) -> bool:
+        """Some of the state is away (all of it after offload(), part of it after onload(skip=...))."""
+        return any(self._away)
 
     def _host_views(self, keep: list[Slot]) -> None:
         sizes = [s.nbytes for s in keep]
@@ -156,32 +171,36 @@ class StorageOffloader:
             s.host = self._arenas[i][off:off + s.nbytes]
 
     def offload(self, groups: Iterable[tuple[str, bool, Iterable[torch.Tensor | None]]]) -> dict[str, int]:
-        """Empty the state's storages; returns the bytes per kind (summarize). A second call before onload does nothing."""
-        if self.offloaded:
-            return summarize(self.slots)
-        self.slots = plan_slots(groups, self.device_type)
-        keep = [s for s in self.slots if s.keep]
-        self._host_views(keep)
-        for s in keep:
-            s.host.copy_(_flat(s), non_blocking=True)
-        if self.device_type == "cuda":
+        """Empty the state's storages; returns the bytes per kind (summarize). With part of the state still away (an
+        onload that skipped kinds), only what came back goes, by the plan it left with; with all of it away, nothing
+        happens."""
+        if not self.offloaded:  # all resident: plan anew (the optimizer's state appears at its first step)
+            self.slots = plan_slots(groups, self.device_type)
+            self._host_views([s for s in self.slots if s.keep])
+            self._away = [False] * len(self.slots)
+        here = [s for s, away in zip(self.slots, self._away) if not away]
+        for s in here:
+            if s.keep:
+                s.host.copy_(_flat(s), non_blocking=True)
+        if here and self.device_type == "cuda":
             # the host copies must land before the device memory is handed to another process (empty_cache)
             torch.cuda.synchronize()
-        for s in self.slots:
+        for s in here:
             s.storage.resize_(0)
-        if self.device_type == "cuda":
+        if here and self.device_type == "cuda":
             torch.cuda.empty_cache()
-        self.offloaded = True
+        self._away = [True] * len(self.slots)
         return summarize(self.slots)
 
-    def onload(self) -> None:
-        if not self.offloaded:
-            return
-        for s in self.slots:
-            refill(s)
-        if self.device_type == "cuda":
+    def onload(self, skip: tuple[str, ...] = ()) -> None:
+        """Refill what is away, except the kinds in `skip` (left for a later onload)."""
+        back = False
+        for i, s in enumerate(self.slots):
+            if self._away[i] and s.kind not in skip:
+                refill(s)
+                self._away[i], back = False, True
+        if back and self.device_type == "cuda":
             torch.cuda.synchronize()  # Megatron-FSDP gathers weights on side streams that do not wait on this one
-        self.offloaded = False
 
 
 def _module_tensors(modules: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:

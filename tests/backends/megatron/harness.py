@@ -824,6 +824,8 @@ def mode_offload(a) -> None:
         got = _curve(be, 3, 8192, between)
         sizes = dict(be.offloaded_bytes)
         kept = sum(s.nbytes for s in be._offloader.slots if s.keep)
+        from polyrl.backends.megatron.offload import STEP_ONLY  # onload() leaves these for the optimizer step
+        back = sum(s.nbytes for s in be._offloader.slots if s.keep and s.kind not in STEP_ONLY)
         remaining = timing["after"]["allocated"] - base["allocated"]
         n_params = sum(p.numel() for c in be.model for p in c.parameters())
         same = equal(ref, got)
@@ -836,8 +838,9 @@ def mode_offload(a) -> None:
         emit(check="offload_memory", fp32=fp32, layout=layout, params=n_params, state_bytes=sizes, baseline=base,
              before_offload=timing["before"], after_offload=timing["after"], remaining_bytes=remaining,
              remaining_frac=remaining / sizes["total"], copied_bytes=kept,
-             offload_gbps=kept / timing["offload_s"] / 1e9, onload_gbps=kept / timing["onload_s"] / 1e9,
-             round_trip_gbps=2 * kept / (timing["offload_s"] + timing["onload_s"]) / 1e9,
+             onload_copied_bytes=back, offload_gbps=kept / timing["offload_s"] / 1e9,
+             onload_gbps=back / timing["onload_s"] / 1e9,
+             round_trip_gbps=(kept + back) / (timing["offload_s"] + timing["onload_s"]) / 1e9,
              first_offload_gbps=kept / timing["first"][0] / 1e9, compiled=be.compiled,
              ok=remaining / sizes["total"] <= 0.05)
         emit(check="offload_bit_identical", fp32=fp32, layout=layout, losses=ref[0], losses_offload=got[0],

@@ -80,11 +80,11 @@ def test_megatron_state_reads_ddp_grad_buffers_beside_module_buffers():
 
 
 def test_released_grads_free_the_buffer_keep_its_views_and_come_back_as_zeros():
-    """Between train steps the DDP grad buffers are emptied in place (ReleasedGrads) and refilled with zeros before the
+    """Between train steps the DDP grad buffers are emptied in place (Released) and refilled with zeros before the
     next backward: main_grad views write into the buffer again, and an offload meanwhile finds nothing to move there."""
-    from polyrl.backends.megatron.offload import ReleasedGrads
+    from polyrl.backends.megatron.offload import Released
     buf, w1, w2, grad, g1, adam = _state()
-    rg = ReleasedGrads([grad, g1, None], device_type="cpu")
+    rg = Released([grad, g1, None], device_type="cpu")
     assert rg.nbytes == 96 and len(rg.slots) == 1
     grad.fill_(7.0)
     rg.release()
@@ -104,3 +104,49 @@ def test_released_grads_free_the_buffer_keep_its_views_and_come_back_as_zeros():
     assert grad.untyped_storage().nbytes() == 96
     g1.fill_(2.0)
     assert float(grad[0]) == 2.0  # the views write into the refilled buffer
+
+
+def test_onload_skipping_the_step_state_then_offload_again_keeps_every_value():
+    """--offload-train brings the FP32 main parameters and Adam moments back only for the optimizer step: an onload that
+    skips them refills the rest; an offload before the step sends back only what came back (the skipped kinds' host
+    copies stay as they were); the step's full onload then restores every value."""
+    from polyrl.backends.megatron.offload import STEP_ONLY
+    buf, w1, w2, grad, g1, adam = _state()
+    main = torch.randn(24)  # FP32 main parameters: a storage of their own
+    want = {"buf": buf.clone(), "main": main.clone(), "exp_avg": adam["exp_avg"].clone()}
+    groups = [("weights", True, [w1, w2]), ("main_params", True, [main]), ("optimizer", True, list(adam.values())),
+              ("grads", False, [grad])]
+    off = StorageOffloader(device_type="cpu", pin=False)
+    off.offload(groups)
+    off.onload(skip=STEP_ONLY)
+    assert torch.equal(buf, want["buf"]) and torch.equal(grad, torch.zeros(24))
+    assert main.untyped_storage().nbytes() == 0 and adam["exp_avg"].untyped_storage().nbytes() == 0 and off.offloaded
+    w1.add_(1.0)  # a weight changes while the step's state is away (the host copy of the weights must follow)
+    want["buf"][:8] += 1.0
+    assert off.offload(groups)["total"] == 96 + 96 + 96 + 100
+    assert buf.untyped_storage().nbytes() == 0 and all(off._away)
+    off.onload(skip=STEP_ONLY)
+    off.onload()  # the step: the rest comes back
+    assert not off.offloaded
+    assert torch.equal(buf, want["buf"]) and torch.equal(main, want["main"])
+    assert torch.equal(adam["exp_avg"], want["exp_avg"]) and float(adam["step"]) == 3.0
+
+
+def test_released_weights_during_the_step_come_back_for_the_writer():
+    """The BF16 weights are emptied for the optimizer step and given their bytes back (unwritten) by the inner
+    optimizer's post-step hook, before megatron copies the main parameters into them: views stay valid."""
+    from polyrl.backends.megatron.offload import Released
+    buf, w1, w2, grad, g1, adam = _state()
+    rw = Released([w1, w2], device_type="cpu", kind="weights")
+    assert [s.kind for s in rw.slots] == ["weights"] and rw.nbytes == 96 and not rw.released
+    rw.release()
+    assert rw.released and buf.untyped_storage().nbytes() == 0
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    opt.register_step_post_hook(lambda *_: rw.materialize(zero=False))
+    p.grad = torch.ones(3)
+    opt.step()
+    assert not rw.released and buf.untyped_storage().nbytes() == 96
+    main = torch.arange(24, dtype=torch.float32) * 2
+    buf.copy_(main)  # megatron's main -> model copy writes every byte
+    assert torch.equal(w2, main[8:].view(4, 4))
