@@ -37,11 +37,31 @@ def test_fused_scale_layout():
 
 @pytest.mark.parametrize("M", [1, 5, 16, 64, 100, 256, 512, 4096])
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (37888, 3584), (96, 200)])
-def test_kernel_config_covers_k_once(M, N, K):
-    c = L.kernel_config(M, N, K, sms=132)
-    assert 128 % c["BK"] == 0 and c["k_per_split"] % c["BK"] == 0  # one scale per k-tile of a weight row
-    assert (c["split"] - 1) * c["k_per_split"] < K <= c["split"] * c["k_per_split"]  # every split non-empty
-    assert c["BM"] >= 16 and (M > 128 or c["BM"] >= M)
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_kernel_config_covers_k_once(M, N, K, mode):
+    for bw in (False, True):
+        c = L.kernel_config(M, N, K, sms=132, mode=mode, blockwise_mm=bw)
+        if mode == "w8a8" and bw and M >= L.SCALED_MM_MIN_M and L.scaled_mm_fits(N, K, 128):
+            assert c == {"path": "scaled_mm"}
+            continue
+        if M >= L.DEQUANT_MIN_M[mode]:  # prefill sizes: the dequantized weight through cuBLAS
+            assert c == {"path": "dequant"}
+            continue
+        assert c["path"] == "triton"
+        assert 128 % c["BK"] == 0 and c["k_per_split"] % c["BK"] == 0  # one scale per k-tile of a weight row
+        assert (c["split"] - 1) * c["k_per_split"] < K <= c["split"] * c["k_per_split"]  # every split non-empty
+        assert c["BM"] >= 16
+        assert not c["quant_x"] or (mode == "w8a8" and c["BK"] == 128)  # in-kernel quantization: one group per k-tile
+
+
+def test_scaled_mm_fits_the_engines_scale_grids():
+    # cuBLAS reads 128x128 scales in rows of 4 floats: Qwen2.5-7B's four matrices fit, Qwen2.5-1.5B's down_proj
+    # (8960 columns: 70 scale columns) and per-row scale layouts (row_div 1) do not
+    assert all(L.scaled_mm_fits(n, k, 128) for n, k in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+    assert not L.scaled_mm_fits(1536, 8960, 128) and not L.scaled_mm_fits(4608, 3584, 1)
+    assert not L.scaled_mm_fits(320, 200, 128)
+    assert L.kernel_config(8192, 4608, 3584, 132, "w8a8", row_div=1, blockwise_mm=True) == {"path": "dequant"}
+    assert L.kernel_config(256, 1536, 8960, 132, "w8a8", blockwise_mm=True)["path"] == "triton"
 
 
 def _sharp(tmp_path_factory, name, **kw):
@@ -113,7 +133,14 @@ def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, mode):
     each is within _bound of the exact product of those BF16 weights, and so within twice that of the other.
     w8a8: the activations are rounded to E4M3 too (relative error <= 2^-4 in E4M3's normal range, absolute <= 2^-10
     of the group's scale amax / 448 below it), and the weights are not rounded to BF16 (they differ from the
-    emulation's by <= 2^-8 relatively), which adds (2^-4 + 2^-8) sum |x w| + 2^-10 sum_k (amax_g(k) / 448) |w_k|."""
+    emulation's by <= 2^-8 relatively), which adds (2^-4 + 2^-8) sum |x w| + 2^-10 sum_k (amax_g(k) / 448) |w_k|.
+    Every path is checked at every size: the Triton tiles (split-K or not; w8a8 quantizing the activations in its
+    own launch or in the GEMM, which is the same arithmetic, so bit-equal), and the large-M cuBLAS paths: `dequant`
+    (the dequantized weight is the emulation's bit for bit, so the result is cuBLAS's BF16 GEMM of the emulation's
+    operands, equal to F.linear on them) and, for w8a8 where torch has it, cuBLAS's block-scaled FP8 GEMM of the
+    same quantized activations (the w8a8 bound; M padded to 16 rows for it at 200 and 1100)."""
+    import torch.nn.functional as F
+
     from polyrl.rollout.gpu import triton_ops
     bias = N == 768
     g = torch.Generator().manual_seed(M * 7 + N)
@@ -135,46 +162,89 @@ def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, mode):
         amax = torch.nn.functional.pad(ax, (0, -K % 128)).view(M, -1, 128).amax(-1).repeat_interleave(128, 1)[:, :K]
         bound = (bound + (2.0**-4 + 2.0**-8) * (ax @ wd.double().abs().t())
                  + 2.0**-10 * ((amax / 448) @ wd.double().abs().t())) * (1 + 2.0**-7)
-    configs = [None]
-    if M <= 64:  # the split-K path and the unsplit one on the same shape
-        c = L.kernel_config(M, N, K, 132)
-        configs.append({**c, "split": 1, "k_per_split": -(-K // c["BK"]) * c["BK"]})
-        configs.append({**c, "split": 2, "k_per_split": -(-(-(-K // c["BK"])) // 2) * c["BK"]})
+    xc, qc, sc, bc = x.cuda(), q.cuda(), s.cuda(), b.cuda() if bias else None
+    assert torch.equal(triton_ops.fp8_dequantize(qc, sc, rd).cpu(), wd)
+    c = L.kernel_config(M, N, K, 132, mode)
+    tile = c if c["path"] == "triton" else L.kernel_config(L.CUBLAS_MIN_M[mode] - 1, N, K, 132, mode)
+    configs = [None, {"path": "dequant"}, {**tile, "split": 1, "k_per_split": -(-K // tile["BK"]) * tile["BK"]}]
+    if -(-K // tile["BK"]) >= 2:
+        configs.append(L.tile_config(M, N, K, tile["BM"], tile["BN"], tile["BK"], tile["num_warps"],
+                                     tile["num_stages"], 2, tile["quant_x"]))
+    if mode == "w8a8" and M <= 64 and tile["BK"] == 128:
+        configs += [{**cfg, "quant_x": qx} for cfg in configs[2:] for qx in (False, True)]
+    if mode == "w8a8" and M > 128 and triton_ops.blockwise_mm_available(xc.device) and L.scaled_mm_fits(N, K, rd):
+        configs.append({"path": "scaled_mm"})
+    outs = {}
     for cfg in configs:
-        if cfg is not None and (cfg["split"] - 1) * cfg["k_per_split"] >= K:
-            continue
-        y = triton_ops.fp8_linear(x.cuda(), q.cuda(), s.cuda(), b.cuda() if bias else None, rd, config=cfg,
-                                  mode=mode).cpu()
+        y = triton_ops.fp8_linear(xc, qc, sc, bc, rd, config=cfg, mode=mode).cpu()
+        outs[json.dumps(cfg, sort_keys=True)] = y
+        if cfg == {"path": "dequant"}:
+            assert torch.equal(y, F.linear(xc, wd.cuda(), bc).cpu())
+            err_bound = _bound(x, wd, y64)  # the emulation's own numerics, whatever the mode
+        else:
+            err_bound = bound
         err = (y.double() - y64).abs()
-        assert (err <= bound).all(), (cfg, (err - bound).max().item())
-        assert ((y.double() - emul.double()).abs() <= 2 * bound).all(), cfg
+        assert (err <= err_bound).all(), (cfg, (err - err_bound).max().item())
+        assert ((y.double() - emul.double()).abs() <= 2 * err_bound).all(), cfg
+    for cfg in configs:  # the in-kernel activation quantization is the separate launch's arithmetic: bit-equal
+        if cfg and cfg.get("quant_x"):
+            twin = json.dumps({**cfg, "quant_x": False}, sort_keys=True)
+            assert torch.equal(outs[json.dumps(cfg, sort_keys=True)], outs[twin]), cfg
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place():
-    """A captured FP8 linear replays against whatever the weight and scale buffers hold (weight sync writes in place)."""
+@pytest.mark.parametrize("mode,M", [("w8a16", 24), ("w8a8", 24), ("w8a8", 200)])
+def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place(mode, M):
+    """A captured FP8 linear replays against whatever the weight and scale buffers hold (weight sync writes in place):
+    the Triton kernels, and at M = 200 (w8a8) cuBLAS's block-scaled GEMM."""
     from polyrl.rollout.gpu import triton_ops
-    N, K, M = 512, 384, 24
+    N, K = 512, 512
     q, s = quantize_fp8_block(torch.randn(N, K, device="cuda"))
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    eager = triton_ops.fp8_linear(x, q, s)
+    eager = triton_ops.fp8_linear(x, q, s, mode=mode)
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st):
-        triton_ops.fp8_linear(x, q, s)
+        triton_ops.fp8_linear(x, q, s, mode=mode)
     torch.cuda.current_stream().wait_stream(st)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = triton_ops.fp8_linear(x, q, s)
+        out = triton_ops.fp8_linear(x, q, s, mode=mode)
     g.replay()
     assert torch.equal(out, eager)
     q2, s2 = quantize_fp8_block(torch.randn(N, K, device="cuda"))
     q.copy_(q2)
     s.copy_(s2)
     g.replay()
-    assert torch.equal(out, triton_ops.fp8_linear(x, q, s))
+    assert torch.equal(out, triton_ops.fp8_linear(x, q, s, mode=mode))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H,I", [(3584, 18944), (200, 320)])
+def test_fused_activation_quantization_is_the_separate_launch(H, I):
+    """add_rmsnorm_fp8 / silu_mul_fp8 quantize their rounded outputs with quantize_activations' arithmetic (per token
+    and 128 columns, partial last group included), so the E4M3 values and scales are the same bit for bit, and a w8a8
+    linear given them (FP8Act) returns what it returns for the unquantized activations."""
+    from polyrl.rollout.gpu import triton_ops as T
+    g = torch.Generator(device="cuda").manual_seed(H)
+    x, r = (torch.randn(48, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(H, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    for res in (None, r):
+        y, s = T.add_rmsnorm(x, res, w, 1e-6)
+        y8, s8 = T.add_rmsnorm_fp8(x, res, w, 1e-6)
+        xq, xs = T.quantize_activations(y)
+        assert torch.equal(s8, s) and torch.equal(y8.q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(y8.s, xs)
+    gu = torch.randn(48, 2 * I, device="cuda", generator=g).to(torch.bfloat16)
+    a, a8 = T.silu_mul(gu), T.silu_mul_fp8(gu)
+    xq, xs = T.quantize_activations(a)
+    assert torch.equal(a8.q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(a8.s, xs)
+    q, sc = quantize_fp8_block(torch.randn(256, I, device="cuda", generator=g) * 0.05)
+    assert torch.equal(T.fp8_linear(a8, q, sc), T.fp8_linear(a, q, sc, mode="w8a8"))
+    assert T.fp8_activations(48, torch.bfloat16) == (T.FP8_MODE == "w8a8")
+    assert not T.fp8_activations(L.SCALED_MM_MIN_M, torch.bfloat16) and not T.fp8_activations(48, torch.float32)
 
 
 @pytest.fixture(scope="module")

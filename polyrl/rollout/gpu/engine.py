@@ -206,6 +206,9 @@ class GPUEngine(InProcessEngine):
             mlp = max(mlp, s.top_k * (3 * s.moe_inter + 3 * s.hidden))
         prefill = self.max_prefill_tokens * (6 * s.hidden + 3 * qkv + 2 * s.heads * s.head_dim + mlp) * el
         logits = self.max_running * s.vocab * (2 * el + 8)  # graph logits + sampler / filter temporaries
+        if self.model.fp8:  # prefill's FP8 linears on cuBLAS: one weight dequantized, or the activations in E4M3
+            mats = [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim), (2 * s.inter, s.hidden), (s.hidden, s.inter)]
+            prefill += max(max(n * k for n, k in mats) * el, self.max_prefill_tokens * max(k for _, k in mats) * 33 // 32)
         return prefill + logits + 512 * 2**20
 
     def _blocks_from_budget(self, mem_fraction: float) -> int:

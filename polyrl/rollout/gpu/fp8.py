@@ -49,21 +49,62 @@ def dequantize(w: torch.Tensor, s: torch.Tensor, rdiv: int, dtype: torch.dtype =
     return (w.float() * s.float().repeat_interleave(BLOCK[1], 1)[:, :k]).to(dtype)
 
 
-def kernel_config(M: int, N: int, K: int, sms: int) -> dict:
-    """Launch settings of the weight-only FP8 kernel for x [M, K] @ w[N, K]^T. Decode (small M) is bound by reading
-    the weight once, so the output tiles are few and K is split until about two programs per SM stream it; the
-    k-tile (BK) divides 128, so each tile of a weight row has one scale."""
-    if M <= 128:
-        bm = max(16, 1 << (M - 1).bit_length())
-        cfg = dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=4 if bm <= 64 else 3)
-    else:
-        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
-    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
-    k_iters = -(-K // cfg["BK"])
-    split = 1
-    if M <= 512 and tiles < 2 * sms:
-        split = max(1, min(-(-2 * sms // tiles), k_iters // 4, 16))
-    k_per = -(-k_iters // split) * cfg["BK"]
-    cfg["split"] = -(-K // k_per)
-    cfg["k_per_split"] = k_per
-    return cfg
+# How each size runs (bench/fp8_rollout.py --sweep, H100, 2026-11-27; per matrix of the Qwen2.5-1.5B / 7B layers):
+# decode sizes take the Triton kernels, whose best tile at M = 64 was BM 64, BN 64, BK 128, 4 warps, 3 stages for all
+# eight matrices and both modes (w8a8, one layer of 7B: 129 us with the best split per matrix, 131 us with
+# auto_split, 185 us for cuBLAS BF16). Quantizing the activations inside the GEMM (quant_x) lost everywhere (162 us):
+# each weight-row tile re-quantizes the same activations. Larger M is bound by the products: w8a8 from M = 129 takes
+# cuBLAS's block-scaled FP8 GEMM (7B layer at M = 256: 193 us against 288 us for the best Triton tile and 212 us for
+# BF16; at M = 8192: 4.42 ms against 4.93 ms), and w8a16 from M = 257 a transient BF16 copy of the weight for cuBLAS
+# (its Triton tiles trail BF16 by 1.7x at M = 256: BF16 products, twice the FP8 ones' time).
+# TILES: (max_M, BM, BN, BK, num_warps, num_stages, quant_x); BM 0: the tile covers all M tokens.
+TILES = {
+    "w8a16": ((128, 0, 64, 128, 4, 3, False), (256, 128, 128, 128, 8, 3, False)),
+    "w8a8": ((128, 0, 64, 128, 4, 3, False), (512, 128, 64, 128, 4, 3, False)),
+}
+SCALED_MM_MIN_M = 129  # w8a8: from here cuBLAS's block-scaled FP8 GEMM, where the shape allows it
+DEQUANT_MIN_M = {"w8a16": 257, "w8a8": 513}  # from here the dequantized weight and cuBLAS's BF16 GEMM
+# K is split until about SPLIT_WAVES programs per SM stream the weight, never below SPLIT_MIN_K k-tiles per split
+SPLIT_WAVES, SPLIT_MIN_K, SPLIT_MAX = 2, 4, 16
+
+
+def scaled_mm_fits(N: int, K: int, row_div: int) -> bool:
+    """Whether cuBLAS's block-scaled GEMM takes this matrix as the engine holds it: 128-row scale blocks, K and N
+    multiples of 16, and a whole number of 4-float groups of scale columns (cuBLAS reads the 128x128 scales in 16-byte
+    rows; the engine's grid is not padded, so Qwen2.5-1.5B's down_proj, 70 column blocks, is refused)."""
+    return row_div == BLOCK[0] and K % 16 == 0 and N % 16 == 0 and -(-K // BLOCK[1]) % 4 == 0
+
+
+def tile_config(M: int, N: int, K: int, BM: int, BN: int, BK: int, num_warps: int, num_stages: int, split: int = 1,
+                quant_x: bool = False) -> dict:
+    """A Triton launch of the FP8 kernels for x [M, K] @ w[N, K]^T; K cut into `split` runs of whole k-tiles (fewer if
+    the last would be empty). BK divides 128, so each k-tile of a weight row has one scale."""
+    if quant_x and BK != BLOCK[1]:
+        raise ValueError(f"quant_x quantizes one 128-column activation group per k-tile: BK must be 128, not {BK}")
+    k_iters = -(-K // BK)
+    k_per = -(-k_iters // max(1, split)) * BK
+    return dict(path="triton", BM=BM, BN=BN, BK=BK, num_warps=num_warps, num_stages=num_stages, quant_x=quant_x,
+                split=-(-K // k_per), k_per_split=k_per)
+
+
+def auto_split(M: int, N: int, K: int, BM: int, BN: int, BK: int, sms: int) -> int:
+    tiles = -(-M // BM) * -(-N // BN)
+    k_iters = -(-K // BK)
+    if tiles >= SPLIT_WAVES * sms:
+        return 1
+    return max(1, min(-(-SPLIT_WAVES * sms // tiles), k_iters // SPLIT_MIN_K, SPLIT_MAX))
+
+
+def kernel_config(M: int, N: int, K: int, sms: int, mode: str = "w8a16", row_div: int = BLOCK[0],
+                  blockwise_mm: bool = False) -> dict:
+    """How triton_ops.fp8_linear runs x [M, K] @ w[N, K]^T: a Triton tile at decode sizes, cuBLAS beyond (see TILES'
+    comment). blockwise_mm: torch has cuBLAS's block-scaled FP8 GEMM on this GPU (triton_ops.blockwise_mm_available)."""
+    if mode == "w8a8" and M >= SCALED_MM_MIN_M and blockwise_mm and scaled_mm_fits(N, K, row_div):
+        return {"path": "scaled_mm"}
+    if M >= DEQUANT_MIN_M[mode]:
+        return {"path": "dequant"}
+    for max_m, bm, bn, bk, warps, stages, quant_x in TILES[mode]:
+        if M <= max_m:
+            break
+    bm = bm or max(16, 1 << (M - 1).bit_length())
+    return tile_config(M, N, K, bm, bn, bk, warps, stages, auto_split(M, N, K, bm, bn, bk, sms), quant_x)

@@ -361,23 +361,27 @@ class DenseLM:
         model dtype."""
         s, o, W = self.spec, self.ops, self.w
         lin = self._linear
+        # w8a8 FP8 linears at decode sizes take E4M3 activations straight from the norms and SiLU (a launch fewer each)
+        q8 = self.fp8 and o.fp8_activations(ids.shape[0], self.dtype)
+        norm8 = o.add_rmsnorm_fp8 if q8 else o.add_rmsnorm
         h = F.embedding(ids, W["embed"])
         res = None
         for i, L in enumerate(self.layers):
-            x, res = o.add_rmsnorm(h, res, L["ln1"], s.eps)
+            x, res = norm8(h, res, L["ln1"], s.eps)
             qkv = lin(x, L, "qkv_w", L.get("qkv_b"))
             q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
                                    L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
             a = attn(q, k, v, kv.k[i], kv.v[i])
             h = lin(a.reshape(a.shape[0], -1), L, "o_w", L.get("o_b"))
-            x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
-            if "router" in L:
+            if "router" in L:  # routers and experts are not FP8
+                x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
                 gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
                 if routes is not None:
                     routes[:, i] = experts
                 h = o.moe_experts(x, L["egu"], L["edown"], gates, experts)
             else:
-                h = lin(o.silu_mul(lin(x, L, "gu_w")), L, "down_w")
+                x, res = norm8(h, res, L["ln2"], s.eps)
+                h = lin((o.silu_mul_fp8 if q8 else o.silu_mul)(lin(x, L, "gu_w")), L, "down_w")
         if logits_rows is not None:
             h, res = h[logits_rows], res[logits_rows]
         x, _ = o.add_rmsnorm(h, res, W["norm"], s.eps)

@@ -224,6 +224,11 @@ def filter_thresholds(logits: torch.Tensor, inv_temp: torch.Tensor, top_k: int, 
     return thr
 
 
+def fp8_activations(M: int, dtype: torch.dtype) -> bool:
+    """The reference ops take FP8 linears' activations in the model dtype (weights-only emulation), never quantized."""
+    return False
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                row_div: int = 128) -> torch.Tensor:
     """x: [T, K] in the model dtype; w: float8_e4m3fn [N, K]; scale: its block scales (polyrl.rollout.gpu.fp8) ->

@@ -12,6 +12,8 @@ instead of the ~8 passes of the torch version. Top-k / top-p thresholds are sear
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,8 +23,30 @@ from polyrl.rollout.gpu import ops as _ref
 from polyrl.rollout.gpu.ops import moe_route, prefill_attention, prefill_cu_seqlens, prefill_index  # noqa: F401  (torch; part of this module's interface)
 
 
+class FP8Act(NamedTuple):
+    """Activations already quantized for a w8a8 FP8 linear: E4M3 [M, K] and one float32 scale per token and 128
+    columns [M, ceil(K / 128)], token-major; dtype: the model dtype they stand for (the linear's output dtype)."""
+    q: torch.Tensor
+    s: torch.Tensor
+    dtype: torch.dtype
+
+
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_groups(y, q_ptr, s_ptr, cols, n, g0, KB, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    # y [BLOCK] (columns `cols`, n valid) -> E4M3 into q_ptr + cols and one scale per 128 columns into s_ptr + group:
+    # _act_quant_kernel's arithmetic on the same rounded values, so the result is the same bit for bit
+    yf = tl.reshape(y.to(tl.float32), (BLOCK // 128, 128))
+    amax = tl.max(tl.abs(yf), axis=1)
+    sc = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = tl.reshape(tl.clamp(yf / sc[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+    tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n)
+    g = g0 + tl.arange(0, BLOCK // 128)
+    tl.store(s_ptr + g, sc, mask=g < KB)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, ys_ptr, H, KB, eps, HAS_RES: tl.constexpr,
+                        QUANT: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
@@ -34,7 +58,11 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, HAS_RES: tl.c
     var = tl.sum(h * h, axis=0) / H
     n = (h * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
-    tl.store(y_ptr + row * H + cols, (n.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=m)
+    y = (n.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    if QUANT:
+        _quant_groups(y, y_ptr + row * H, ys_ptr + row * KB, cols, H, 0, KB, FP8_MAX, BLOCK)
+    else:
+        tl.store(y_ptr + row * H + cols, y, mask=m)
 
 
 def add_rmsnorm(x, residual, weight, eps):
@@ -42,8 +70,24 @@ def add_rmsnorm(x, residual, weight, eps):
     y = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     if T:
-        _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, s, H, eps,
-                                  HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H), num_warps=4)
+        _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, s, y, H, 1, eps,
+                                  HAS_RES=residual is not None, QUANT=False, FP8_MAX=448.0,
+                                  BLOCK=triton.next_power_of_2(H), num_warps=4)
+    return y, s
+
+
+def add_rmsnorm_fp8(x, residual, weight, eps):
+    """add_rmsnorm whose normed output comes as FP8Act (what quantize_activations makes of add_rmsnorm's output, bit
+    for bit) for a w8a8 linear: one launch fewer per linear at decode."""
+    T, H = x.shape
+    KB = triton.cdiv(H, 128)
+    y = FP8Act(torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty(T, KB, dtype=torch.float32, device=x.device), x.dtype)
+    s = torch.empty_like(x) if residual is not None else x
+    if T:
+        _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y.q, s, y.s, H, KB, eps,
+                                  HAS_RES=residual is not None, QUANT=True, FP8_MAX=448.0,
+                                  BLOCK=max(128, triton.next_power_of_2(H)), num_warps=4)
     return y, s
 
 
@@ -130,7 +174,7 @@ def rope_store(qkv, pos, slots, k_cache, v_cache, cos, sin, hq, hkv, d, q_norm=N
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, s_ptr, I, KB, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
@@ -138,7 +182,12 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
     u = tl.load(gu_ptr + t * 2 * I + I + cols, mask=m, other=0.0)
     gf = g.to(tl.float32)
     a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(out_ptr + t * I + cols, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+    y = (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    if QUANT:  # BLOCK is a multiple of 128: each program holds whole groups
+        _quant_groups(y, out_ptr + t * I, s_ptr + t * KB, cols, I, tl.program_id(1) * (BLOCK // 128), KB, FP8_MAX,
+                      BLOCK)
+    else:
+        tl.store(out_ptr + t * I + cols, y, mask=m)
 
 
 def silu_mul(gu):
@@ -146,7 +195,22 @@ def silu_mul(gu):
     out = torch.empty(T, I2 // 2, dtype=gu.dtype, device=gu.device)
     if T:
         BLOCK = 1024
-        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gu, out, I2 // 2, BLOCK=BLOCK, num_warps=4)
+        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gu, out, out, I2 // 2, 1, QUANT=False, FP8_MAX=448.0,
+                                                            BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def silu_mul_fp8(gu):
+    """silu_mul whose output comes as FP8Act (quantize_activations of silu_mul's output, bit for bit)."""
+    T, I2 = gu.shape
+    I = I2 // 2
+    KB = triton.cdiv(I, 128)
+    out = FP8Act(torch.empty(T, I, dtype=torch.float8_e4m3fn, device=gu.device),
+                 torch.empty(T, KB, dtype=torch.float32, device=gu.device), gu.dtype)
+    if T:
+        BLOCK = 1024
+        _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](gu, out.q, out.s, I, KB, QUANT=True, FP8_MAX=448.0, BLOCK=BLOCK,
+                                                     num_warps=4)
     return out
 
 
@@ -532,14 +596,15 @@ def moe_experts(x, gate_up, down, gates, experts):
 # ---- FP8 linears (--rollout-quantization fp8) ---------------------------------------------------
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                       stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # weight-only FP8: one program per (BN weight rows, BM tokens, K split). The weight tile is loaded as FP8 (the
+    # weight-only FP8: one program per (BM tokens, BN weight rows, K split). The weight tile is loaded as FP8 (the
     # bytes that bound decode), scaled by its block's scale in fp32 and rounded to the activations' dtype (the
     # rounding the CPU emulation's dequantized weights get), then multiplied with fp32 accumulation. The weight is
-    # the left operand (y^T = w x^T): decode has few tokens, and the MMA's wide side is the weight rows'.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # the left operand (y^T = w x^T): decode has few tokens, and the MMA's wide side is the weight rows'. The token
+    # tiles are the fastest grid axis, so those of one weight tile run together and read it from HBM once.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -562,37 +627,43 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
         acc = tl.dot(wb, xt, acc)
     y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     msk = mn[:, None] & mm[None, :]
-    if SPLIT == 1:
+    if PARTIAL:  # fp32 partial sums [SPLIT, M, N], summed in a fixed order by _fp8_reduce_kernel (deterministic)
+        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
+    else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
-    else:  # fp32 partial sums [SPLIT, M, N], summed in a fixed order by _fp8_reduce_kernel (deterministic)
-        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, KB, FP8_MAX: tl.constexpr, G: tl.constexpr):
-    # one program per (token, group of G=128 columns): the group's largest |x| onto 448, like the weight blocks
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_sm, stride_sg, FP8_MAX: tl.constexpr,
+                      G: tl.constexpr):
+    # one program per (token, group of G=128 columns): the group's largest |x| onto 448, like the weight blocks; the
+    # scales go to s[m * stride_sm + g * stride_sg] (token-major for the Triton kernel, group-major for cuBLAS).
+    # Rows from M on (padding) get zeros with scale 1.
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * G + tl.arange(0, G)
     mk = cols < K
-    x = tl.load(x_ptr + m * stride_xm + cols, mask=mk, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mk & (m + 0 * cols < M), other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     sc = tl.where(amax > 0, amax / FP8_MAX, 1.0)
     q = tl.clamp(x / sc, -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty), mask=mk)
-    tl.store(s_ptr + m * KB + g, sc)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, sc)
 
 
 @triton.jit
-def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, stride_wn, stride_sn, stride_ym,
-                     stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # FP8 x FP8 tensor-core products (activations quantized per token and 128 columns by _act_quant_kernel), each
-    # k-tile's fp32 result scaled by the weight block's and the token group's scales; tiles as _fp8_linear_kernel's
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
+                     stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                     QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    # FP8 x FP8 tensor-core products, each k-tile's fp32 result scaled by the weight block's and the token group's
+    # scales; tiles and grid as _fp8_linear_kernel's. The activations come quantized (per token and 128 columns, by
+    # _act_quant_kernel), or, with QUANT_X (BK = 128: a k-tile is one group), as they are, quantized here with the
+    # same arithmetic, which saves a launch and the FP8 copy's round trip at decode.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -602,7 +673,7 @@ def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, str
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * K
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     s_rows = s_ptr + (offs_n // ROW_DIV).to(tl.int64) * stride_sn
     xs_cols = xs_ptr + offs_m.to(tl.int64) * KB
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -610,18 +681,24 @@ def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, str
         ks = k0 + rk
         mk = ks < k_hi
         w = tl.load(w_rows + ks[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
         sw = tl.load(s_rows + k0 // 128, mask=mn, other=0.0)
-        sx = tl.load(xs_cols + k0 // 128, mask=mm, other=0.0)
+        xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
+        if QUANT_X:
+            xf = xt.to(tl.float32)
+            amax = tl.max(tl.abs(xf), axis=0)
+            sx = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+            xt = tl.clamp(xf / sx[None, :], -FP8_MAX, FP8_MAX).to(w.dtype)
+        else:
+            sx = tl.load(xs_cols + k0 // 128, mask=mm, other=0.0)
         acc += tl.dot(w, xt) * sw[:, None] * sx[None, :]
     y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     msk = mn[:, None] & mm[None, :]
-    if SPLIT == 1:
+    if PARTIAL:
+        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
+    else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
-    else:
-        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
 
 
 @triton.jit
@@ -636,45 +713,140 @@ def _fp8_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, ROW_DIV: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+    # q * scale in fp32, rounded once to the output dtype: fp8.dequantize's arithmetic, element for element
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    msk = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=msk, other=0.0)
+    s = tl.load(s_ptr + (offs_n // ROW_DIV).to(tl.int64)[:, None] * stride_sn + (offs_k // 128)[None, :], mask=msk,
+                other=0.0)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+             (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=msk)
+
+
+def fp8_dequantize(w, scale, row_div: int = 128, dtype: torch.dtype = torch.bfloat16):
+    """fp8.dequantize(w, scale, row_div, dtype) on the GPU: [N, K] in `dtype`, bit for bit the CPU emulation's weight."""
+    N, K = w.shape
+    out = torch.empty(N, K, dtype=dtype, device=w.device)
+    _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, scale, out, N, K, w.stride(0), scale.stride(0),
+                                                                    ROW_DIV=row_div, BN=64, BK=128, num_warps=4)
+    return out
+
+
+def quantize_activations(x, group_major: bool = False, rows: int | None = None):
+    """x [M, K] -> (E4M3 [R, K], float32 scales [R, ceil(K / 128)]) with R = rows or M: each token's 128-column group
+    scaled so its largest |x| is 448; rows past M are zeros with scale 1. group_major: the scales stored group by
+    group (stride (1, R)), cuBLAS's 1x128 layout."""
+    M, K = x.shape
+    R = rows or M
+    KB = triton.cdiv(K, 128)
+    xq = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(KB, R, dtype=torch.float32, device=x.device).t() if group_major else \
+        torch.empty(R, KB, dtype=torch.float32, device=x.device)
+    if R:
+        _act_quant_kernel[(R, KB)](x, xq, xs, M, K, x.stride(0), xs.stride(0), xs.stride(1), FP8_MAX=448.0, G=128,
+                                   num_warps=1)
+    return xq, xs
+
+
 _SMS: dict[int, int] = {}
-# "w8a16": weight-only (FP8 weight tiles scaled to BF16 in registers, BF16 products: the emulation's numerics);
-# "w8a8": activations quantized per token and 128 columns too, FP8 tensor-core products (SGLang's block-FP8 scheme)
-FP8_MODE = "w8a16"
+_BLOCKWISE_MM: dict[int, bool] = {}
+# "w8a8" (default, the faster: bench/RESULTS.md): activations quantized per token and 128 columns too, FP8
+# tensor-core products (SGLang's block-FP8 scheme); "w8a16": weight-only (FP8 weight tiles scaled to BF16 in
+# registers, BF16 products, or the dequantized weight for cuBLAS): exactly the CPU emulation's weight rounding
+FP8_MODE = "w8a8"
+
+
+def blockwise_mm_available(device: torch.device) -> bool:
+    """Whether torch's scaled GEMM takes 1x128 activation and 128x128 weight scales here: cuBLAS has them on Hopper
+    (SM 9.0) from CUDA 12.9; torch takes them through F.scaled_mm's BlockWise recipes (or, before it had F.scaled_mm,
+    through torch._scaled_mm, which reads the recipe from the scales' shapes)."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _BLOCKWISE_MM:
+        cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        _BLOCKWISE_MM[dev] = ((hasattr(F, "scaled_mm") or hasattr(torch, "_scaled_mm"))
+                              and torch.cuda.get_device_capability(dev) == (9, 0) and cuda >= (12, 9))
+    return _BLOCKWISE_MM[dev]
+
+
+def blockwise_mm(xq, xs, w, scale, out_dtype: torch.dtype):
+    """y = (xq * xs) @ (w * scale)^T by cuBLAS: xq E4M3 [M, K] with 1x128 scales xs [M, K/128] (group-major), w E4M3
+    [N, K] with its 128x128 block scales [N/128, K/128], fp32 accumulation, one rounding to out_dtype."""
+    if hasattr(F, "scaled_mm"):
+        T = F.ScalingType
+        return F.scaled_mm(xq, w.t(), xs, T.BlockWise1x128, scale.t(), T.BlockWise128x128, output_dtype=out_dtype)
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.t(), out_dtype=out_dtype)
+
+
+def _device_sms(device: torch.device) -> int:
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
+
+
+def fp8_activations(M: int, dtype: torch.dtype) -> bool:
+    """Whether the model should hand its FP8 linears at M tokens E4M3 activations from their producers (add_rmsnorm_fp8,
+    silu_mul_fp8): in w8a8 mode at the sizes the Triton kernel serves (fp8.SCALED_MM_MIN_M: cuBLAS's GEMM takes its
+    scales group-major), for the model dtypes the kernels take."""
+    from polyrl.rollout.gpu.fp8 import SCALED_MM_MIN_M
+    return FP8_MODE == "w8a8" and M < SCALED_MM_MIN_M and dtype in (torch.bfloat16, torch.float16)
 
 
 def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None = None, mode: str | None = None):
     """ops.fp8_linear's contract (w8a16: same weight rounding, fp32 sums in another order; w8a8: the activations
-    rounded to E4M3 per 128-column group as well): one launch (w8a8: two), plus a reduction launch where K is split.
-    No host syncs, so it runs inside a captured CUDA graph. FP32 activations take the torch reference."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    rounded to E4M3 per 128-column group as well), by the path fp8.kernel_config picks for the shape:
+      triton     the FP8 kernels (decode sizes): one launch, plus one to quantize the activations (w8a8, unless x comes
+                 quantized as FP8Act or the config has quant_x) and one fixed-order reduction where K is split. No
+                 host syncs: CUDA-graph safe.
+      dequant    large M (prefill, bound by the products, not by the weight's bytes): the weight dequantized into a
+                 transient matrix of x's dtype, bit for bit the emulation's, then cuBLAS (F.linear)
+      scaled_mm  large M, w8a8: the activations quantized as the kernel does, then cuBLAS's block-scaled FP8 GEMM
+    FP32 activations take the torch reference."""
+    pre = isinstance(x, FP8Act)
+    if not pre and x.dtype not in (torch.bfloat16, torch.float16):
         return _ref.fp8_linear(x, w, scale, bias, row_div)
-    mode = mode or FP8_MODE
+    mode = "w8a8" if pre else mode or FP8_MODE
     from polyrl.rollout.gpu.fp8 import kernel_config
-    M, K = x.shape
+    M, K = x.q.shape if pre else x.shape
+    dtype, device = (x.dtype, x.q.device) if pre else (x.dtype, x.device)
     N = w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if not M:
-        return y
-    if x.stride(1) != 1:
+        return torch.empty(M, N, dtype=dtype, device=device)
+    if not pre and x.stride(1) != 1:
         x = x.contiguous()
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    c = config or kernel_config(M, N, K, _SMS[dev])
+    c = config or kernel_config(M, N, K, _device_sms(device), mode, row_div, not pre and blockwise_mm_available(device))
+    if c["path"] == "scaled_mm":  # cuBLAS wants the 1x128 scales' rows 16-byte aligned: M padded to a multiple of 16
+        xq, xs = quantize_activations(x, group_major=True, rows=-(-M // 16) * 16)
+        if bias is None:
+            return blockwise_mm(xq, xs, w, scale, dtype)[:M]
+        return (blockwise_mm(xq, xs, w, scale, torch.float32)[:M] + bias.float()).to(dtype)  # one rounding
+    if c["path"] == "dequant":
+        return F.linear(x, fp8_dequantize(w, scale, row_div, dtype), bias)
+    if pre and c.get("quant_x"):
+        raise ValueError("quantized activations (FP8Act) go to a config without quant_x")
+    y = torch.empty(M, N, dtype=dtype, device=device)
     split = c["split"]
-    grid = (triton.cdiv(N, c["BN"]), triton.cdiv(M, c["BM"]), split)
+    grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), split)
     b = bias if bias is not None else scale
-    launch = dict(ROW_DIV=row_div, HAS_BIAS=bias is not None, SPLIT=split, BM=c["BM"], BN=c["BN"], BK=c["BK"],
+    launch = dict(ROW_DIV=row_div, HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=c["BM"], BN=c["BN"], BK=c["BK"],
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
     if mode == "w8a8":
-        KB = triton.cdiv(K, 128)
-        xq = torch.empty(M, K, dtype=w.dtype, device=x.device)
-        xs = torch.empty(M, KB, dtype=torch.float32, device=x.device)
-        _act_quant_kernel[(M, KB)](x, xq, xs, K, x.stride(0), KB, FP8_MAX=448.0, G=128, num_warps=1)
+        quant_x = c.get("quant_x", False)
+        if pre:
+            xq, xs = x.q, x.s
+        elif quant_x:
+            xq, xs = x, scale  # xs unused: the kernel quantizes its own tiles
+        else:
+            xq, xs = quantize_activations(x)
 
         def gemm(out, stride_ym, stride_yk):
-            _fp8_w8a8_kernel[grid](xq, xs, w, scale, b, out, M, N, K, KB, w.stride(0), scale.stride(0), stride_ym,
-                                   stride_yk, c["k_per_split"], **launch)
+            _fp8_w8a8_kernel[grid](xq, xs, w, scale, b, out, M, N, K, triton.cdiv(K, 128), xq.stride(0), w.stride(0),
+                                   scale.stride(0), stride_ym, stride_yk, c["k_per_split"], QUANT_X=quant_x,
+                                   FP8_MAX=448.0, **launch)
     else:
         def gemm(out, stride_ym, stride_yk):
             _fp8_linear_kernel[grid](x, w, scale, b, out, M, N, K, x.stride(0), w.stride(0), scale.stride(0), stride_ym,
@@ -682,7 +854,7 @@ def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None =
     if split == 1:
         gemm(y, y.stride(0), 0)
         return y
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=device)
     gemm(part, N, M * N)
     BLOCK = 1024
     _fp8_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
