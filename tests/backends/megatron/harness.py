@@ -740,6 +740,14 @@ def _curve(be, steps: int, vocab: int, between=None) -> tuple[list, list, dict]:
     return losses, norms, {k: v.detach().cpu().clone() for k, v in be.export_weights()}
 
 
+def _resident(be) -> int:
+    """Bytes of the backend's state tensors that hold GPU memory now (released storages count 0): exact, where the
+    allocator's total also holds one-time allocations (cuBLAS workspaces, compiled kernels' buffers) of whichever
+    backend ran first."""
+    from polyrl.backends.megatron.offload import megatron_state, plan_slots, summarize
+    return summarize(plan_slots(megatron_state(be.model, be.optimizer, [be.ref_model, be.teacher_model])))["total"]
+
+
 def _mem() -> dict:
     torch.cuda.synchronize()
     return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
@@ -785,6 +793,7 @@ def mode_offload(a) -> None:
         be = _backend(model_dir, layout=layout)
         ref = _curve(be, 3, 8192)
         state_release = _mem()["allocated"] - empty  # between steps: what the backend keeps on the GPU
+        resident_release = _resident(be)
         grad_bytes = be._grads.nbytes if be._grads is not None else 0
         be = None
         free()
@@ -793,14 +802,16 @@ def mode_offload(a) -> None:
             be = _backend(model_dir, layout=layout, release_grad_buffers=False)
             kept_curve = _curve(be, 3, 8192)
             state_keep = _mem()["allocated"] - empty
+            resident_keep = _resident(be)
             be = None
             free()
             same = equal(ref, kept_curve)
             emit(check="release_grad_buffers", fp32=fp32, layout=layout, losses=ref[0], losses_kept=kept_curve[0],
                  grad_norms=ref[1], grad_norms_kept=kept_curve[1], losses_equal=same[0], norms_equal=same[1],
                  weights_equal=same[2], grad_buffer_bytes=grad_bytes, state_bytes_released=state_release,
-                 state_bytes_kept=state_keep, ok=all(same) and grad_bytes > 0
-                 and state_keep - state_release >= grad_bytes)
+                 state_bytes_kept=state_keep, resident_bytes_released=resident_release,
+                 resident_bytes_kept=resident_keep,
+                 ok=all(same) and grad_bytes > 0 and resident_keep - resident_release == grad_bytes)
         base = _mem()
         be = _backend(model_dir, layout=layout, offload_train=True)
         timing: dict = {}
