@@ -163,6 +163,12 @@ class StorageOffloader:
             cap = [0] * n
             for (i, off), size in zip(layout, sizes):
                 cap[i] = max(cap[i], off + size)
+            # the old arenas go first (they hold nothing the new plan needs) and torch's pinned-block cache gives
+            # their pages back: else the host holds both layouts at once when Adam's moments appear at the first step
+            # (a 7B run on a 128 GiB host was killed there)
+            self._arenas = []
+            if self.pin and hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()
             # one small state gets an arena of its own size; packed arenas get the full power-of-two size
             self._arenas = [torch.empty(c if (c > ARENA_BYTES or n == 1) else ARENA_BYTES, dtype=torch.uint8,
                                         pin_memory=self.pin) for c in cap]

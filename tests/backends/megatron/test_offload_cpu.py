@@ -150,3 +150,29 @@ def test_released_weights_during_the_step_come_back_for_the_writer():
     main = torch.arange(24, dtype=torch.float32) * 2
     buf.copy_(main)  # megatron's main -> model copy writes every byte
     assert torch.equal(w2, main[8:].view(4, 4))
+
+
+def test_a_new_layout_frees_the_old_arenas_before_making_its_own(monkeypatch):
+    """When the state grows (Adam's moments appear at the first step) the host arenas are remade: the old ones must be
+    gone before the new ones are allocated, or the host holds both layouts at once."""
+    import weakref
+
+    from polyrl.backends.megatron import offload as off_mod
+    buf, w1, w2, grad, g1, adam = _state()
+    off = StorageOffloader(device_type="cpu", pin=False)
+    off.offload([("weights", True, [w1, w2])])
+    off.onload()
+    old = [weakref.ref(t) for t in off._arenas]
+    seen_alive = []
+    real_empty = torch.empty
+
+    def spy(*args, **kw):
+        seen_alive.append(sum(r() is not None for r in old))
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(off_mod.torch, "empty", spy)
+    off.offload([("weights", True, [w1, w2]), ("optimizer", True, list(adam.values()))])
+    monkeypatch.undo()
+    assert seen_alive and max(seen_alive) == 0
+    off.onload()
+    assert torch.equal(buf, torch.arange(24, dtype=torch.float32))
