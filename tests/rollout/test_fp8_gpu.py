@@ -186,6 +186,7 @@ def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, mode):
         err = (y.double() - y64).abs()
         assert (err <= err_bound).all(), (cfg, (err - err_bound).max().item())
         assert ((y.double() - emul.double()).abs() <= 2 * err_bound).all(), cfg
+    assert all(not c.any() for c in triton_ops._COUNTERS.values())  # split-K tile counters left at zero
     for cfg in configs:  # the in-kernel activation quantization is the separate launch's arithmetic: bit-equal
         if cfg and cfg.get("quant_x"):
             twin = json.dumps({**cfg, "quant_x": False}, sort_keys=True)
@@ -197,9 +198,12 @@ def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, mode):
 @pytest.mark.parametrize("mode,M", [("w8a16", 24), ("w8a8", 24), ("w8a8", 200)])
 def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place(mode, M):
     """A captured FP8 linear replays against whatever the weight and scale buffers hold (weight sync writes in place):
-    the Triton kernels, and at M = 200 (w8a8) cuBLAS's block-scaled GEMM."""
+    the Triton kernels (K split: the last program of each tile adds the partial sums, in a fixed order, so every
+    replay gives the same bits and the tile counters are left at zero), and at M = 200 (w8a8) cuBLAS's block-scaled
+    GEMM."""
     from polyrl.rollout.gpu import triton_ops
-    N, K = 512, 512
+    N, K = 512, 2048
+    assert M >= L.SCALED_MM_MIN_M or L.kernel_config(M, N, K, 132, mode)["split"] > 1
     q, s = quantize_fp8_block(torch.randn(N, K, device="cuda"))
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     eager = triton_ops.fp8_linear(x, q, s, mode=mode)
@@ -211,14 +215,16 @@ def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place(mode, M):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = triton_ops.fp8_linear(x, q, s, mode=mode)
-    g.replay()
-    assert torch.equal(out, eager)
+    for _ in range(20):
+        g.replay()
+        assert torch.equal(out, eager)
     q2, s2 = quantize_fp8_block(torch.randn(N, K, device="cuda"))
     q.copy_(q2)
     s.copy_(s2)
     g.replay()
     assert torch.equal(out, triton_ops.fp8_linear(x, q, s, mode=mode))
     assert not torch.equal(out, eager)
+    assert all(not c.any() for c in triton_ops._COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -245,6 +251,43 @@ def test_fused_activation_quantization_is_the_separate_launch(H, I):
     assert torch.equal(T.fp8_linear(a8, q, sc), T.fp8_linear(a, q, sc, mode="w8a8"))
     assert T.fp8_activations(48, torch.bfloat16) == (T.FP8_MODE == "w8a8")
     assert not T.fp8_activations(L.SCALED_MM_MIN_M, torch.bfloat16) and not T.fp8_activations(48, torch.float32)
+    # paged decode attention with head_dim 128 (one head per activation group), with and without context splits
+    B, hq, hkv, d, BS, NB = 9, 28, 4, 128, 16, 300
+    kc, vc = (torch.randn(NB * BS, hkv, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    qh = torch.randn(B, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    bt = torch.randperm(NB, device="cuda", generator=g)[:B * 30].view(B, 30).to(torch.int32)
+    ctx = torch.tensor([1, 2, 15, 16, 17, 64, 65, 300, 480], device="cuda", dtype=torch.int32)
+    split = torch.tensor([128], device="cuda", dtype=torch.int32)
+    for ns in (1, 4):
+        o = T.paged_decode_attention(qh, kc, vc, bt, ctx, BS, ns, split)
+        o8 = T.paged_decode_attention(qh, kc, vc, bt, ctx, BS, ns, split, fp8_out=True)
+        xq, xs = T.quantize_activations(o.reshape(B, -1))
+        assert torch.equal(o8.q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(o8.s, xs), ns
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_engine_fused_quantization_changes_no_bit(tmp_path_factory, monkeypatch):
+    """The w8a8 engine's decode takes E4M3 activations from its norms, SiLU and attention (head_dim 128 here) instead
+    of quantizing them in their own launches: the same arithmetic, so greedy tokens and log-probs are identical."""
+    from test_gpu_engine import _model_dir
+
+    from polyrl.rollout.gpu import triton_ops
+    path = _model_dir(tmp_path_factory, "qwen2", hidden=512, heads=4, kv_heads=2, scale=4.0, name="fp8_hd128")
+    monkeypatch.setattr(triton_ops, "FP8_MODE", "w8a8")
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(20, 4096, (16, 24), generator=g).tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    out = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(triton_ops, "fp8_activations", lambda M, dtype: False)
+        e = GPUEngine(path, quantization="fp8", dtype=torch.bfloat16, mem_fraction=0.05, max_batch=16)
+        assert e.model.fp8_attention_out(16) == fused
+        out.append([(s.response_ids, s.rollout_logprobs) for s in e.generate(prompts, sp)])
+        del e
+    assert out[0] == out[1]
+    assert len({tuple(r) for r, _ in out[0]}) > 1
 
 
 @pytest.fixture(scope="module")

@@ -521,7 +521,8 @@ class GPUEngine(InProcessEngine):
         pos = (ctx - 1).long()
         blk = self.bt[:b].gather(1, (pos // self.block_size)[:, None]).squeeze(1).long()
         slots = blk * self.block_size + pos % self.block_size
-        attn = DecodeAttn(self.ops, self.bt[:b], ctx, self.block_size, self._num_splits(b), self.split_len)
+        attn = DecodeAttn(self.ops, self.bt[:b], ctx, self.block_size, self._num_splits(b), self.split_len,
+                          self.model.fp8_attention_out(b))
         routes = self.route_buf[:b] if self.route_buf is not None else None
         return self.model.forward(self.tokens[:b], pos, slots, self.kv, attn, out=out, routes=routes)
 

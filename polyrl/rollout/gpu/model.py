@@ -371,8 +371,8 @@ class DenseLM:
             qkv = lin(x, L, "qkv_w", L.get("qkv_b"))
             q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
                                    L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
-            a = attn(q, k, v, kv.k[i], kv.v[i])
-            h = lin(a.reshape(a.shape[0], -1), L, "o_w", L.get("o_b"))
+            a = attn(q, k, v, kv.k[i], kv.v[i])  # E4M3 already (FP8Act) where fp8_attention_out said so
+            h = lin(a.reshape(a.shape[0], -1) if torch.is_tensor(a) else a, L, "o_w", L.get("o_b"))
             if "router" in L:  # routers and experts are not FP8
                 x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
                 gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
@@ -388,6 +388,11 @@ class DenseLM:
         if out is None:
             return F.linear(x, W["lm_head"])
         return torch.mm(x, W["lm_head"].t(), out=out)
+
+    def fp8_attention_out(self, T: int) -> bool:
+        """Whether decode attention over T tokens should hand the o projection E4M3 activations (w8a8 decode sizes,
+        and head_dim 128, so that each head's output row is one 128-column activation group)."""
+        return self.fp8 and self.spec.head_dim == 128 and self.ops.fp8_activations(T, self.dtype)
 
     def _linear(self, x: torch.Tensor, L: dict, key: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8:
@@ -418,13 +423,15 @@ class DecodeAttn:
     needs_k = False
 
     def __init__(self, ops, block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int, num_splits: int = 1,
-                 split_len: torch.Tensor | None = None):
+                 split_len: torch.Tensor | None = None, fp8_out: bool = False):
+        """fp8_out: the output as E4M3 activations for the FP8 o projection (DenseLM.fp8_attention_out; Triton ops)."""
         self.ops, self.bt, self.ctx, self.bs = ops, block_tables, ctx_lens, block_size
         self.num_splits, self.split_len = num_splits, split_len
+        self.kw = {"fp8_out": True} if fp8_out else {}
 
     def __call__(self, q, k, v, k_cache, v_cache):
         return self.ops.paged_decode_attention(q, k_cache, v_cache, self.bt, self.ctx, self.bs, self.num_splits,
-                                               self.split_len)
+                                               self.split_len, **self.kw)
 
 
 def load_config(path: str):

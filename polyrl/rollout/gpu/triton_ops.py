@@ -218,7 +218,8 @@ def silu_mul_fp8(gu):
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, split_ptr, scale,
                          stride_kc_s, stride_vc_s, stride_bt,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QUANT: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
     # one program per (sequence, kv head, context split): all G query heads of the kv head together
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -256,8 +257,14 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, 
         m_i = m_new
     if NSPLIT == 1:
         out = acc / l_i[:, None]
-        tl.store(o_ptr + b * (HQ * D) + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=mg[:, None])
+        if QUANT:  # E4M3 per head (D = 128: one activation group) into o_ptr, its scales into ml_ptr [B, HQ]
+            qv, sc = _quant_rows(out.to(q_ptr.dtype.element_ty), FP8_MAX)
+            tl.store(o_ptr + b * (HQ * D) + (h * G + g)[:, None] * D + d[None, :], qv.to(o_ptr.dtype.element_ty),
+                     mask=mg[:, None])
+            tl.store(ml_ptr + b * HQ + h * G + g, sc, mask=mg)
+        else:
+            tl.store(o_ptr + b * (HQ * D) + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=mg[:, None])
     else:  # partial (unnormalized acc, max, sum) per split; merged by _merge_kernel
         row = (b * HQ + h * G + g) * NSPLIT + sp
         tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=mg[:, None])
@@ -266,7 +273,17 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, 
 
 
 @triton.jit
-def _merge_kernel(part_ptr, ml_ptr, o_ptr, NSPLIT: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr):
+def _quant_rows(y, FP8_MAX: tl.constexpr):
+    # y [R, 128] in the model dtype -> (E4M3 values as fp32, one scale per row): _act_quant_kernel's arithmetic
+    yf = y.to(tl.float32)
+    amax = tl.max(tl.abs(yf), axis=1)
+    sc = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    return tl.clamp(yf / sc[:, None], -FP8_MAX, FP8_MAX), sc
+
+
+@triton.jit
+def _merge_kernel(part_ptr, ml_ptr, o_ptr, s_ptr, NSPLIT: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr,
+                  DT: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (sequence, q head)
     sp = tl.arange(0, NS_P)
     ms = sp < NSPLIT
@@ -277,7 +294,12 @@ def _merge_kernel(part_ptr, ml_ptr, o_ptr, NSPLIT: tl.constexpr, NS_P: tl.conste
     d = tl.arange(0, D)
     acc = tl.load(part_ptr + (r * NSPLIT + sp)[:, None] * D + d[None, :], mask=ms[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(o_ptr + r * D + d, out.to(o_ptr.dtype.element_ty))
+    if QUANT:  # one head's row (D = 128) is one activation group
+        qv, sc = _quant_rows(tl.reshape(out.to(DT), (1, D)), FP8_MAX)
+        tl.store(o_ptr + r * D + d, tl.reshape(qv, (D,)).to(o_ptr.dtype.element_ty))
+        tl.store(s_ptr + r + tl.arange(0, 1), sc)
+    else:
+        tl.store(o_ptr + r * D + d, out.to(o_ptr.dtype.element_ty))
 
 
 # launch settings of the decode kernel: the best of bench/decode_kernels.py --sweep at B = 64 and 256 on an H100
@@ -287,29 +309,40 @@ DECODE_ATTN = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, num_splits: int = 1,
                            split_len: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None):
+                           num_stages: int | None = None, fp8_out: bool = False):
     """num_splits > 1 (flash-decoding, for batches too small to fill the GPU) cuts each
     context into pieces of `split_len` tokens (a device int32 [1] that the caller keeps at
-    >= longest context / num_splits), then merges the partial softmaxes."""
+    >= longest context / num_splits), then merges the partial softmaxes. fp8_out (head_dim 128): the output comes
+    as FP8Act [B, heads * 128] for a w8a8 linear, what quantize_activations makes of the BF16 output, bit for bit."""
     B, hq, d = q.shape
     hkv = k_cache.shape[1]
     G = hq // hkv
-    out = torch.empty_like(q)
+    if fp8_out:
+        assert d == 128, "fp8_out: one head per 128-column activation group"
+        res = FP8Act(torch.empty(B, hq * d, dtype=torch.float8_e4m3fn, device=q.device),
+                     torch.empty(B, hq, dtype=torch.float32, device=q.device), q.dtype)
+        out = res.q.view(B, hq, d)
+    else:
+        res = out = torch.empty_like(q)
     BLOCK_N = block_n or DECODE_ATTN["block_n"]
     launch = dict(num_warps=num_warps or DECODE_ATTN["num_warps"], num_stages=num_stages or DECODE_ATTN["num_stages"])
     consts = dict(HQ=hq, HKV=hkv, G=G, G_P=max(16, triton.next_power_of_2(G)), D=d, BS=block_size, BLOCK_N=BLOCK_N)
     if num_splits == 1:
-        _paged_decode_kernel[(B, hkv, 1)](q, k_cache, v_cache, block_tables, ctx_lens, out, out, ctx_lens, d ** -0.5,
+        _paged_decode_kernel[(B, hkv, 1)](q, k_cache, v_cache, block_tables, ctx_lens, out,
+                                          res.s if fp8_out else out, ctx_lens, d ** -0.5,
                                           k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-                                          NSPLIT=1, **consts, **launch)
-        return out
+                                          NSPLIT=1, QUANT=fp8_out, FP8_MAX=448.0, **consts, **launch)
+        return res
     part = torch.empty(B * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * hq * num_splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(B, hkv, num_splits)](q, k_cache, v_cache, block_tables, ctx_lens, part, ml, split_len, d ** -0.5,
                                                k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-                                               NSPLIT=num_splits, **consts, **launch)
-    _merge_kernel[(B * hq,)](part, ml, out, NSPLIT=num_splits, NS_P=triton.next_power_of_2(num_splits), D=d, num_warps=1)
-    return out
+                                               NSPLIT=num_splits, QUANT=False, FP8_MAX=448.0, **consts, **launch)
+    _merge_kernel[(B * hq,)](part, ml, out, res.s if fp8_out else out, NSPLIT=num_splits,
+                             NS_P=triton.next_power_of_2(num_splits), D=d,
+                             DT=tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16, QUANT=fp8_out, FP8_MAX=448.0,
+                             num_warps=1)
+    return res
 
 
 @triton.jit
@@ -595,8 +628,40 @@ def moe_experts(x, gate_up, down, gates, experts):
 
 # ---- FP8 linears (--rollout-quantization fp8) ---------------------------------------------------
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                       stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+def _fp8_store(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr):
+    # acc [BN, BM] (weight rows x tokens) -> y [M, N]. PARTIAL (K split over grid axis 2): fp32 partial sums into
+    # p [SPLIT, M, N]; the tile's last program to finish (a counter per tile, left at zero for the next launch) adds
+    # them in split order, whichever program that is, so the sum is fixed (deterministic) and no second launch is
+    # needed. The barrier and the acq_rel atomic order every thread's partial before the count that publishes it.
+    mn = offs_n < N
+    mm = offs_m < M
+    msk = mn[:, None] & mm[None, :]
+    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if PARTIAL:
+        n_split = tl.num_programs(2)
+        p_off = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        mn_size = M.to(tl.int64) * N
+        tl.store(p_ptr + tl.program_id(2).to(tl.int64) * mn_size + p_off, acc, mask=msk)
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+            acc = tl.zeros_like(acc)
+            for sp in range(0, n_split):
+                acc += tl.load(p_ptr + sp * mn_size + p_off, mask=msk, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                       stride_ym, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # weight-only FP8: one program per (BM tokens, BN weight rows, K split). The weight tile is loaded as FP8 (the
     # bytes that bound decode), scaled by its block's scale in fp32 and rounded to the activations' dtype (the
@@ -625,14 +690,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
         xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
         wb = (w.to(tl.float32) * s[:, None]).to(xt.dtype)
         acc = tl.dot(wb, xt, acc)
-    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    msk = mn[:, None] & mm[None, :]
-    if PARTIAL:  # fp32 partial sums [SPLIT, M, N], summed in a fixed order by _fp8_reduce_kernel (deterministic)
-        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
+    _fp8_store(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -654,10 +712,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_sm, stride_sg
 
 
 @triton.jit
-def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, stride_xm, stride_wn, stride_sn, stride_ym,
-                     stride_yk, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KB, stride_xm, stride_wn,
+                     stride_sn, stride_ym, k_per_split, ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PARTIAL: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr):
     # FP8 x FP8 tensor-core products, each k-tile's fp32 result scaled by the weight block's and the token group's
     # scales; tiles and grid as _fp8_linear_kernel's. The activations come quantized (per token and 128 columns, by
     # _act_quant_kernel), or, with QUANT_X (BK = 128: a k-tile is one group), as they are, quantized here with the
@@ -691,26 +749,7 @@ def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KB, str
         else:
             sx = tl.load(xs_cols + k0 // 128, mask=mm, other=0.0)
         acc += tl.dot(w, xt) * sw[:, None] * sx[None, :]
-    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    msk = mn[:, None] & mm[None, :]
-    if PARTIAL:
-        tl.store(y_ptr + pid_k.to(tl.int64) * stride_yk + y_off, acc, mask=msk)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=msk)
-
-
-@triton.jit
-def _fp8_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for sp in tl.static_range(SPLIT):
-        acc += tl.load(p_ptr + sp * MN + offs, mask=m, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+    _fp8_store(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -753,6 +792,18 @@ def quantize_activations(x, group_major: bool = False, rows: int | None = None):
 
 
 _SMS: dict[int, int] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+SPLIT_TILES = 8192  # output tiles a split-K launch may have (one counter each)
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K kernels' per-tile counters: one zeroed buffer per device, made on first use (the engine's eager
+    warm-up, before any graph capture) and left zeroed by every launch, so launches on one stream share it."""
+    if tiles > SPLIT_TILES:
+        raise ValueError(f"a split-K FP8 launch of {tiles} output tiles: more than SPLIT_TILES ({SPLIT_TILES})")
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 _BLOCKWISE_MM: dict[int, bool] = {}
 # "w8a8" (default, the faster: bench/RESULTS.md): activations quantized per token and 128 columns too, FP8
 # tensor-core products (SGLang's block-FP8 scheme); "w8a16": weight-only (FP8 weight tiles scaled to BF16 in
@@ -799,9 +850,9 @@ def fp8_activations(M: int, dtype: torch.dtype) -> bool:
 def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None = None, mode: str | None = None):
     """ops.fp8_linear's contract (w8a16: same weight rounding, fp32 sums in another order; w8a8: the activations
     rounded to E4M3 per 128-column group as well), by the path fp8.kernel_config picks for the shape:
-      triton     the FP8 kernels (decode sizes): one launch, plus one to quantize the activations (w8a8, unless x comes
-                 quantized as FP8Act or the config has quant_x) and one fixed-order reduction where K is split. No
-                 host syncs: CUDA-graph safe.
+      triton     the FP8 kernels (decode sizes): one launch (K split or not: the last program of a tile adds the
+                 partial sums in a fixed order), plus one to quantize the activations (w8a8, unless x comes quantized
+                 as FP8Act or the config has quant_x). No host syncs: CUDA-graph safe (one stream at a time).
       dequant    large M (prefill, bound by the products, not by the weight's bytes): the weight dequantized into a
                  transient matrix of x's dtype, bit for bit the emulation's, then cuBLAS (F.linear)
       scaled_mm  large M, w8a8: the activations quantized as the kernel does, then cuBLAS's block-scaled FP8 GEMM
@@ -832,6 +883,10 @@ def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None =
     split = c["split"]
     grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), split)
     b = bias if bias is not None else scale
+    part, cnt = y, y
+    if split > 1:
+        part = torch.empty(split, M, N, dtype=torch.float32, device=device)
+        cnt = _split_counters(device, grid[0] * grid[1])
     launch = dict(ROW_DIV=row_div, HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=c["BM"], BN=c["BN"], BK=c["BK"],
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
     if mode == "w8a8":
@@ -842,21 +897,10 @@ def fp8_linear(x, w, scale, bias=None, row_div: int = 128, config: dict | None =
             xq, xs = x, scale  # xs unused: the kernel quantizes its own tiles
         else:
             xq, xs = quantize_activations(x)
-
-        def gemm(out, stride_ym, stride_yk):
-            _fp8_w8a8_kernel[grid](xq, xs, w, scale, b, out, M, N, K, triton.cdiv(K, 128), xq.stride(0), w.stride(0),
-                                   scale.stride(0), stride_ym, stride_yk, c["k_per_split"], QUANT_X=quant_x,
-                                   FP8_MAX=448.0, **launch)
+        _fp8_w8a8_kernel[grid](xq, xs, w, scale, b, y, part, cnt, M, N, K, triton.cdiv(K, 128), xq.stride(0),
+                               w.stride(0), scale.stride(0), y.stride(0), c["k_per_split"], QUANT_X=quant_x,
+                               FP8_MAX=448.0, **launch)
     else:
-        def gemm(out, stride_ym, stride_yk):
-            _fp8_linear_kernel[grid](x, w, scale, b, out, M, N, K, x.stride(0), w.stride(0), scale.stride(0), stride_ym,
-                                     stride_yk, c["k_per_split"], **launch)
-    if split == 1:
-        gemm(y, y.stride(0), 0)
-        return y
-    part = torch.empty(split, M, N, dtype=torch.float32, device=device)
-    gemm(part, N, M * N)
-    BLOCK = 1024
-    _fp8_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
-                                                    BLOCK=BLOCK, num_warps=4)
+        _fp8_linear_kernel[grid](x, w, scale, b, y, part, cnt, M, N, K, x.stride(0), w.stride(0), scale.stride(0),
+                                 y.stride(0), c["k_per_split"], **launch)
     return y
