@@ -25,6 +25,22 @@ def make_model_dir(path, arch: str = "qwen2", layers: int = 2, hidden: int = 64,
     return str(path)
 
 
+def tiny_mimo(path: str, hidden: int = 32, inter: int = 48, max_pos: int = 64):
+    """MiMo-7B's layout at a tiny size (a Qwen2 decoder with QKV biases and an untied head, plus two MTP layers), the
+    arithmetic tokenizer saved in `path`; returns the random model, unsaved."""
+    from polyrl import hf_families
+    from polyrl.tasks.arithmetic import build_tokenizer
+    hf_families.register()
+    tok = build_tokenizer()
+    tok.save_pretrained(path)
+    cfg = hf_families.MiMoConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                                 num_nextn_predict_layers=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                 bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return hf_families.MiMoForCausalLM(cfg)
+
+
 def sharpen(model, path: str, factor: int = 8) -> str:
     """`model` with every weight matrix (stacked expert weights too) times `factor`, saved to `path`: a tiny random
     model's greedy text is then varied, not one repeated token."""

@@ -16,18 +16,9 @@ from polyrl import hf_families
 
 @pytest.fixture(scope="module")
 def mimo_dir(tmp_path_factory):
-    from polyrl.tasks.arithmetic import build_tokenizer
-
-    hf_families.register()
+    from conftest import tiny_mimo
     path = str(tmp_path_factory.mktemp("mimo_mtp"))
-    tok = build_tokenizer()
-    tok.save_pretrained(path)
-    cfg = hf_families.MiMoConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 num_nextn_predict_layers=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                 bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = hf_families.MiMoForCausalLM(cfg).float()
+    model = tiny_mimo(path).float()
     with torch.no_grad():  # norms are ones at init: random, so a swapped or missing norm changes the loss
         for n, p in model.named_parameters():
             if "norm" in n:

@@ -200,19 +200,9 @@ def test_embedded_engine_keeps_the_transformers_path_on_cpu(tiny_model, tmp_path
 
 @pytest.fixture(scope="module")
 def mimo_dir(tmp_path_factory):
-    """MiMo-7B's layout at a tiny size: a Qwen2 decoder (QKV biases, untied head) plus two MTP layers."""
-    from polyrl import hf_families
-    from polyrl.tasks.arithmetic import build_tokenizer
-    hf_families.register()
+    from conftest import tiny_mimo
     path = str(tmp_path_factory.mktemp("mimo"))
-    tok = build_tokenizer()
-    tok.save_pretrained(path)
-    cfg = hf_families.MiMoConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 num_nextn_predict_layers=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                 bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return sharpen(hf_families.MiMoForCausalLM(cfg), path)
+    return sharpen(tiny_mimo(path, hidden=64, inter=96, max_pos=128), path)
 
 
 def test_mimo_runs_on_this_path_as_its_qwen2_decoder(mimo_dir):
