@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from polyrl import hf_families
 
 
 @pytest.fixture(scope="module")
