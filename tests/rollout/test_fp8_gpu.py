@@ -165,7 +165,7 @@ def test_fp8_kernel_against_the_cpu_emulation(M, N, K, parts, mode):
     xc, qc, sc, bc = x.cuda(), q.cuda(), s.cuda(), b.cuda() if bias else None
     assert torch.equal(triton_ops.fp8_dequantize(qc, sc, rd).cpu(), wd)
     c = L.kernel_config(M, N, K, 132, mode)
-    tile = c if c["path"] == "triton" else L.kernel_config(L.CUBLAS_MIN_M[mode] - 1, N, K, 132, mode)
+    tile = c if c["path"] == "triton" else L.kernel_config(L.DEQUANT_MIN_M[mode] - 1, N, K, 132, mode)
     configs = [None, {"path": "dequant"}, {**tile, "split": 1, "k_per_split": -(-K // tile["BK"]) * tile["BK"]}]
     if -(-K // tile["BK"]) >= 2:
         configs.append(L.tile_config(M, N, K, tile["BM"], tile["BN"], tile["BK"], tile["num_warps"],

@@ -641,7 +641,7 @@ def _fp8_store(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N, stride_y
     if PARTIAL:
         n_split = tl.num_programs(2)
         p_off = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        mn_size = M.to(tl.int64) * N
+        mn_size = tl.program_id(2).to(tl.int64) * 0 + M * N  # int64 (M, N may come specialized as Python ints)
         tl.store(p_ptr + tl.program_id(2).to(tl.int64) * mn_size + p_off, acc, mask=msk)
         tl.debug_barrier()
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
