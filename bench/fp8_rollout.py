@@ -515,7 +515,7 @@ def main(argv=None) -> dict:
     if a.sweep:
         return sweep(a)
     from polyrl.rollout.gpu import triton_ops
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": dict(vars(a)),
                  "date": time.strftime("%Y-%m-%d"), "fp8_default_mode": triton_ops.FP8_MODE, "shapes": {}}
     batches = [int(b) for b in a.batches.split(",")]
     rows, krows = [], []
