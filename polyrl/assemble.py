@@ -114,7 +114,8 @@ def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> Promp
 
 def setup_command(cfg: Config) -> tuple[str, Dist]:
     """The process group, seeds and threads of a command: (device, this rank's Dist)."""
-    return setup(cfg.cluster.device, cfg.cluster.dist_backend, cfg.cluster.seed)
+    c = cfg.cluster
+    return setup(c.device, c.dist_backend, c.seed, c.distributed_timeout_minutes)
 
 
 @dataclass

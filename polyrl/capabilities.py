@@ -84,7 +84,7 @@ SELF_CHECKED_SECTIONS = ("server", "ray", "debug")
 # fields every backend and engine kind honours (the loop, the data, rewards, algorithms, optimizer, logging, checkpoints)
 UNIVERSAL_SECTIONS = ("data", "algorithm", "reward", "optimizer", "checkpoint", "log")
 UNIVERSAL_FIELDS = {
-    "cluster": {"train_backend", "seed", "device", "dist_backend"},
+    "cluster": {"train_backend", "seed", "device", "dist_backend", "distributed_timeout_minutes"},
     "rollout": {"rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
                 "rollout_max_response_len", "rollout_stop", "rollout_stop_token_ids", "rollout_seed", "num_rollout",
                 "eval_temperature", "rollout_engine", "async_training", "max_staleness", "dynamic_sampling_filter_path",

@@ -24,7 +24,7 @@ import shutil
 import torch
 
 from polyrl.config import ConfigError
-from polyrl.dist import barrier, is_main, rank as trainer_rank
+from polyrl.dist import barrier, is_main, rank as trainer_rank, world_size
 from polyrl.metrics import notice, redact_secrets, set_phase
 
 MARKER = "COMPLETE"
@@ -129,6 +129,24 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+def resolve_on_rank0(path: str) -> str:
+    """resolve_checkpoint as rank 0 sees it, for every rank: each rank that followed `latest` (or a restart's listing of
+    --save) on its own could load another step than rank 0 where a shared file system shows one node's writes late."""
+    if world_size() == 1:
+        return resolve_checkpoint(path)
+    import torch.distributed as dist
+    box: list = [None, None]  # (step directory, error)
+    if is_main():
+        try:
+            box[0] = resolve_checkpoint(path)
+        except CheckpointError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointError(box[1])
+    return box[0]
+
+
 def critic_hf_dir(save_hf: str) -> str:
     """Where --save-hf DIR puts PPO's critic: DIR_critic."""
     return save_hf.rstrip("/") + "_critic"
@@ -187,7 +205,8 @@ def _check_dcp_files(step_dir: str) -> None:
 
 
 def load_checkpoint(path: str, backend, critic=None) -> dict:
-    path = resolve_checkpoint(path)
+    """Every rank loads the step directory rank 0 resolved `path` to (the save root or one step directory)."""
+    path = resolve_on_rank0(path)
     state_file = os.path.join(path, "loop_state.json")
     try:
         with open(state_file) as f:

@@ -151,21 +151,22 @@ def _install_signal_handlers() -> dict:
     return old
 
 
-def _interrupt_line(command: str, cfg, how: str) -> str:
-    """One line: what was interrupted (command, step, phase) and the state left behind (the latest complete checkpoint)."""
-    from polyrl.checkpoint import latest_complete
+def _where(command: str) -> str:
+    """Where a train / sft run was when it stopped: the step and phase, or a checkpoint save ("" for other commands)."""
     from polyrl.metrics import PROGRESS
     step, phase = PROGRESS["step"], PROGRESS["phase"]
     if command not in ("train", "sft"):
-        where = ""
-    elif phase and phase.startswith("the checkpoint save"):
-        where = f" during {phase} (left incomplete; the next save clears it)"
-    elif phase:
-        where = f" in step {(step or 0) + 1} ({phase} phase)"
-    elif step:
-        where = f" after step {step}"
-    else:
-        where = " while starting up, before the first step"
+        return ""
+    if phase and phase.startswith("the checkpoint save"):
+        return f" during {phase} (left incomplete; the next save clears it)"
+    if phase:
+        return f" in step {(step or 0) + 1} ({phase} phase)"
+    return f" after step {step}" if step else " while starting up, before the first step"
+
+
+def _interrupt_line(command: str, cfg, how: str) -> str:
+    """One line: what was interrupted (command, step, phase) and the state left behind (the latest complete checkpoint)."""
+    from polyrl.checkpoint import latest_complete
     save = cfg.checkpoint.save if cfg is not None else None
     if save:
         latest = latest_complete(save)
@@ -175,7 +176,28 @@ def _interrupt_line(command: str, cfg, how: str) -> str:
         state = "; nothing was saved (no --save)"
     else:
         state = ""
-    return f"polyrl {command}: interrupted by {how}{where}{state}"
+    return f"polyrl {command}: interrupted by {how}{_where(command)}{state}"
+
+
+def _collective_timeout(e: BaseException) -> str | None:
+    """The collective a gloo timeout of `e` (or of an exception it wraps, as DCP's) came out of, and polyrl's line that
+    called it, e.g. "all_reduce, from polyrl/step/learner.py:94 reduce_reward_metrics"; None for any other error."""
+    import traceback
+    while e is not None:
+        if isinstance(e, RuntimeError) and "Timed out waiting" in str(e):  # gloo's words for a send/recv past the timeout
+            frames = traceback.extract_tb(e.__traceback__)
+            c10d = os.path.join("distributed", "distributed_c10d.py")
+            torch_at = [i for i, f in enumerate(frames) if f.filename.endswith(c10d)]
+            if not torch_at:
+                return "a collective"
+            here = os.path.dirname(os.path.abspath(__file__))
+            ours = [f for f in frames[:torch_at[-1]] if f.filename.startswith(here + os.sep)]
+            ours = [f for f in ours if f.filename != os.path.join(here, "dist.py")] or ours  # dist.py's wrappers say little
+            at = (f", from {os.path.relpath(ours[-1].filename, os.path.dirname(here))}:{ours[-1].lineno} {ours[-1].name}"
+                  if ours else "")
+            return f"{frames[torch_at[-1]].name}{at}"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _address_in_use(e: BaseException) -> bool:
@@ -242,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     PROGRESS.update(step=None, phase=None)
     _received.clear()
     old_handlers = _install_signal_handlers()
-    cfg, interrupted = None, False
+    cfg, failed = None, False
 
-    def err(msg: str, code: int) -> int:
+    def err(msg: str, code: int, every_rank: bool = False) -> int:
         import torch.distributed as dist
-        if not dist.is_initialized() or dist.get_rank() == 0:  # one line per run, not one per rank
+        if every_rank or not dist.is_initialized() or dist.get_rank() == 0:  # one line per run, not one per rank
             print(msg, file=sys.stderr, flush=True)
         return code
 
@@ -289,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             run_export(cfg)
             out = {}
     except BaseException as e:  # noqa: BLE001 - every way out below is one line, or the original exception
+        failed = True
         if _received or isinstance(e, KeyboardInterrupt):
             # a signal may surface as another exception (DCP wraps it in a CheckpointException during a save)
-            interrupted = True
             stop_consoles()
             code, how = _SIGNALS.get(_received[0] if _received else "SIGINT")
             return err(_interrupt_line(args.command, cfg, how), code)
@@ -303,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
             return err(f"polyrl {args.command}: error: {e}", 2)
         if _address_in_use(e):
             return err(_port_line(args.command, cfg, e), 2)
+        wait = _collective_timeout(e)
+        if wait is not None and cfg is not None:  # said by the rank that waited, which need not be rank 0
+            import torch.distributed as dist
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return err(f"polyrl {args.command}: error: rank {rank} waited --distributed-timeout-minutes "
+                       f"{cfg.cluster.distributed_timeout_minutes:g} in a collective ({wait}){_where(args.command)} for "
+                       "ranks that did not join it: another rank is hung or died, or worked alone longer than that "
+                       "(then raise --distributed-timeout-minutes)", 1, every_rank=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) and e.filename:
             stop_consoles()
             return err(f"polyrl {args.command}: error: {e.strerror}: {e.filename}", 1)
@@ -313,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, h)
         import torch.distributed as dist
         if dist.is_initialized():
-            # no rank tears the group down while another still has traffic in flight; after a signal the other ranks
-            # may be gone already, so nobody waits for them
-            if dist.get_world_size() > 1 and not interrupted:
+            # no rank tears the group down while another still has traffic in flight; after an error or a signal the
+            # other ranks may be gone or hung, so nobody waits for them
+            if dist.get_world_size() > 1 and not failed:
                 dist.barrier()
             dist.destroy_process_group()
     return 0

@@ -54,6 +54,13 @@ class ClusterConfig:
     seed: int = opt(1234, "global seed (model init, data order, dropout)")
     device: str = opt("auto", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     dist_backend: str = opt("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl", ("auto", "gloo", "nccl"))
+    distributed_timeout_minutes: float = opt(
+        10.0, "minutes a collective of the trainer ranks waits for the others before the run fails (gloo raises an error "
+              "naming the wait; NCCL's watchdog ends the process), so that a hung rank ends in an error that torchrun "
+              "--max-restarts or --use-ray --max-restarts restarts from; fractions allowed. Some collectives wait on one "
+              "rank's work alone: the other ranks wait in a barrier while rank 0 writes --save-hf, deletes --save steps "
+              "past --max-ckpt-to-keep, and pushes weights to engine servers (up to --rollout-request-timeout): keep it "
+              "above the longest of those. Megatron's own parallel groups keep megatron-core's 30 minutes")
 
 
 @dataclass
@@ -692,7 +699,7 @@ _RULES: dict[str, Any] = {
 }
 VALUE_RANGES: dict[str, str] = {
     # cluster / data
-    "seed": "in [0, 2**32)", "rollout_max_prompt_len": ">= 1", "mtp_loss_scaling_factor": ">= 0",
+    "seed": "in [0, 2**32)", "distributed_timeout_minutes": "> 0", "rollout_max_prompt_len": ">= 1", "mtp_loss_scaling_factor": ">= 0",
     # rollout
     "rollout_batch_size": ">= 1", "n_samples_per_prompt": ">= 1", "rollout_temperature": ">= 0",
     "rollout_top_p": "in (0, 1]", "rollout_top_k": "-1 (off) or >= 1", "rollout_max_response_len": ">= 1",

@@ -6,6 +6,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -43,9 +44,10 @@ def restart_count() -> int:
     return int(os.environ.get("POLYRL_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
-def init_distributed(device: str, backend: str = "auto") -> None:
+def init_distributed(device: str, backend: str = "auto", timeout_minutes: float = 10.0) -> None:
     """Join the process group torchrun set up, or make a one-rank group for a plain launch
-    (FSDP2 and DCP always run inside a process group, even alone)."""
+    (FSDP2 and DCP always run inside a process group, even alone). timeout_minutes (--distributed-timeout-minutes): how
+    long a collective waits for the other ranks before it raises (gloo) or the NCCL watchdog ends the process."""
     if dist.is_initialized():
         return
     if backend == "auto":
@@ -54,10 +56,26 @@ def init_distributed(device: str, backend: str = "auto") -> None:
         backend = "cpu:gloo,cuda:nccl"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """init_process_group's store under torchrun: the agent's TCPStore seen through a prefix of its own per restart.
+    torchrun's agent makes that store once and hands every restart of the workers the same one, and the keys a process
+    group writes there (each rank's gloo or NCCL address) have the same names in every attempt: a restarted rank that
+    reads a peer's key before the peer rewrote it gets the dead address of the previous attempt, and its connect is
+    refused (another restart spent) or both ranks wait for each other to dial in until the timeout."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # env:// then makes a store on rank 0 that lives and dies with this attempt
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the agent's count: the same on every rank of a restart
+    return {"store": dist.PrefixStore(f"polyrl/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 @dataclass
@@ -67,6 +85,7 @@ class Dist:
     rank: int
     world: int
     group: Any = None  # the process group of the reductions (None: the default group)
+    timeout: timedelta | None = None  # --distributed-timeout-minutes, for the groups made here (None: torch's default)
 
     @property
     def is_main(self) -> bool:
@@ -89,7 +108,9 @@ class Dist:
     def own_group(self) -> "Dist":
         """The same ranks on a gloo group of their own: for reductions on a thread other than the one that runs the
         default group's collectives (their order must be the same on every rank)."""
-        return Dist(self.rank, self.world, group=dist.new_group(backend="gloo")) if self.world > 1 else self
+        if self.world == 1:
+            return self
+        return Dist(self.rank, self.world, group=dist.new_group(backend="gloo", timeout=self.timeout), timeout=self.timeout)
 
     def _reduce(self, values: list[float], op) -> list[float]:
         if self.world == 1:
@@ -112,11 +133,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(device: str, backend: str, seed: int) -> tuple[str, Dist]:
+def setup(device: str, backend: str, seed: int, timeout_minutes: float) -> tuple[str, Dist]:
     """The process group, seeds and CPU threads of a command; returns (device, this rank's Dist)."""
     device = resolve_device(device)
-    init_distributed(device, backend)
+    init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    return device, Dist(dist.get_rank(), dist.get_world_size())
+    return device, Dist(dist.get_rank(), dist.get_world_size(), timeout=timedelta(minutes=timeout_minutes))

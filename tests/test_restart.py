@@ -25,6 +25,41 @@ def digits(sample):
     return sum(c.isdigit() for c in sample.response) / 6.0
 '''
 
+# torchrun's agent hands every restart the TCPStore of the first attempt, where that attempt's ranks left their gloo
+# addresses under the names the next attempt uses: a restarted rank that looked its peer up early dialled a dead port
+# (another restart spent) or waited with its peer for the other to dial in (the test below hung for its 600 s)
+JOIN = '''
+import os, sys, time
+import torch, torch.distributed as dist
+from polyrl.dist import init_distributed
+
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 1:
+    time.sleep(3)  # rank 0 of the second attempt looks rank 1 up before this rank 1 has written its address
+init_distributed("cpu", timeout_minutes=1)
+store = dist.distributed_c10d._get_default_store()
+stale = attempt > 0 and store.check([f"written_by_attempt_{attempt - 1}"])
+store.set(f"written_by_attempt_{attempt}", "1")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"attempt {attempt} rank {rank}: sum {t.item():g}, previous attempt's key seen: {stale}", flush=True)
+if attempt == 0 and rank == 1:
+    sys.exit(3)  # the agent restarts both ranks
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_restarted_by_torchrun_join_a_process_group_of_their_own_attempt(tmp_path):
+    script = tmp_path / "join.py"
+    script.write_text(JOIN)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a stuck join ends at the 1-minute timeout
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"attempt 1 rank {rank}: sum 2, previous attempt's key seen: False" in r.stdout, r.stdout + r.stderr[-3000:]
+
 
 def run(tmp_path, name, model, data, **env) -> subprocess.CompletedProcess:
     rm = tmp_path / "rm.py"
