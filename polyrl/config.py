@@ -60,7 +60,7 @@ class ClusterConfig:
               "--max-restarts or --use-ray --max-restarts restarts from; fractions allowed. Some collectives wait on one "
               "rank's work alone: the other ranks wait in a barrier while rank 0 writes --save-hf, deletes --save steps "
               "past --max-ckpt-to-keep, and pushes weights to engine servers (up to --rollout-request-timeout): keep it "
-              "above the longest of those. Megatron's own parallel groups keep megatron-core's 30 minutes")
+              "above the longest of those. Megatron's parallel groups (TP, PP, CP, EP, DP) get the same timeout")
 
 
 @dataclass

@@ -44,6 +44,15 @@ def restart_count() -> int:
     return int(os.environ.get("POLYRL_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+_group_timeout: timedelta | None = None  # the default group's, as init_distributed made it (None: it made none)
+
+
+def group_timeout_minutes(default: float = 30.0) -> float:
+    """--distributed-timeout-minutes as the default process group got it, for groups made later by libraries that take
+    their own (megatron's parallel state); `default` where polyrl did not make the default group."""
+    return _group_timeout.total_seconds() / 60 if _group_timeout is not None else default
+
+
 def init_distributed(device: str, backend: str = "auto", timeout_minutes: float = 10.0) -> None:
     """Join the process group torchrun set up, or make a one-rank group for a plain launch
     (FSDP2 and DCP always run inside a process group, even alone). timeout_minutes (--distributed-timeout-minutes): how
@@ -56,7 +65,8 @@ def init_distributed(device: str, backend: str = "auto", timeout_minutes: float 
         backend = "cpu:gloo,cuda:nccl"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    timeout = timedelta(minutes=timeout_minutes)
+    global _group_timeout
+    timeout = _group_timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was

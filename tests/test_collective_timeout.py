@@ -43,3 +43,14 @@ def test_a_rank_stuck_past_the_distributed_timeout_fails_the_run_with_an_error_n
     assert re.match(r"polyrl train: error: rank 0 waited --distributed-timeout-minutes 0\.5 in a collective "
                     r"\([a-z_]+, from polyrl/[\w/]+\.py:\d+ \w+\) in step 1 \(", lines[0]), lines
     assert lines[0].endswith("(then raise --distributed-timeout-minutes)"), lines
+
+
+def test_groups_made_after_the_default_one_get_its_timeout():
+    """Megatron makes its TP / PP / CP / EP / DP groups itself: it is handed the default group's timeout
+    (dist.group_timeout_minutes, passed to megatron's initialize_model_parallel), not megatron-core's 30 minutes."""
+    code = ("from polyrl import dist; print(dist.group_timeout_minutes()); dist.init_distributed('cpu', timeout_minutes=0.25); "
+            "print(dist.group_timeout_minutes())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["30.0", "0.25"]

@@ -50,6 +50,7 @@ from megatron.core.utils import get_pg_size
 from polyrl.backends.megatron import bridge, compat, compiled, gpt_oss, thd
 from polyrl.backends.megatron.ddp import ddp_kwargs
 from polyrl.backends.parallel_dims import ParallelDims
+from polyrl.dist import group_timeout_minutes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ def init_parallel_state(dims: ParallelDims, vpp: int | None, seed: int) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=dims.cp,
-        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
+        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+        distributed_timeout_minutes=group_timeout_minutes())  # the --distributed-timeout-minutes of every other group
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
