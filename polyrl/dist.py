@@ -95,7 +95,6 @@ class Dist:
     rank: int
     world: int
     group: Any = None  # the process group of the reductions (None: the default group)
-    timeout: timedelta | None = None  # --distributed-timeout-minutes, for the groups made here (None: torch's default)
 
     @property
     def is_main(self) -> bool:
@@ -120,7 +119,9 @@ class Dist:
         default group's collectives (their order must be the same on every rank)."""
         if self.world == 1:
             return self
-        return Dist(self.rank, self.world, group=dist.new_group(backend="gloo", timeout=self.timeout), timeout=self.timeout)
+        # the default group's timeout (--distributed-timeout-minutes), not torch's 30 minutes
+        return Dist(self.rank, self.world,
+                    group=dist.new_group(backend="gloo", timeout=timedelta(minutes=group_timeout_minutes())))
 
     def _reduce(self, values: list[float], op) -> list[float]:
         if self.world == 1:
@@ -150,4 +151,4 @@ def setup(device: str, backend: str, seed: int, timeout_minutes: float) -> tuple
     seed_everything(seed)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    return device, Dist(dist.get_rank(), dist.get_world_size(), timeout=timedelta(minutes=timeout_minutes))
+    return device, Dist(dist.get_rank(), dist.get_world_size())

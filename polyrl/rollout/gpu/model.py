@@ -26,7 +26,7 @@ from polyrl.rollout.gpu import fp8 as fp8_layout
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.weight_sync.quantize import FP8_DTYPE, SCALE_SUFFIX, Dequantizer, quantize_fp8_block
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # families whose decoder is another's: MiMo-7B is a Qwen2 decoder plus MTP layers the engine never runs (a draft head
 # for speculative decoding, which this path does not do), so their tensors are accepted and dropped
 DECODER_OF = {"mimo": "qwen2"}
@@ -75,8 +75,8 @@ def spec_from_config(cfg) -> tuple[ModelSpec | None, str | None]:
     mt = DECODER_OF.get(given, given)
     if mt in NOT_YET:
         return None, NOT_YET[mt]
-    if given not in SUPPORTED:
-        return None, f"model_type {given!r} is not one of {', '.join(SUPPORTED)}"
+    if mt not in SUPPORTED:
+        return None, f"model_type {given!r} is not one of {', '.join(SUPPORTED + tuple(DECODER_OF))}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return None, f"hidden_act {cfg.hidden_act!r} (only silu)"
     if getattr(cfg, "use_sliding_window", False):
