@@ -34,6 +34,7 @@ from common import QWEN_SHAPES, char_tokenizer, fmt, markdown_table, write_json 
 
 
 VARIANTS = ("none", "fp8-w8a16", "fp8-w8a8")  # the engine's FP8 modes (triton_ops.FP8_MODE), each set per variant
+KV8 = "+kv8"  # a variant's suffix: the KV cache in FP8 (--kv-cache-dtype fp8_e4m3)
 
 
 def parse_args(argv=None):
@@ -45,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction", type=float, default=0.45)
     p.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth for the roofline (H100 SXM: 3.35)")
     p.add_argument("--baseline-0.5b", dest="baseline", action="store_true")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"engines to compare, the first is the baseline: {', '.join(VARIANTS)}, each optionally with "
+                        f"'{KV8}' (the KV cache in FP8 E4M3, --kv-cache-dtype fp8_e4m3)")
     p.add_argument("--sweep", action="store_true",
                    help="instead of the rollout table: the FP8 linear kernels' launch settings and paths, per matrix of "
                         "--shapes (see sweep())")
@@ -88,9 +92,12 @@ def random_weights(path: str, seed: int = 0) -> list:
 
 
 def engine(path: str, weights: list, quantization: str, a, max_batch: int):
-    """quantization: none | fp8-w8a16 (weight-only FP8) | fp8-w8a8 (activations quantized too): triton_ops.FP8_MODE."""
+    """quantization: none | fp8-w8a16 (weight-only FP8) | fp8-w8a8 (activations quantized too): triton_ops.FP8_MODE;
+    a KV8 suffix: the FP8 KV cache."""
     import polyrl.rollout.gpu.engine as E
     from polyrl.rollout.gpu import triton_ops
+    kv = "fp8_e4m3" if quantization.endswith(KV8) else "auto"
+    quantization = quantization.removesuffix(KV8)
     if quantization.startswith("fp8-"):
         triton_ops.FP8_MODE = quantization[4:]
     quantization = "fp8" if quantization.startswith("fp8") else quantization
@@ -98,7 +105,7 @@ def engine(path: str, weights: list, quantization: str, a, max_batch: int):
     E.iter_checkpoint = lambda _p: iter(weights)  # noqa: E731  (the engine loads the GPU tensors instead of files)
     try:
         return E.GPUEngine(path, dtype=__import__("torch").bfloat16, max_batch=max_batch, mem_fraction=a.mem_fraction,
-                           ignore_eos=True, profile=True, quantization=quantization)
+                           ignore_eos=True, profile=True, quantization=quantization, kv_cache_dtype=kv)
     finally:
         E.iter_checkpoint = orig
 
@@ -124,7 +131,7 @@ def rollout(eng, B: int, a) -> dict:
     assert all(len(s.response_ids) == a.new_tokens for s in out)
     st = eng.last_stats
     s = eng.spec
-    kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * 2
+    kv_tok = 2 * s.layers * s.kv_heads * (s.head_dim + 4 if eng.kv.fp8 else s.head_dim * 2)  # FP8: 1 byte + scales
     w = weight_bytes_read(eng)
     steps = a.new_tokens - 1
     total = sum(w + B * (a.prompt_len + k) * kv_tok for k in range(1, a.new_tokens))
@@ -519,21 +526,23 @@ def main(argv=None) -> dict:
                  "date": time.strftime("%Y-%m-%d"), "fp8_default_mode": triton_ops.FP8_MODE, "shapes": {}}
     batches = [int(b) for b in a.batches.split(",")]
     rows, krows = [], []
+    variants = a.variants.split(",")
     for shape in a.shapes.split(","):
         path = model_dir(shape)
         weights = random_weights(path)
         r = res["shapes"][shape] = {}
-        for q in VARIANTS:
+        keep = None
+        for q in variants:
             t = time.perf_counter()
             eng = engine(path, weights, q, a, max(batches))
             torch.cuda.synchronize()
             r[q] = {"init_s": time.perf_counter() - t, "weights_bytes": eng.model.nbytes,
                     "weights_read_per_step": weight_bytes_read(eng), "kv_blocks": eng.alloc.num_blocks}
             r[q]["runs"] = [rollout(eng, B, a) for B in batches]
-            r[q]["sync"] = sync(eng, weights, q != "none")
+            r[q]["sync"] = sync(eng, weights, q.startswith("fp8"))
             if q == "none":  # keep the BF16 engine's layer-0 weights for the kernel table
                 keep = {k: v.clone() for k, v in eng.model.layers[0].items()}
-            elif q == "fp8-w8a8":
+            elif q == "fp8-w8a8" and keep is not None:
                 r["kernels"] = kernels(keep, eng)
             del eng
             gc.collect()
@@ -542,18 +551,18 @@ def main(argv=None) -> dict:
         krows += [[shape, k["matrix"], f"{k['N']}x{k['K']}", k["M"], fmt(k["bf16_us"], "{:.1f}"),
                    f"{k['w8a16_us']:.1f} ({k['paths']['w8a16']})", f"{k['w8a8_us']:.1f} ({k['paths']['w8a8']})",
                    fmt(k["cublas_w8a8_us"], "{:.1f}"), fmt(k["bf16_GBps"], "{:.0f}"), fmt(k["w8a16_GBps"], "{:.0f}"),
-                   fmt(k["w8a8_GBps"], "{:.0f}")] for k in r["kernels"]]
+                   fmt(k["w8a8_GBps"], "{:.0f}")] for k in r.get("kernels", [])]
         del weights, keep
         gc.collect()
         torch.cuda.empty_cache()
         for i, B in enumerate(batches):
-            b16 = r["none"]["runs"][i]
-            for q in VARIANTS:
+            b16 = r[variants[0]]["runs"][i]
+            for q in variants:
                 f8 = r[q]["runs"][i]
                 rows.append([shape, B, q, fmt(f8["tok_s"], "{:.0f}"), fmt(f8["tok_s"] / b16["tok_s"], "{:.2f}x"),
                              fmt(f8["decode_tok_s"], "{:.0f}"), fmt(f8["decode_tok_s"] / b16["decode_tok_s"], "{:.2f}x"),
                              fmt(100 * f8["roofline_share_decode"], "{:.0f}%"), fmt(f8["prefill_s"], "{:.3f}")])
-        r["weights_gib"] = {q: r[q]["weights_bytes"] / 2**30 for q in ("none", "fp8-w8a8")}
+        r["weights_gib"] = {q: r[q]["weights_bytes"] / 2**30 for q in variants}
         write_json(a.out, res)
     if a.baseline:  # the regression gate's rollout setting, BF16 engine (bench/regress_baseline.json)
         path = model_dir("qwen2.5-0.5b")
@@ -568,11 +577,13 @@ def main(argv=None) -> dict:
     print(markdown_table(["shape", "matrix", "N x K", "M", "BF16 us", "w8a16 us (path)", "w8a8 us (path)",
                           "cuBLAS w8a8 us", "BF16 GB/s", "w8a16 GB/s", "w8a8 GB/s"], krows))
     for shape, r in res["shapes"].items():
-        f8 = r["fp8-w8a8"]
-        print(f"{shape}: weights {r['weights_gib']['none']:.2f} GiB BF16 -> {r['weights_gib']['fp8-w8a8']:.2f} GiB FP8 "
-              f"(KV blocks {r['none']['kv_blocks']} -> {f8['kv_blocks']}); weight sync {1e3 * r['none']['sync']['s']:.1f} ms "
-              f"BF16 ({r['none']['sync']['bytes'] / 2**30:.2f} GiB) vs {1e3 * f8['sync']['s']:.1f} ms with FP8 "
-              f"quantization ({f8['sync']['bytes'] / 2**30:.2f} GiB)")
+        b0 = r[variants[0]]
+        for q in variants[1:]:
+            f8 = r[q]
+            print(f"{shape} {q}: weights {r['weights_gib'][variants[0]]:.2f} GiB -> {r['weights_gib'][q]:.2f} GiB "
+                  f"(KV blocks {b0['kv_blocks']} -> {f8['kv_blocks']}); weight sync {1e3 * b0['sync']['s']:.1f} ms "
+                  f"({b0['sync']['bytes'] / 2**30:.2f} GiB) vs {1e3 * f8['sync']['s']:.1f} ms "
+                  f"({f8['sync']['bytes'] / 2**30:.2f} GiB)")
     if "bf16_0.5b_256x(128+512)_tok_s" in res:
         print(f"BF16 0.5B 256 x (128 + 512): {res['bf16_0.5b_256x(128+512)_tok_s']:.0f} tok/s")
     write_json(a.out, res)

@@ -58,6 +58,7 @@ NEEDS: dict[str, Need] = {
     "rollout_mem_fraction": Need("engine", "mem_fraction"),
     "rollout_cuda_graph": Need("engine", "embedded_settings"),
     "rollout_quantization": Need("engine", "fp8_rollout"),
+    "kv_cache_dtype": Need("engine", "kv_cache_dtype"),
     "rollout_num_engines": Need("engine", "launch"),
     "rollout_num_gpus": Need("engine", "launch"),
     "rollout_num_gpus_per_engine": Need("engine", "launch"),
@@ -182,6 +183,8 @@ _HINTS = {
     ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
     ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
+    ("kv_cache_dtype", "external"): " (an attached server keeps the KV cache it was started with: start SGLang with "
+                                    "--kv-cache-dtype fp8_e4m3 yourself, or let polyrl launch it)",
     ("rollout_quantization", "external"): " unless every server loads block-FP8 weights: an SGLang server launched on a "
                                           "BF16 checkpoint would not read the scales; let polyrl launch SGLang "
                                           "(--rollout-engine sglang), which starts it on an FP8 copy "

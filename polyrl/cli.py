@@ -19,6 +19,7 @@ SERVE_FIELDS = frozenset({f"server.{f.name}" for f in dataclasses.fields(ServerC
     "model.hf_checkpoint", "model.attn_implementation", "model.fp16", "model.bf16", "model.fp32", "model.true_on_policy",
     "rollout.rollout_batch_generate", "rollout.rollout_gpu_engine", "rollout.rollout_mem_fraction", "rollout.rollout_cuda_graph",
     "rollout.rollout_quantization",  # the GPU path keeps FP8 weights and runs FP8 linears
+    "rollout.kv_cache_dtype",
 })
 # name -> (help, config sections it takes, the only fields it takes of them: None = all)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], frozenset[str] | None]] = {

@@ -109,6 +109,12 @@ class RolloutConfig:
                                             "dequantize: either way they sample from an FP8-rounded model. Rollout "
                                             "log-probs then come from another model than the trainer's: add --use-tis "
                                             "(docs/low-precision.md)", ("none", "fp8"))
+    kv_cache_dtype: str = opt("auto", "KV cache of the engines (SGLang's flag): auto (the model dtype) | fp8_e4m3 (E4M3 "
+                                      "with one float32 scale per token and kv head, about twice the cached tokens in "
+                                      "the same memory; the embedded engine's GPU path and polyrl serve on it; passed "
+                                      "to a launched SGLang as it is). Decode attends to the rounded keys and values, "
+                                      "so rollout log-probs move away from the trainer's: add --use-tis "
+                                      "(docs/low-precision.md)", ("auto", "fp8_e4m3"))
     async_training: bool = opt(False, "asynchronous training (polyrl/loop_async.py): the rollout of later steps runs on the "
                                       "engines while the trainer trains; weights go to the engines after every step",
                                flag="--async")
@@ -819,6 +825,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm applies to --custom-rm-path functions; set one or drop --group-rm")
     _validate_remote_rm(rw)
+    if cfg.model.true_on_policy and cfg.rollout.kv_cache_dtype != "auto":
+        raise ConfigError(f"--true-on-policy with --kv-cache-dtype {cfg.rollout.kv_cache_dtype}: decode would attend "
+                          "to rounded keys and values the trainer never sees; drop one of them (docs/true-on-policy.md)")
     if cfg.model.true_on_policy and cfg.rollout.rollout_quantization != "none":
         raise ConfigError(f"--true-on-policy with --rollout-quantization {cfg.rollout.rollout_quantization}: the engine "
                           "would sample from rounded weights that the trainer does not score with; drop one of them")

@@ -25,12 +25,14 @@ ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
     # "images": generate(..., images=) takes image prompts (SGLang's image_data over HTTP)
     # "true_on_policy": reports log-probs from polyrl.backends.true_on_policy's scoring function (--true-on-policy)
     # "mem_fraction": --rollout-mem-fraction sizes its KV cache (SGLang: --mem-fraction-static)
-    "embedded": frozenset({"embedded_settings", "mem_fraction", "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
+    # "kv_cache_dtype": keeps its KV cache in --kv-cache-dtype (the embedded engine's GPU path; SGLang's own flag)
+    "embedded": frozenset({"embedded_settings", "mem_fraction", "routed_experts", "memory_tags", "fp8_rollout", "images",
+                           "true_on_policy", "kv_cache_dtype"}),
     "server": frozenset({"servers", "launch", "embedded_settings", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy"}),
+                         "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy", "kv_cache_dtype"}),
     # sglang "fp8_rollout": launched on a block-FP8 copy of the checkpoint (polyrl.weight_sync.fp8_checkpoint)
     "sglang": frozenset({"servers", "launch", "sglang_args", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags", "images", "fp8_rollout"}),
+                         "routed_experts", "memory_tags", "images", "fp8_rollout", "kv_cache_dtype"}),
     "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
                            "images"}),
     "none": frozenset(),

@@ -293,7 +293,8 @@ def logits_dim(model) -> int:
 
 
 def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine: bool = True, mem_fraction: float = 0.4,
-                         cuda_graph: bool = True, quantization: str = "none", **kw) -> InProcessEngine:
+                         cuda_graph: bool = True, quantization: str = "none", kv_cache_dtype: str = "auto",
+                         **kw) -> InProcessEngine:
     """On CUDA, Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints get the GPU path (polyrl.rollout.gpu: paged KV cache,
     continuous batching, CUDA graphs; gpu_engine, mem_fraction and cuda_graph are its settings); anything else, and
     every CPU run, the transformers path (EmbeddedEngine)."""
@@ -302,13 +303,21 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
         why = unsupported_reason(hf_checkpoint)
         if why is None:
             eng = GPUEngine(hf_checkpoint, device=device, mem_fraction=mem_fraction, cuda_graph=cuda_graph,
-                            quantization=quantization, **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
+                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                            **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
             if kw.get("true_on_policy"):  # it samples with its own kernels and reports the trainer's scoring
                 from polyrl.backends.true_on_policy import EngineScorer
                 eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
             return eng
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the embedded engine's GPU path does not support "
+                             f"{hf_checkpoint} ({why}), and its transformers path keeps no paged KV cache")
         log.warning("embedded engine: using the transformers path on %s because the GPU path does not support %s: %s",
                     device, hf_checkpoint, why)
+    elif kv_cache_dtype != "auto":
+        where = "on CPU" if device == "cpu" else "with --no-rollout-gpu-engine"
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} {where}: only the embedded engine's GPU path (CUDA) keeps "
+                         "a paged KV cache; drop the flag")
     return EmbeddedEngine(hf_checkpoint, device=device, **kw)
 
 
@@ -317,7 +326,7 @@ def embedded_engine_kwargs(cfg) -> dict:
     r = cfg.rollout
     return dict(max_batch=r.rollout_batch_generate, gpu_engine=r.rollout_gpu_engine, mem_fraction=r.rollout_mem_fraction,
                 cuda_graph=r.rollout_cuda_graph, true_on_policy=cfg.model.true_on_policy,
-                quantization=r.rollout_quantization)
+                quantization=r.rollout_quantization, kv_cache_dtype=r.kv_cache_dtype)
 
 
 def engine_from_config(cfg, device: str) -> InProcessEngine:

@@ -224,7 +224,9 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
                 "--host", host, "--port", str(port), "--tp-size", str(e.rollout_num_gpus_per_engine),
                 "--mem-fraction-static", str(cfg.rollout.rollout_mem_fraction),
                 *(["--config", sglang_config] if sglang_config else []),
-                *(["--enable-return-routed-experts"] if wants_routes(cfg) else []), *extra]
+                *(["--enable-return-routed-experts"] if wants_routes(cfg) else []),
+                *(["--kv-cache-dtype", cfg.rollout.kv_cache_dtype] if cfg.rollout.kv_cache_dtype != "auto" else []),
+                *extra]
     r = cfg.rollout
     from polyrl.placement import transport_kind
     # --weight-sync disk: the servers may load from the directory DiskTransport writes in, and nothing else
@@ -242,7 +244,9 @@ def server_command(cfg: Config, kind: str, port: int, device: str, host: str = "
             "--request-timeout-s", str(e.rollout_request_timeout), *allowed,
             *([] if r.rollout_gpu_engine else ["--no-rollout-gpu-engine"]),
             *([] if r.rollout_cuda_graph else ["--no-rollout-cuda-graph"]), *_dtype_flags(cfg),
-            *(["--true-on-policy"] if cfg.model.true_on_policy else [])]
+            *(["--true-on-policy"] if cfg.model.true_on_policy else []),
+            *(["--rollout-quantization", r.rollout_quantization] if r.rollout_quantization != "none" else []),
+            *(["--kv-cache-dtype", r.kv_cache_dtype] if r.kv_cache_dtype != "auto" else [])]
 
 
 class HTTPEngine:

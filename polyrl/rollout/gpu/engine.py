@@ -43,7 +43,7 @@ from polyrl.backends.routing_replay import routes_dtype
 from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
-from polyrl.rollout.gpu.kv_cache import BlockAllocator, KVCache
+from polyrl.rollout.gpu.kv_cache import KV_CACHE_DTYPES, BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
                                       spec_from_config)
 from polyrl.rollout.sampling import sample_seed
@@ -98,15 +98,21 @@ class GPUEngine(InProcessEngine):
                  max_batch: int = 0, mem_fraction: float = 0.4, cuda_graph: bool = True, block_size: int = 16,
                  max_prefill_tokens: int = 16384, num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  use_triton: bool | None = None, decode_splits: int | None = None, ignore_eos: bool = False,
-                 profile: bool = False, quantization: str = "none"):
+                 profile: bool = False, quantization: str = "none", kv_cache_dtype: str = "auto"):
         """max_batch: most sequences decoding at once (0: MAX_RUNNING). mem_fraction: share of the
         GPU's memory for weights + KV cache + workspace; the KV cache gets what is left
         (num_kv_blocks overrides it, e.g. on CPU). ignore_eos: never stop on EOS (benchmarks
         with random weights). profile: time GPU work with events (last_stats). quantization: "fp8" keeps the decoder
         linears in FP8 with block scales and runs them with FP8 kernels (--rollout-quantization fp8; the memory saved
-        goes to the KV cache), and update_weights takes the quantized stream as it is."""
+        goes to the KV cache), and update_weights takes the quantized stream as it is. kv_cache_dtype: "auto" (the
+        model dtype) or "fp8_e4m3" (E4M3 with per-token, per-head scales: about twice the tokens in the same memory;
+        kv_cache.KVCache)."""
         if quantization not in ("none", "fp8"):
             raise ValueError(f"--rollout-quantization {quantization!r}: the GPU engine runs none or fp8")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: the GPU engine keeps its KV cache in one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
         cfg = load_config(hf_checkpoint)
         spec, why = spec_from_config(cfg)
         if spec is None:
@@ -139,7 +145,7 @@ class GPUEngine(InProcessEngine):
         if num_kv_blocks is None:
             num_kv_blocks = self._blocks_from_budget(mem_fraction)
         self.kv = KVCache(spec.layers, spec.kv_heads, spec.head_dim, num_kv_blocks, block_size, dtype, self.device,
-                          cos.to(self.device), sin.to(self.device))
+                          cos.to(self.device), sin.to(self.device), kv_dtype=self.kv_dtype)
         self.alloc = BlockAllocator(num_kv_blocks)
 
         R, W = self.max_running, -(-self.max_len // block_size)
@@ -182,9 +188,10 @@ class GPUEngine(InProcessEngine):
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         self.rescore = None  # --true-on-policy: polyrl.backends.true_on_policy.EngineScorer
-        log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB%s, KV cache %d blocks x %d tokens (%.2f GiB), "
+        log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB%s, KV cache %d blocks x %d tokens (%.2f GiB%s), "
                  "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30,
                  " (linears FP8)" if self.model.fp8 else "", num_kv_blocks, block_size, self.kv.nbytes / 2**30,
+                 ", FP8" if self.kv.fp8 else "",
                  self.cuda_graph, use_triton)
 
     @property
@@ -216,7 +223,7 @@ class GPUEngine(InProcessEngine):
             return 1 + 4 * self.max_running * -(-256 // self.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         s = self.spec
-        per_block = KVCache.bytes_per_block(s.layers, s.kv_heads, s.head_dim, self.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(s.layers, s.kv_heads, s.head_dim, self.block_size, self.kv_dtype)
         kv_bytes = mem_fraction * total - self.model.nbytes - self._workspace_bytes()
         blocks = int(kv_bytes // per_block)
         need = 2 + -(-self.max_len // self.block_size)

@@ -354,7 +354,7 @@ class DenseLM:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv, attn,
                 logits_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 routes: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, pos, slots: [T]; kv: a KVCache (per-layer k/v [S, Hkv, D], rope cos/sin);
+        """ids, pos, slots: [T]; kv: a KVCache (per-layer k/v [S, Hkv, D] and an FP8 cache's scales, rope cos/sin);
         attn: PrefillAttn or DecodeAttn; logits_rows: the rows that need logits (None: all);
         out: where to write the logits; routes: [T, layers, k] ints, where MoE layers write
         their top-k experts (other layers' rows are left as they are) -> logits [R, V] in the
@@ -369,9 +369,10 @@ class DenseLM:
         for i, L in enumerate(self.layers):
             x, res = norm8(h, res, L["ln1"], s.eps)
             qkv = lin(x, L, "qkv_w", L.get("qkv_b"))
+            sc = kv.scales_of(i)  # an FP8 cache's per-head scales ({} otherwise)
             q, k, v = o.rope_store(qkv, pos, slots, kv.k[i], kv.v[i], kv.cos, kv.sin, s.heads, s.kv_heads, s.head_dim,
-                                   L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k)
-            a = attn(q, k, v, kv.k[i], kv.v[i])  # E4M3 already (FP8Act) where fp8_attention_out said so
+                                   L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k, **sc)
+            a = attn(q, k, v, kv.k[i], kv.v[i], **sc)  # E4M3 already (FP8Act) where fp8_attention_out said so
             h = lin(a.reshape(a.shape[0], -1) if torch.is_tensor(a) else a, L, "o_w", L.get("o_b"))
             if "router" in L:  # routers and experts are not FP8
                 x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
@@ -414,7 +415,8 @@ class PrefillAttn:
         elif len(set(lens)) > 1:  # ragged: SDPA over right-padded sequences
             self.index = ops.prefill_index(lens, device)
 
-    def __call__(self, q, k, v, k_cache, v_cache):
+    def __call__(self, q, k, v, k_cache, v_cache, **scales):
+        # the prompt attends to its own unrounded k / v, not to what an FP8 cache keeps of them
         return self.ops.prefill_attention(q, k, v, self.lens, self.index, self.cu)
 
 
@@ -429,9 +431,9 @@ class DecodeAttn:
         self.num_splits, self.split_len = num_splits, split_len
         self.kw = {"fp8_out": True} if fp8_out else {}
 
-    def __call__(self, q, k, v, k_cache, v_cache):
+    def __call__(self, q, k, v, k_cache, v_cache, **scales):
         return self.ops.paged_decode_attention(q, k_cache, v_cache, self.bt, self.ctx, self.bs, self.num_splits,
-                                               self.split_len, **self.kw)
+                                               self.split_len, **self.kw, **scales)
 
 
 def load_config(path: str):

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from polyrl.backends import varlen
 from polyrl.backends.gqa import repeat_kv_heads
 
+FP8_MAX = 448.0  # the largest finite E4M3 value
+
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +41,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_store(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-               write_k: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               write_k: bool = True, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [T, (Hq + 2 Hkv) D]; pos, slots: [T]; cos, sin: [max_pos, D / 2] in the model dtype.
     Applies the optional per-head q/k RMSNorm (Qwen3) and rotary embedding, writes k and v
-    into the cache at `slots`, and returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    into the cache at `slots`, and returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
+    k_scale, v_scale [S, Hkv] (an FP8 cache, kv_cache.KVCache): k and v are stored as E4M3 with one scale per token
+    and head (quantize_heads); the returned k and v are the unrounded ones (prefill attends to those)."""
     T = qkv.shape[0]
     q = qkv[:, :hq * d].view(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
@@ -56,9 +61,22 @@ def rope_store(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k_cach
         return torch.cat([x1 * c + (-x2) * s, x2 * c + x1 * s], dim=-1)
 
     q, k = rot(q), rot(k)
-    k_cache[slots] = k
-    v_cache[slots] = v
+    if k_scale is None:
+        k_cache[slots] = k
+        v_cache[slots] = v
+    else:
+        k_cache[slots], k_scale[slots] = quantize_heads(k)
+        v_cache[slots], v_scale[slots] = quantize_heads(v)
     return q, k, v
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (E4M3 [T, H, D], float32 scales [T, H]): each head vector's largest |x| onto 448 (an all-zero
+    vector gets scale 1), the quotient rounded to nearest even; x ~= q * scale."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sc
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -165,11 +183,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, block_size: int, num_splits: int = 1, split_len=None) -> torch.Tensor:
+                           ctx_lens: torch.Tensor, block_size: int, num_splits: int = 1, split_len=None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged cache.
     q: [B, Hq, D]; k_cache, v_cache: [S, Hkv, D]; block_tables: [B, W] (int); ctx_lens: [B]
     (tokens in the cache, the current one included) -> [B, Hq, D]. (The split arguments
-    are the Triton kernel's; they do not change the result.)"""
+    are the Triton kernel's; they do not change the result.) k_scale, v_scale [S, Hkv]: an FP8
+    cache, dequantized here (q * scale in fp32)."""
     B, hq, d = q.shape
     hkv = k_cache.shape[1]
     L = int(ctx_lens.max())
@@ -177,8 +197,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
     past = pos[None, :] >= ctx_lens[:, None]  # [B, L]: slots past the row's context hold anything (NaN included:
     # the cache is never cleared), so their values are zeroed, not only their scores masked (0 * NaN is NaN)
-    k = k_cache[slots].float()  # [B, L, Hkv, D]
-    v = v_cache[slots].float().masked_fill(past[:, :, None, None], 0.0)
+    k, v = k_cache[slots].float(), v_cache[slots].float()  # [B, L, Hkv, D]
+    if k_scale is not None:
+        k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
+    v = v.masked_fill(past[:, :, None, None], 0.0)
     g = hq // hkv
     qf = q.float().view(B, hkv, g, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) / math.sqrt(d)

@@ -115,9 +115,9 @@ def _head_rms(x1, x2, w_ptr, eps, HALF: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, qn_ptr, kn_ptr,
-                       eps, stride_qkv, stride_cs, stride_kc_s, stride_vc_s,
+                       ks_ptr, vs_ptr, eps, stride_qkv, stride_cs, stride_kc_s, stride_vc_s, stride_ks, stride_vs,
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
-                       QK_NORM: tl.constexpr, WRITE_K: tl.constexpr):
+                       QK_NORM: tl.constexpr, WRITE_K: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -147,28 +147,46 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, cos_ptr, sin_
         k1, k2 = _head_rms(k1, k2, kn_ptr, eps, HALF, D)
     k1, k2 = _rope_half(k1, k2, c, s)
     kco = kc_ptr + slot * stride_kc_s + hk * D + j[None, :]
-    tl.store(kco, k1, mask=mk)
-    tl.store(kco + HALF, k2, mask=mk)
+    d = tl.arange(0, D)[None, :]
+    v = tl.load(base + (HQ + HKV) * D + hk * D + d, mask=mk, other=0.0)
+    if KV_FP8:  # E4M3 with one scale per (token, head): ops.quantize_heads' arithmetic
+        a1, a2 = k1.to(tl.float32), k2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1))
+        sk = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        tl.store(kco, tl.clamp(a1 / sk[:, None], -FP8_MAX, FP8_MAX).to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(kco + HALF, tl.clamp(a2 / sk[:, None], -FP8_MAX, FP8_MAX).to(kc_ptr.dtype.element_ty), mask=mk)
+        hs = tl.arange(0, HKV_P)
+        tl.store(ks_ptr + slot * stride_ks + hs, sk, mask=hs < HKV)
+        vf = v.to(tl.float32)
+        vmax = tl.max(tl.abs(vf), axis=1)
+        sv = tl.where(vmax > 0, vmax / FP8_MAX, 1.0)
+        tl.store(vc_ptr + slot * stride_vc_s + hk * D + d,
+                 tl.clamp(vf / sv[:, None], -FP8_MAX, FP8_MAX).to(vc_ptr.dtype.element_ty), mask=mk)
+        tl.store(vs_ptr + slot * stride_vs + hs, sv, mask=hs < HKV)
+    else:
+        tl.store(kco, k1, mask=mk)
+        tl.store(kco + HALF, k2, mask=mk)
+        tl.store(vc_ptr + slot * stride_vc_s + hk * D + d, v, mask=mk)
     if WRITE_K:
         ko = k_ptr + t * (HKV * D) + hk * D + j[None, :]
         tl.store(ko, k1, mask=mk)
         tl.store(ko + HALF, k2, mask=mk)
-    d = tl.arange(0, D)[None, :]
-    v = tl.load(base + (HQ + HKV) * D + hk * D + d, mask=mk, other=0.0)
-    tl.store(vc_ptr + slot * stride_vc_s + hk * D + d, v, mask=mk)
 
 
 def rope_store(qkv, pos, slots, k_cache, v_cache, cos, sin, hq, hkv, d, q_norm=None, k_norm=None, eps=1e-6,
-               write_k: bool = True):
+               write_k: bool = True, k_scale=None, v_scale=None):
     T = qkv.shape[0]
     q = torch.empty(T, hq, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(T, hkv, d, dtype=qkv.dtype, device=qkv.device) if write_k else q
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (cos, cos)
     if T:
         _rope_store_kernel[(T,)](qkv, pos, slots, k_cache, v_cache, cos, sin, q, k,
                                  q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
-                                 eps, qkv.stride(0), cos.stride(0), k_cache.stride(0), v_cache.stride(0),
+                                 ks, vs, eps, qkv.stride(0), cos.stride(0), k_cache.stride(0), v_cache.stride(0),
+                                 ks.stride(0), vs.stride(0),
                                  HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=d,
-                                 QK_NORM=q_norm is not None, WRITE_K=write_k, num_warps=4)
+                                 QK_NORM=q_norm is not None, WRITE_K=write_k, KV_FP8=fp8, FP8_MAX=448.0, num_warps=4)
     v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
     return q, (k if write_k else None), v
 
@@ -215,11 +233,14 @@ def silu_mul_fp8(gu):
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, split_ptr, scale,
-                         stride_kc_s, stride_vc_s, stride_bt,
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, split_ptr, ks_ptr, vs_ptr, scale,
+                         stride_kc_s, stride_vc_s, stride_bt, stride_ks, stride_vs,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, QUANT: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
+                         FP8_MAX: tl.constexpr, KV_FP8: tl.constexpr):
+    # KV_FP8: the cache holds E4M3 with one scale per (token, head); the E4M3 tiles widen exactly to q's dtype and
+    # each key's (value's) scale multiplies its score column (probability column): the same products as scaling the
+    # keys and values first
     # one program per (sequence, kv head, context split): all G query heads of the kv head together
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -246,14 +267,22 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, ml_ptr, 
         page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=mn, other=0).to(tl.int64)
         slot = page * BS + n % BS
         k = tl.load(kc_ptr + slot[:, None] * stride_kc_s + h * D + d[None, :], mask=mn[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if KV_FP8:
+            sk = tl.load(ks_ptr + slot * stride_ks + h, mask=mn, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * (sk * qk_scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(mn[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + slot[:, None] * stride_vc_s + h * D + d[None, :], mask=mn[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            sv = tl.load(vs_ptr + slot * stride_vs + h, mask=mn, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot((p * sv[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if NSPLIT == 1:
         out = acc / l_i[:, None]
@@ -309,11 +338,12 @@ DECODE_ATTN = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, num_splits: int = 1,
                            split_len: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, fp8_out: bool = False):
+                           num_stages: int | None = None, fp8_out: bool = False, k_scale=None, v_scale=None):
     """num_splits > 1 (flash-decoding, for batches too small to fill the GPU) cuts each
     context into pieces of `split_len` tokens (a device int32 [1] that the caller keeps at
     >= longest context / num_splits), then merges the partial softmaxes. fp8_out (head_dim 128): the output comes
-    as FP8Act [B, heads * 128] for a w8a8 linear, what quantize_activations makes of the BF16 output, bit for bit."""
+    as FP8Act [B, heads * 128] for a w8a8 linear, what quantize_activations makes of the BF16 output, bit for bit.
+    k_scale, v_scale [S, Hkv]: the cache is E4M3 (--kv-cache-dtype fp8_e4m3), dequantized in the kernel."""
     B, hq, d = q.shape
     hkv = k_cache.shape[1]
     G = hq // hkv
@@ -326,17 +356,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_si
         res = out = torch.empty_like(q)
     BLOCK_N = block_n or DECODE_ATTN["block_n"]
     launch = dict(num_warps=num_warps or DECODE_ATTN["num_warps"], num_stages=num_stages or DECODE_ATTN["num_stages"])
-    consts = dict(HQ=hq, HKV=hkv, G=G, G_P=max(16, triton.next_power_of_2(G)), D=d, BS=block_size, BLOCK_N=BLOCK_N)
+    consts = dict(HQ=hq, HKV=hkv, G=G, G_P=max(16, triton.next_power_of_2(G)), D=d, BS=block_size, BLOCK_N=BLOCK_N,
+                  KV_FP8=k_scale is not None)
+    ks, vs = (k_scale, v_scale) if k_scale is not None else (ctx_lens, ctx_lens)  # unread without an FP8 cache
     if num_splits == 1:
         _paged_decode_kernel[(B, hkv, 1)](q, k_cache, v_cache, block_tables, ctx_lens, out,
-                                          res.s if fp8_out else out, ctx_lens, d ** -0.5,
+                                          res.s if fp8_out else out, ctx_lens, ks, vs, d ** -0.5,
                                           k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+                                          ks.stride(0), vs.stride(0),
                                           NSPLIT=1, QUANT=fp8_out, FP8_MAX=448.0, **consts, **launch)
         return res
     part = torch.empty(B * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * hq * num_splits, 2, dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(B, hkv, num_splits)](q, k_cache, v_cache, block_tables, ctx_lens, part, ml, split_len, d ** -0.5,
-                                               k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+    _paged_decode_kernel[(B, hkv, num_splits)](q, k_cache, v_cache, block_tables, ctx_lens, part, ml, split_len, ks, vs,
+                                               d ** -0.5, k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+                                               ks.stride(0), vs.stride(0),
                                                NSPLIT=num_splits, QUANT=False, FP8_MAX=448.0, **consts, **launch)
     _merge_kernel[(B * hq,)](part, ml, out, res.s if fp8_out else out, NSPLIT=num_splits,
                              NS_P=triton.next_power_of_2(num_splits), D=d,
