@@ -184,7 +184,7 @@ def test_launched_servers_get_the_kv_cache_dtype(kv_model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_fp8_cache_kernels_against_the_reference():
-    """rope_store's E4M3 bytes and scales against ops.quantize_heads of the same rotated k / v: the scale is one fp32
+    """rope_store's E4M3 bytes and scales against ops.quantize_heads of the k / v it returns: the scale is one fp32
     division (Triton's may be off by an ulp, 2^-23 relative), so a quotient on a rounding boundary can land one E4M3
     step away (2^-3 of the value): allowed on under 1% of the elements. Decode attention over the same FP8 cache
     against the reference (fp32 throughout there, BF16 probabilities x values in the kernel: 1e-2 relative, the
@@ -200,9 +200,8 @@ def test_triton_fp8_cache_kernels_against_the_reference():
         k8, v8 = (torch.zeros(S, hkv, d, device=dev, dtype=FP8_KV_DTYPE) for _ in range(2))
         ks, vs = torch.ones(S, hkv, device=dev), torch.ones(S, hkv, device=dev)
         q, k, v = tops.rope_store(qkv, pos, slots, k8, v8, cos, sin, hq, hkv, d, k_scale=ks, v_scale=vs)
-        kr, vr = torch.zeros(S, hkv, d, device=dev, dtype=bf), torch.zeros(S, hkv, d, device=dev, dtype=bf)
-        _, k_ref, _ = ops.rope_store(qkv, pos, slots, kr, vr, cos, sin, hq, hkv, d)
-        for cache, scale, x in ((k8, ks, k_ref), (v8, vs, qkv[:, (hq + hkv) * d:].view(T, hkv, d))):
+        # against the kernel's own rotated k (its RoPE is within BF16 rounding of the reference's, not equal to it)
+        for cache, scale, x in ((k8, ks, k), (v8, vs, v)):
             want_q, want_s = ops.quantize_heads(x)
             torch.testing.assert_close(scale[slots], want_s, rtol=2**-22, atol=0)
             got, ref = cache[slots].float(), want_q.float()
