@@ -107,6 +107,58 @@ def test_fp8_engine_on_cpu_equals_the_emulation(tmp_path_factory, shape):
         q8.update_weights([("model.layers.0.self_attn.k_proj.weight_scale_inv", torch.ones(9, 9))], 3)
 
 
+@pytest.mark.parametrize("shape", [dict(hidden=256, heads=2, kv_heads=1, layers=2),  # expert width 256: block grids align
+                                   dict(hidden=64, heads=4, kv_heads=2, layers=2)],  # width 64: per-row scales
+                         ids=["aligned", "per-row"])
+def test_fp8_moe_engine_on_cpu_equals_the_emulation(tmp_path_factory, shape):
+    """Qwen3-MoE with FP8 experts: the engine holds the stacked gate|up and down experts as FP8 with per-expert block
+    scales, and its reference experts dequantize them to the model dtype exactly as the Dequantizer + the unquantized
+    engine's cast do, so greedy tokens and log-probs equal the FP32 engine's fed the dequantized stream (the router is
+    unquantized in both). The trainer's stacked experts reach it per expert (SGLang's names), a float stacked or
+    per-expert weight is quantized on load, and get_weight returns the dequantized weights by either name."""
+    from transformers import AutoModelForCausalLM
+    path = _sharp(tmp_path_factory, "fp8moe", arch="qwen3_moe", **shape)
+    kw = dict(device="cpu", dtype=torch.float32, num_kv_blocks=256, block_size=4)
+    q8, ref = GPUEngine(path, quantization="fp8", **kw), GPUEngine(path, **kw)
+    m, E, H = q8.model, q8.spec.experts, shape["hidden"]
+    assert q8.spec.moe_layers == (0, 1) and m.w["0.egu"].dtype == m.w["1.edown"].dtype == FP8_DTYPE
+    rows = -(-H // 128) if H % 128 == 0 else H  # gate|up scale rows per expert: the block grid, or one per weight row
+    assert tuple(m.w["0.egu.s"].shape) == (E, 2 * rows, -(-H // 128)) and m.w["0.egu.s"].dtype == torch.float32
+    experts = sum(v.numel() for k, v in ref.model.w.items() if k.split(".", 1)[-1] in ("egu", "edown"))
+    assert q8.model.nbytes < ref.model.nbytes - 3 * experts  # 1 byte per expert weight instead of 4, plus the scales
+    hf = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    gu, dn = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"
+    assert hf[gu].dim() == 3
+    FP8Transport(InMemoryTransport(1 << 16), in_process=True).push(iter(hf.items()), q8, 1)
+    ref.update_weights(dequantize_stream(quantize_stream(iter(hf.items()))), 1)
+    for name in ref.weight_shapes():  # stacked and per-expert names alike
+        assert torch.equal(q8.get_weight(name), ref.get_weight(name)), name
+    assert m.hf["model.layers.1.mlp.experts.5.up_proj.weight"].dtype == FP8_DTYPE
+    ids = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    a, b = q8.generate(ids, sp), ref.generate(ids, sp)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
+    assert len({tuple(s.response_ids) for s in a}) > 1  # not a degenerate model
+    # float weights pushed to the FP8 engine are quantized on load: a stacked tensor expert by expert, each of its
+    # gate / up parts on its own (as the trainer does), and a per-expert weight as any linear
+    q8.update_weights([(gu, hf[gu] * 2), (dn, hf[dn] * 3)], 2)
+    deq = lambda w: L.dequantize(*quantize_fp8_block(w), 128, torch.float32)  # noqa: E731
+    I = hf[gu].shape[1] // 2
+    want = torch.stack([torch.cat([deq(w[:I]), deq(w[I:])]) for w in hf[gu] * 2])
+    assert torch.equal(q8.get_weight(gu), want)
+    assert torch.equal(q8.get_weight("model.layers.0.mlp.experts.3.up_proj.weight"), want[3, I:])
+    assert torch.equal(q8.get_weight(dn), torch.stack([deq(w) for w in hf[dn] * 3]))
+    one = "model.layers.1.mlp.experts.6.gate_proj.weight"
+    q8.update_weights([(one, torch.ones(I, H))], 3)
+    assert bool((q8.get_weight(dn.replace("down_proj", "gate_up_proj"))[6, :I] == 1).all())
+    assert not bool((q8.get_weight(dn.replace("down_proj", "gate_up_proj"))[5, :I] == 1).any())
+    per_expert = set(q8.weight_shapes()) - set(m.stacked_key)  # every weight and scale, experts by their own names
+    assert m.missing(per_expert) == set() and m.missing(per_expert - {one}) == {one}
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        q8.update_weights([("model.layers.0.mlp.experts.2.down_proj.weight_scale_inv", torch.ones(9, 9))], 4)
+
+
 def test_fp8_engine_refuses_other_quantizations(tiny_model):
     with pytest.raises(ValueError, match="--rollout-quantization 'int4'"):
         GPUEngine(tiny_model, device="cpu", dtype=torch.float32, num_kv_blocks=64, quantization="int4")

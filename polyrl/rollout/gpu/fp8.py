@@ -7,6 +7,10 @@ A fused matrix's HF parts (q, k, v) are quantized separately by the trainer, so 
 stacked; that is the grid of the fused matrix itself (row block n // 128) when every part but the last has a multiple
 of 128 rows. Otherwise (small test models) the engine keeps one scale row per weight row (`row_div` 1), expanded
 from the parts' grids on load, and the kernel reads scale row n instead of n // 128.
+
+MoE experts are held the same way, stacked: gate|up [E, 2I, H] and down [E, H, I] as float8_e4m3fn with scales
+[E, *scale_grid] (each expert's gate and up quantized on their own, like a fused matrix's parts), run by the grouped
+FP8 kernel (triton_ops.fp8_grouped_linear) or, for long prefills, dequantized into a transient copy (EXPERTS_DEQUANT_MIN_ROWS).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import torch
 
 from polyrl.weight_sync.quantize import BLOCK, dequantize_fp8_block
 
-FP8_KEYS = ("qkv_w", "o_w", "gu_w", "down_w")  # per-layer matrices held in FP8; embeddings, norms, LM head, routers
-# and (for now) MoE experts stay in the model dtype
+FP8_KEYS = ("qkv_w", "o_w", "gu_w", "down_w", "egu", "edown")  # per-layer matrices (and stacked MoE experts) held in
+# FP8; embeddings, norms, the LM head and routers stay in the model dtype
 SCALE = ".s"  # layout key of a matrix's scales: f"{i}.qkv_w.s"
 
 
@@ -42,11 +46,13 @@ def part_scale_rows(parts: list[int], j: int) -> tuple[int, int]:
 
 
 def dequantize(w: torch.Tensor, s: torch.Tensor, rdiv: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The engine's FP8 matrix as `dtype` (q * its block's scale), from either scale layout."""
-    if rdiv == BLOCK[0]:
+    """The engine's FP8 matrix as `dtype` (q * its block's scale), from either scale layout; w [..., N, K] with
+    scales [..., rows, ceil(K / 128)] (stacked experts: one grid per expert)."""
+    if rdiv == BLOCK[0] and w.dim() == 2:
         return dequantize_fp8_block(w, s, BLOCK, dtype)
-    k = w.shape[1]
-    return (w.float() * s.float().repeat_interleave(BLOCK[1], 1)[:, :k]).to(dtype)
+    n, k = w.shape[-2:]
+    full = s.float().repeat_interleave(rdiv, -2)[..., :n, :].repeat_interleave(BLOCK[1], -1)[..., :k]
+    return (w.float() * full).to(dtype)
 
 
 # How each size runs (bench/fp8_rollout.py --sweep, H100, 2026-11-27; per matrix of the Qwen2.5-1.5B / 7B layers):
