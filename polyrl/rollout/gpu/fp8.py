@@ -114,3 +114,33 @@ def kernel_config(M: int, N: int, K: int, sms: int, mode: str = "w8a16", row_div
             break
     bm = bm or max(16, 1 << (M - 1).bit_length())
     return tile_config(M, N, K, bm, bn, bk, warps, stages, auto_split(M, N, K, bm, bn, bk, sms), quant_x)
+
+
+# FP8 MoE experts (triton_ops.fp8_grouped_linear): (token, expert) rows sorted by expert, one tile of BM rows never
+# crossing experts. At decode an expert gets few rows (B k / E: 8 at B = 64 on Qwen3-MoE shapes), so BM follows the
+# mean group size, from tl.dot's smallest 16 up to 64. From EXPERTS_DEQUANT_MIN_ROWS rows (prefill) the products bound
+# the GEMM, and the layer's experts are dequantized into a transient copy for torch's grouped BF16 GEMM.
+EXPERTS_DEQUANT_MIN_ROWS = 4096
+EXPERTS_TILE = dict(BN=64, BK=128, num_warps=4, num_stages=3)
+
+
+def experts_tile(rows: int, experts: int) -> dict:
+    """The grouped FP8 kernel's launch for `rows` (token, expert) rows over `experts` experts."""
+    mean = -(-rows // max(1, experts))
+    return dict(BM=min(64, max(16, 1 << (mean - 1).bit_length())), **EXPERTS_TILE)
+
+
+def expert_tiles(offs, rows: int, BM: int):
+    """(expert of each tile [T] int32, -1 past the last tile; first row of each tile [T] int32) for rows grouped by
+    expert (group e ends at offs[e]) cut into tiles of BM rows that never cross a group, with T = cdiv(rows, BM) + E
+    (each group adds at most one partial tile): a static bound, built by device ops only (CUDA-graph safe)."""
+    E = offs.shape[0]
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    ntiles = (ends - starts + BM - 1) // BM
+    cum = torch.cumsum(ntiles, 0)
+    t = torch.arange(-(-rows // BM) + E, device=offs.device)
+    e = torch.searchsorted(cum, t, right=True)  # the group whose tiles cover slot t
+    ec = e.clamp(max=E - 1)
+    first = starts[ec] + (t - (cum[ec] - ntiles[ec])) * BM
+    return torch.where(e < E, ec, -1).to(torch.int32), first.to(torch.int32)
