@@ -120,7 +120,7 @@ def kernel_config(M: int, N: int, K: int, sms: int, mode: str = "w8a16", row_div
 # crossing experts. At decode an expert gets few rows (B k / E: 8 at B = 64 on Qwen3-MoE shapes), so BM follows the
 # mean group size, from tl.dot's smallest 16 up to 64. From EXPERTS_DEQUANT_MIN_ROWS rows (prefill) the products bound
 # the GEMM, and the layer's experts are dequantized into a transient copy for torch's grouped BF16 GEMM.
-EXPERTS_DEQUANT_MIN_ROWS = 4096
+EXPERTS_DEQUANT_MIN_ROWS = 16384
 EXPERTS_TILE = dict(BN=64, BK=128, num_warps=4, num_stages=3)
 
 
@@ -133,7 +133,8 @@ def experts_tile(rows: int, experts: int) -> dict:
 def expert_tiles(offs, rows: int, BM: int):
     """(expert of each tile [T] int32, -1 past the last tile; first row of each tile [T] int32) for rows grouped by
     expert (group e ends at offs[e]) cut into tiles of BM rows that never cross a group, with T = cdiv(rows, BM) + E
-    (each group adds at most one partial tile): a static bound, built by device ops only (CUDA-graph safe)."""
+    (each group adds at most one partial tile): the static grid of triton_ops._fp8_grouped_kernel, which computes
+    this map in registers (its reference, checked in the CPU tests)."""
     E = offs.shape[0]
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])

@@ -638,28 +638,33 @@ def moe_experts(x, gate_up, down, gates, experts, scales=None):
         def grouped(xr, w, offs, scale, row_div):  # one transient weight at a time: gate|up's is freed before down's
             return grouped_linear(xr, fp8_dequantize(w, scale, row_div, xr.dtype), offs)
     else:
-        tiles = {}  # the tile map of this call's row groups, shared by both GEMMs (same offs, same BM)
-
         def grouped(xr, w, offs, scale, row_div):
-            return fp8_grouped_linear(xr, w, scale, offs, row_div, tiles=tiles)
+            return fp8_grouped_linear(xr, w, scale, offs, row_div)
     return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped, act=silu_mul, scales=scales)
 
 
 @triton.jit
-def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, tile_e_ptr, tile_r_ptr, ends_ptr, N, K, stride_xm, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_ym, ROW_DIV: tl.constexpr, BM: tl.constexpr,
+def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ends_ptr, E, N, K, stride_xm, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_ym, ROW_DIV: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr):
     # _fp8_linear_kernel's arithmetic (FP8 weight tile * its block scale in fp32, rounded to the activations' dtype,
-    # fp32 accumulation) over rows grouped by expert: program (t, n) takes tile t's BM rows, all of one expert e
-    # (tile_e[t]; -1: a tile slot past the last tile, which exits), from tile_r[t] up to e's end, times weight rows
-    # [n BN, (n + 1) BN) of expert e. Tiles of one expert are adjacent on the fastest grid axis: its weight tile is
-    # read from HBM about once.
+    # fp32 accumulation) over rows grouped by expert (group e ends at ends[e]). Program (t, n) finds its tile in
+    # registers, fp8.expert_tiles' map: groups cut into tiles of BM rows, numbered group after group; slot t belongs to
+    # the first group whose cumulative tile count exceeds t (slots past the last tile exit). It multiplies the tile's
+    # rows by weight rows [n BN, (n + 1) BN) of that expert. Tiles of one expert are adjacent on the fastest grid
+    # axis, so its weight tile is read from HBM about once.
     t = tl.program_id(0)
-    e = tl.load(tile_e_ptr + t)
-    if e < 0:
+    idx = tl.arange(0, EP)
+    ends = tl.load(ends_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(ends_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    ntiles = tl.where(idx < E, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(ntiles, 0)
+    e = tl.sum((cum <= t).to(tl.int32), 0)
+    if e >= E:
         return
-    r0 = tl.load(tile_r_ptr + t)
-    r1 = tl.load(ends_ptr + e)
+    sel = idx == e
+    r1 = tl.sum(tl.where(sel, ends, 0), 0)
+    r0 = tl.sum(tl.where(sel, starts + (t - (cum - ntiles)) * BM, 0), 0)
     offs_m = r0 + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mm = offs_m < r1
@@ -680,12 +685,12 @@ def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, tile_e_ptr, tile_r_ptr, ends
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
-def fp8_grouped_linear(x, w, scale, offs, row_div: int = 128, config: dict | None = None, tiles: dict | None = None):
+def fp8_grouped_linear(x, w, scale, offs, row_div: int = 128, config: dict | None = None):
     """x [S, K] (BF16/FP16) rows grouped by expert (ends offs [E] int32), w float8_e4m3fn [E, N, K] with block scales
     [E, rows, ceil(K / 128)] (polyrl.rollout.gpu.fp8) -> [S, N]: ops.grouped_linear on the experts dequantized to x's
-    dtype, up to fp32 summation order. No host syncs. tiles: a dict that keeps the tile map between calls with the
-    same offs and BM."""
-    from polyrl.rollout.gpu.fp8 import expert_tiles, experts_tile
+    dtype, up to fp32 summation order. One launch of a static grid, cdiv(S, BM) + E tile slots (each group adds at most
+    one partial tile), no host syncs: CUDA-graph safe."""
+    from polyrl.rollout.gpu.fp8 import experts_tile
     S, K = x.shape
     E, N, _ = w.shape
     y = torch.empty(S, N, dtype=x.dtype, device=x.device)
@@ -694,18 +699,10 @@ def fp8_grouped_linear(x, w, scale, offs, row_div: int = 128, config: dict | Non
     if x.stride(1) != 1:
         x = x.contiguous()
     c = config or experts_tile(S, E)
-    key = c["BM"]
-    if tiles is None or key not in tiles:
-        got = expert_tiles(offs, S, c["BM"])
-        if tiles is not None:
-            tiles[key] = got
-    else:
-        got = tiles[key]
-    tile_e, tile_r = got
-    grid = (tile_e.shape[0], triton.cdiv(N, c["BN"]))
-    _fp8_grouped_kernel[grid](x, w, scale, y, tile_e, tile_r, offs, N, K, x.stride(0), w.stride(0), w.stride(1),
-                              scale.stride(0), scale.stride(1), y.stride(0), ROW_DIV=row_div, BM=c["BM"], BN=c["BN"],
-                              BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+    grid = (triton.cdiv(S, c["BM"]) + E, triton.cdiv(N, c["BN"]))
+    _fp8_grouped_kernel[grid](x, w, scale, y, offs, E, N, K, x.stride(0), w.stride(0), w.stride(1), scale.stride(0),
+                              scale.stride(1), y.stride(0), ROW_DIV=row_div, EP=triton.next_power_of_2(E), BM=c["BM"],
+                              BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
 
 
