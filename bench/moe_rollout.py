@@ -43,6 +43,7 @@ def parse_args(argv=None):
                    help="comma list of engine variants: none, fp8-w8a16, fp8-w8a8 (--rollout-quantization fp8 in that "
                         "triton_ops.FP8_MODE)")
     p.add_argument("--experts-sweep", action="store_true", help="time one layer's experts per path (see above)")
+    p.add_argument("--sweep-only", action="store_true", help="--experts-sweep without the rollout table")
     p.add_argument("--sweep-tokens", default="1,8,64,128,256,512,1024,4096")
     return p.parse_args(argv)
 
@@ -142,9 +143,14 @@ def main(argv=None) -> dict:
                  "date": time.strftime("%Y-%m-%d")}
     if a.experts_sweep:
         tokens = [int(t) for t in a.sweep_tokens.split(",")]
-        res["experts_sweep"] = {name: experts_sweep(dims, tokens)
-                                for name, dims in ((a.shape, QWEN3_MOE_SHAPES[a.shape]), *EXPERT_DIMS.items())}
+        shapes = {a.shape: QWEN3_MOE_SHAPES[a.shape]}
+        key = ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+        shapes.update((n, d) for n, d in EXPERT_DIMS.items()
+                      if [d[k] for k in key] != [QWEN3_MOE_SHAPES[a.shape][k] for k in key])
+        res["experts_sweep"] = {name: experts_sweep(dims, tokens) for name, dims in shapes.items()}
         write_json(a.out, res)
+        if a.sweep_only:
+            return res
     mdir = a.model_dir or tempfile.mkdtemp(prefix="moe_bench_")
     t = time.perf_counter()
     if not os.path.exists(os.path.join(mdir, "config.json")):
