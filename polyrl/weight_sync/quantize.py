@@ -126,8 +126,9 @@ def quantize_stream(stream: Iterable[tuple[str, torch.Tensor]], block: tuple[int
                 for e in range(chunk.shape[0]):
                     for j, (q, s) in enumerate(per):
                         module = parts[(e0 + e) * len(per) + j]
-                        yield module + ".weight", q[e]
-                        yield module + SCALE_SUFFIX, s[e]
+                        # copies, not views of the chunk: safetensors (disk sync, FP8 checkpoints) refuses shared storage
+                        yield module + ".weight", q[e].clone()
+                        yield module + SCALE_SUFFIX, s[e].clone()
         elif is_quantized_weight(name, t):
             q, s = quantize_fp8_block(t, block)
             yield name, q

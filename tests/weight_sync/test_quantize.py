@@ -125,7 +125,7 @@ def test_names_dtypes_and_scale_shapes_are_sglangs():
                                v.view(torch.uint8) if v.dtype == FP8_DTYPE else v) for k, v in q.items())
 
 
-def test_stacked_experts_leave_per_expert_under_sglangs_names(monkeypatch):
+def test_stacked_experts_leave_per_expert_under_sglangs_names(monkeypatch, tmp_path):
     """transformers 5's stacked experts (gate_up_proj [E, 2I, H]: gate rows, then up rows; down_proj [E, H, I]) leave
     as the per-expert FP8 weights and block scales of Qwen3-30B-A3B-FP8-style checkpoints, which SGLang's FP8 MoE loader
     maps onto its w13 / w2 parameters (Qwen3MoeForCausalLM.load_weights via FusedMoE.make_expert_params_mapping: names
@@ -156,6 +156,7 @@ def test_stacked_experts_leave_per_expert_under_sglangs_names(monkeypatch):
             q, sc = quantize_fp8_block(w)
             assert torch.equal(out[name + ".weight"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
                 out[name + ".weight_scale_inv"], sc), name
+    save_file(out, str(tmp_path / "experts.safetensors"))  # disk sync / FP8 checkpoints: no two share storage
     monkeypatch.setattr("polyrl.weight_sync.quantize._CHUNK_ELEMENTS", 1)  # one expert at a time: the same bits
     again = list(quantize_stream(stream))
     assert [n for n, _ in again] == [n for n, _ in got]
