@@ -244,7 +244,7 @@ class DenseLM:
             for i in range(s.layers):
                 a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
                 e = m + "experts."
-                # layout key -> one (scale tensor, its HF modules) per matrix: a stacked expert tensor has one per expert
+                # layout key -> the HF modules of each of its matrices (one matrix, or one per expert when stacked)
                 names = {"qkv_w": [[a + "q_proj", a + "k_proj", a + "v_proj"]], "o_w": [[a + "o_proj"]],
                          "gu_w": [[m + "gate_proj", m + "up_proj"]], "down_w": [[m + "down_proj"]],
                          "egu": [[f"{e}{x}.gate_proj", f"{e}{x}.up_proj"] for x in range(s.experts)],
