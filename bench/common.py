@@ -35,6 +35,11 @@ QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-moe-1b": dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_experts=64,
                          num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=16,
                          num_key_value_heads=4, head_dim=64, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layer and vocabulary (its config.json) with 4 of its 48 layers: the experts' bytes per step of
+    # the real model at a size that builds in seconds
+    "qwen3-30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                             num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 SHAPES = ("tiny", *QWEN_SHAPES, *QWEN3_MOE_SHAPES)
 

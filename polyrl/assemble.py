@@ -69,7 +69,11 @@ def build_transport(cfg: Config, plan: Plan) -> WeightTransport:
     """How the HF-named stream reaches the engine, as the plan says; --rollout-quantization fp8 quantizes it on the way."""
     t = _plain_transport(cfg, plan)
     if cfg.rollout.rollout_quantization == "fp8" and plan.transport != "none":
-        return FP8Transport(t, in_process=plan.transport == "tensor")
+        from transformers import AutoConfig
+
+        from polyrl.weight_sync.quantize import TRANSPOSED_EXPERTS
+        model_type = getattr(AutoConfig.from_pretrained(cfg.model.hf_checkpoint), "model_type", None)
+        return FP8Transport(t, in_process=plan.transport == "tensor", stacked_experts=model_type not in TRANSPOSED_EXPERTS)
     return t
 
 

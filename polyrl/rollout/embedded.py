@@ -61,6 +61,18 @@ class EmbeddedEngine(InProcessEngine):
         # sigmoid-routed MoE (DeepSeek-V3, GLM4-MoE): the router's correction bias is a buffer that the
         # Megatron backend's export carries with the weights
         self._params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias"))
+        # stacked MoE experts are also written and read by their per-expert names (what the FP8 stream and checkpoints
+        # carry): HF name -> (stacked name, expert, first row, rows), resolved on use (sleep moves the parameters)
+        from polyrl.weight_sync.quantize import TRANSPOSED_EXPERTS, stacked_expert_parts
+        self._expert_rows: dict[str, tuple[str, int, int, int]] = {}
+        if getattr(config, "model_type", None) not in TRANSPOSED_EXPERTS:
+            for n, p in list(self._params.items()):
+                parts = stacked_expert_parts(n, p) or []
+                per = len(parts) // p.shape[0] if parts else 1
+                for i, m in enumerate(parts):
+                    e, j = divmod(i, per)
+                    rows = p.shape[1] // per
+                    self._expert_rows[m + ".weight"] = (n, e, j * rows, rows)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         from polyrl.backends.routing_replay import MoERouting
@@ -261,7 +273,7 @@ class EmbeddedEngine(InProcessEngine):
         seen = 0
         for name, tensor in weights:
             try:
-                param = self._params[name]
+                param = self._param(name)
             except KeyError:
                 raise KeyError(f"weight sync sent {name!r}, which the rollout model does not have") from None
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
@@ -281,11 +293,18 @@ class EmbeddedEngine(InProcessEngine):
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every weight update_weights accepts."""
-        return {n: tuple(p.shape) for n, p in self._params.items()}
+        return {n: tuple(self._param(n).shape) for n in [*self._params, *self._expert_rows]}
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A CPU copy of one HF-named weight, in the engine's dtype."""
-        return self._params[name].detach().to("cpu", copy=True)
+        return self._param(name).detach().to("cpu", copy=True)
+
+    def _param(self, name: str) -> torch.Tensor:
+        """The parameter, or the rows of a stacked expert tensor that a per-expert name stands for."""
+        if name in self._expert_rows:
+            stacked, e, r0, rows = self._expert_rows[name]
+            return self._params[stacked][e, r0:r0 + rows]
+        return self._params[name]
 
 
 def logits_dim(model) -> int:

@@ -83,19 +83,21 @@ class InMemoryTransport:
 
 class FP8Transport:
     """--rollout-quantization fp8 around any transport: every linear weight of the stream leaves as FP8 E4M3 with
-    128x128 block scales (polyrl.weight_sync.quantize). Servers receive that (SGLang's FP8 names; `polyrl serve`
-    dequantizes); an engine in this process gets the dequantized weights, since it runs BF16/FP32 matmuls either way.
-    The bytes returned are those of the quantized stream: what FP8 weights cost to move."""
+    128x128 block scales (polyrl.weight_sync.quantize), stacked MoE experts per expert. Servers receive that (SGLang's
+    FP8 names; `polyrl serve` dequantizes); an engine in this process gets the dequantized weights, since it runs
+    BF16/FP32 matmuls either way. The bytes returned are those of the quantized stream: what FP8 weights cost to move.
+    stacked_experts: split and quantize stacked expert tensors (False for quantize.TRANSPOSED_EXPERTS families)."""
 
-    def __init__(self, inner: WeightTransport, *, in_process: bool):
-        self.inner, self.in_process = inner, in_process
+    def __init__(self, inner: WeightTransport, *, in_process: bool, stacked_experts: bool = True):
+        self.inner, self.in_process, self.stacked_experts = inner, in_process, stacked_experts
 
     def push(self, stream: Iterable[tuple[str, torch.Tensor]], engine, version: int) -> int:
         from polyrl.weight_sync.quantize import dequantize_stream, quantize_stream, stream_nbytes
+        wire = quantize_stream(stream, stacked_experts=self.stacked_experts)
         if not self.in_process or getattr(engine, "loads_fp8_weights", False):  # the GPU engine's FP8 linears
-            return self.inner.push(quantize_stream(stream), engine, version)
+            return self.inner.push(wire, engine, version)
         moved = [0]
-        self.inner.push(dequantize_stream(stream_nbytes(quantize_stream(stream), moved)), engine, version)
+        self.inner.push(dequantize_stream(stream_nbytes(wire, moved)), engine, version)
         return moved[0]
 
 

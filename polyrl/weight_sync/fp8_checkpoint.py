@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from polyrl.weight_sync.quantize import QUANTIZATION_CONFIG, quantize_stream
+from polyrl.weight_sync.quantize import QUANTIZATION_CONFIG, TRANSPOSED_EXPERTS, quantize_stream
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX = "model.safetensors.index.json"
@@ -32,6 +32,12 @@ def write_fp8_checkpoint(src: str, dst: str) -> str:
     if not shards:
         raise FileNotFoundError(f"--rollout-quantization fp8 with a launched SGLang: {src} has no .safetensors weights "
                                 "to write the FP8 checkpoint from")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if config.get("quantization_config"):
+        raise ValueError(f"--rollout-quantization fp8: {src} is already quantized "
+                         f"({config['quantization_config'].get('quant_method')}); give a BF16/FP32 checkpoint")
+    stacked = config.get("model_type") not in TRANSPOSED_EXPERTS
     tmp = dst.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -39,18 +45,13 @@ def write_fp8_checkpoint(src: str, dst: str) -> str:
     for shard in shards:
         with safe_open(os.path.join(src, shard), framework="pt") as f:
             tensors = ((name, f.get_tensor(name)) for name in f.keys())
-            out = {n: t.contiguous() for n, t in quantize_stream(tensors)}
+            out = {n: t.contiguous() for n, t in quantize_stream(tensors, stacked_experts=stacked)}
         save_file(out, os.path.join(tmp, shard), metadata={"format": "pt"})
         weight_map.update((n, shard) for n in out)
     for name in os.listdir(src):  # the tokenizer, generation config, chat template, processor files
         path = os.path.join(src, name)
         if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES) and name not in (INDEX, "config.json"):
             shutil.copy2(path, os.path.join(tmp, name))
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    if config.get("quantization_config"):
-        raise ValueError(f"--rollout-quantization fp8: {src} is already quantized "
-                         f"({config['quantization_config'].get('quant_method')}); give a BF16/FP32 checkpoint")
     config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -7,8 +7,18 @@ weight_block_size set):
   <module>.weight_scale_inv  float32 [ceil(out / 128), ceil(in / 128)]; despite its name the dequantization multiplies:
                              w[i, j] ~= weight[i, j] * weight_scale_inv[i // 128, j // 128]
 
-and the checkpoint's config.json says `quantization_config` = QUANTIZATION_CONFIG. Embeddings, norms, the LM head and
-MoE routers stay in the trainer's dtype (SGLang builds them as unquantized layers; the router's logits pick experts and
+and the checkpoint's config.json says `quantization_config` = QUANTIZATION_CONFIG. MoE experts that the trainer holds
+stacked (transformers 5: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) leave per expert,
+as FP8 checkpoints such as Qwen3-30B-A3B-FP8 store them and SGLang's FP8 MoE loader reads them
+(python/sglang/srt/models/qwen3_moe.py Qwen3MoeForCausalLM.load_weights maps `experts.{e}.gate_proj.` / `up_proj.` /
+`down_proj.` through FusedMoE.make_expert_params_mapping onto `experts.w13_` / `experts.w2_`, so each expert's
+`weight_scale_inv` lands in the per-expert block grids that layers/quantization/fp8.py
+Fp8MoEMethod.create_fp8_moe_weight_ allocates, w13 [E, 2 ceil(I/128), ceil(H/128)] and w2 [E, ceil(H/128), ceil(I/128)]):
+
+  <prefix>.experts.{e}.gate_proj.weight / up_proj.weight   float8_e4m3fn [I, H], weight_scale_inv [ceil(I/128), ceil(H/128)]
+  <prefix>.experts.{e}.down_proj.weight                    float8_e4m3fn [H, I], weight_scale_inv [ceil(H/128), ceil(I/128)]
+
+Embeddings, norms, the LM head and MoE routers stay in the trainer's dtype (SGLang builds them as unquantized layers; the router's logits pick experts and
 the LM head's pick tokens, where a rounding flips a choice rather than nudging a value).
 
 A receiving engine that runs BF16/FP32 matmuls (the embedded engine, `polyrl serve`) dequantizes: it then samples from
@@ -32,6 +42,13 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
 # modules kept unquantized whatever their shape: embeddings, LM head, norms, MoE routers (Qwen-MoE `mlp.gate`,
 # `shared_expert_gate`; DeepSeek-V3 `mlp.gate`), vision/audio towers are not linear layers of the decoder
 _KEEP_PARTS = ("embed_tokens", "lm_head", "norm", "shared_expert_gate")
+# stacked experts (transformers 5's layout of the Qwen-MoE / Mixtral / DeepSeek families): the per-expert HF modules each
+# stacked tensor holds, row blocks of equal height in this order. GPT-OSS stacks its experts under the same names
+# transposed ([E, H, 2I], gate / up interleaved): FP8Transport is told not to split those (stacked_experts=False).
+STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# model types whose stacked expert tensors are not STACKED_EXPERTS' layout (they pass through unquantized)
+TRANSPOSED_EXPERTS = ("gpt_oss",)
+_CHUNK_ELEMENTS = 1 << 26  # stacked experts are quantized a few experts at a time: at most 256 MiB of fp32 temporaries
 
 
 def is_quantized_weight(name: str, t: torch.Tensor) -> bool:
@@ -45,6 +62,16 @@ def is_quantized_weight(name: str, t: torch.Tensor) -> bool:
     return True
 
 
+def stacked_expert_parts(name: str, t: torch.Tensor) -> list[str] | None:
+    """For a stacked expert tensor (`<prefix>.experts.gate_up_proj` / `down_proj`, 3-D float), the HF module names of
+    its parts in row order (`<prefix>.experts.{e}.gate_proj`, ...), expert by expert; None for any other tensor."""
+    prefix, _, last = name.rpartition(".")
+    if last not in STACKED_EXPERTS or not prefix.endswith(".experts") or t.dim() != 3 or not t.is_floating_point() \
+            or t.dtype == FP8_DTYPE:
+        return None
+    return [f"{prefix}.{e}.{m}" for e in range(t.shape[0]) for m in STACKED_EXPERTS[last]]
+
+
 def scale_shape(shape: tuple[int, int] | torch.Size, block: tuple[int, int] = BLOCK) -> tuple[int, int]:
     """Shape of a weight's weight_scale_inv: one scale per (partial) block, as SGLang allocates it."""
     out, inp = shape
@@ -52,21 +79,22 @@ def scale_shape(shape: tuple[int, int] | torch.Size, block: tuple[int, int] = BL
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] (any float dtype, any device) -> (weight float8_e4m3fn [out, in], weight_scale_inv float32
-    [ceil(out/bn), ceil(in/bk)]). Each block's scale maps its largest |w| onto 448, so that value lands on E4M3's
-    largest normal and every other value keeps 3 mantissa bits (relative error <= 2^-4) until it falls below E4M3's
-    normal range (2^-6 * scale). Partial blocks at the edges are scaled by their own elements."""
-    out, inp = w.shape
+    """w [..., out, in] (any float dtype, any device) -> (weight float8_e4m3fn [..., out, in], weight_scale_inv float32
+    [..., ceil(out/bn), ceil(in/bk)]): leading dimensions are a batch of matrices (stacked experts), each quantized on
+    its own. Each block's scale maps its largest |w| onto 448, so that value lands on E4M3's largest normal and every
+    other value keeps 3 mantissa bits (relative error <= 2^-4) until it falls below E4M3's normal range
+    (2^-6 * scale). Partial blocks at the edges are scaled by their own elements."""
+    *lead, out, inp = w.shape
     bn, bk = block
-    so, si = scale_shape(w.shape, block)
+    so, si = scale_shape((out, inp), block)
     x = w.detach().float()
     if so * bn != out or si * bk != inp:  # zero padding leaves each partial block's max as it is
         x = torch.nn.functional.pad(x, (0, si * bk - inp, 0, so * bn - out))
-    blocks = x.view(so, bn, si, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
+    blocks = x.view(*lead, so, bn, si, bk)
+    amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero block: any scale gives zeros
-    q = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    q = q.view(so * bn, si * bk)[:out, :inp].contiguous()
+    q = (blocks / scale[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(*lead, so * bn, si * bk)[..., :out, :inp].contiguous()
     return q, scale.contiguous()
 
 
@@ -81,12 +109,27 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return (q.float() * s).to(dtype)
 
 
-def quantize_stream(stream: Iterable[tuple[str, torch.Tensor]],
-                    block: tuple[int, int] = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF-named stream with each linear weight replaced by its FP8 weight followed by its weight_scale_inv; every
-    other tensor passes as it is. One tensor at a time, on the tensor's own device (the trainer's GPU while streaming)."""
+def quantize_stream(stream: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = BLOCK, *,
+                    stacked_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named stream with each linear weight replaced by its FP8 weight followed by its weight_scale_inv, and (with
+    stacked_experts) each stacked expert tensor by its experts' FP8 weights and scales under the per-expert names
+    (stacked_expert_parts), a few experts at a time; every other tensor passes as it is. On the tensor's own device
+    (the trainer's GPU while streaming)."""
     for name, t in stream:
-        if is_quantized_weight(name, t):
+        parts = stacked_expert_parts(name, t) if stacked_experts else None
+        if parts is not None:
+            E, rows = t.shape[0], t.shape[1] // (len(parts) // t.shape[0])
+            step = max(1, _CHUNK_ELEMENTS // t[0].numel())
+            for e0 in range(0, E, step):
+                chunk = t[e0:e0 + step]
+                per = [quantize_fp8_block(chunk[:, j * rows:(j + 1) * rows], block) for j in range(len(parts) // E)]
+                for e in range(chunk.shape[0]):
+                    for j, (q, s) in enumerate(per):
+                        module = parts[(e0 + e) * len(per) + j]
+                        # copies, not views of the chunk: safetensors (disk sync, FP8 checkpoints) refuses shared storage
+                        yield module + ".weight", q[e].clone()
+                        yield module + SCALE_SUFFIX, s[e].clone()
+        elif is_quantized_weight(name, t):
             q, s = quantize_fp8_block(t, block)
             yield name, q
             yield name[: -len(".weight")] + SCALE_SUFFIX, s

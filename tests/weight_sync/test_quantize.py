@@ -125,6 +125,64 @@ def test_names_dtypes_and_scale_shapes_are_sglangs():
                                v.view(torch.uint8) if v.dtype == FP8_DTYPE else v) for k, v in q.items())
 
 
+def test_stacked_experts_leave_per_expert_under_sglangs_names(monkeypatch, tmp_path):
+    """transformers 5's stacked experts (gate_up_proj [E, 2I, H]: gate rows, then up rows; down_proj [E, H, I]) leave
+    as the per-expert FP8 weights and block scales of Qwen3-30B-A3B-FP8-style checkpoints, which SGLang's FP8 MoE loader
+    maps onto its w13 / w2 parameters (Qwen3MoeForCausalLM.load_weights via FusedMoE.make_expert_params_mapping: names
+    `experts.{e}.{gate,up,down}_proj.`; Fp8MoEMethod.create_fp8_moe_weight_: w13_weight_scale_inv
+    [E, 2 ceil(I/128), ceil(H/128)], w2_weight_scale_inv [E, ceil(H/128), ceil(I/128)], i.e. one [ceil(out/128),
+    ceil(in/128)] grid per expert and part). Each part is quantized on its own, the same bits whatever the chunking;
+    the router stays unquantized; with stacked_experts=False (GPT-OSS's transposed layout) they pass as they are."""
+    E, I, H = 3, 200, 130  # partial blocks at both edges
+    g = torch.Generator().manual_seed(0)
+    gu, dn = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    router = torch.randn(E, H, generator=g)
+    m = "model.layers.1.mlp."
+    stream = [(m + "gate.weight", router), (m + "experts.gate_up_proj", gu), (m + "experts.down_proj", dn)]
+    got = list(quantize_stream(stream))
+    want = [(m + "gate.weight", torch.float32, (E, H))]
+    for e in range(E):
+        for part in ("gate_proj", "up_proj"):
+            want += [(f"{m}experts.{e}.{part}.weight", FP8_DTYPE, (I, H)),
+                     (f"{m}experts.{e}.{part}.weight_scale_inv", torch.float32, (2, 2))]
+    for e in range(E):
+        want += [(f"{m}experts.{e}.down_proj.weight", FP8_DTYPE, (H, I)),
+                 (f"{m}experts.{e}.down_proj.weight_scale_inv", torch.float32, (2, 2))]
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == want
+    out = dict(got)
+    for e in range(E):
+        for name, w in ((f"{m}experts.{e}.gate_proj", gu[e, :I]), (f"{m}experts.{e}.up_proj", gu[e, I:]),
+                        (f"{m}experts.{e}.down_proj", dn[e])):
+            q, sc = quantize_fp8_block(w)
+            assert torch.equal(out[name + ".weight"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                out[name + ".weight_scale_inv"], sc), name
+    save_file(out, str(tmp_path / "experts.safetensors"))  # disk sync / FP8 checkpoints: no two share storage
+    monkeypatch.setattr("polyrl.weight_sync.quantize._CHUNK_ELEMENTS", 1)  # one expert at a time: the same bits
+    again = list(quantize_stream(stream))
+    assert [n for n, _ in again] == [n for n, _ in got]
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a, b.view(torch.uint8) if b.dtype == FP8_DTYPE else b)
+               for (_, a), (_, b) in zip(again, got))
+    assert [(n, t.dtype) for n, t in quantize_stream(stream, stacked_experts=False)] == [(n, t.dtype) for n, t in stream]
+
+
+def test_transformers_engine_takes_per_expert_fp8_weights(tmp_path):
+    """The transformers engine holds Qwen3-MoE's experts stacked; the FP8 stream's per-expert names write (and read)
+    their rows, so an in-process FP8 push lands the dequantized experts there, and its weight_shapes (what `polyrl
+    serve` checks announced names against) lists them."""
+    from conftest import make_model_dir
+    d = make_model_dir(tmp_path / "moe", arch="qwen3_moe", layers=2)
+    eng = EmbeddedEngine(d)
+    w = trainer_weights(d, 1)
+    gu = "model.layers.1.mlp.experts.gate_up_proj"
+    assert w[gu].dim() == 3 and "model.layers.1.mlp.experts.7.up_proj.weight" in eng.weight_shapes()
+    FP8Transport(InMemoryTransport(1 << 12), in_process=True).push(iter(w.items()), eng, 1)
+    I = w[gu].shape[1] // 2
+    deq = lambda t: dequantize_fp8_block(*quantize_fp8_block(t))  # noqa: E731
+    assert torch.equal(eng.get_weight(gu), torch.stack([torch.cat([deq(x[:I]), deq(x[I:])]) for x in w[gu]]))
+    assert torch.equal(eng.get_weight("model.layers.1.mlp.experts.7.up_proj.weight"), deq(w[gu][7, I:]))
+    assert torch.equal(eng.get_weight("model.layers.0.mlp.gate.weight"), w["model.layers.0.mlp.gate.weight"])
+
+
 def test_quantize_runs_on_the_tensors_device_and_keeps_it():
     """GPU-capable: every op is a device op (no .cpu(), no Python loop over blocks)."""
     w = torch.randn(130, 260)

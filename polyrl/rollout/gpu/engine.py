@@ -216,6 +216,8 @@ class GPUEngine(InProcessEngine):
         if self.model.fp8:  # prefill's FP8 linears on cuBLAS: one weight dequantized, or the activations in E4M3
             mats = [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim), (2 * s.inter, s.hidden), (s.hidden, s.inter)]
             prefill += max(max(n * k for n, k in mats) * el, self.max_prefill_tokens * max(k for _, k in mats) * 33 // 32)
+            if s.moe_layers:  # prefill's FP8 experts: one layer's gate|up experts dequantized (fp8.EXPERTS_DEQUANT_MIN_ROWS)
+                prefill += s.experts * 2 * s.moe_inter * s.hidden * el
         return prefill + logits + 512 * 2**20
 
     def _blocks_from_budget(self, mem_fraction: float) -> int:

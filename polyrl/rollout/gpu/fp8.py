@@ -7,6 +7,10 @@ A fused matrix's HF parts (q, k, v) are quantized separately by the trainer, so 
 stacked; that is the grid of the fused matrix itself (row block n // 128) when every part but the last has a multiple
 of 128 rows. Otherwise (small test models) the engine keeps one scale row per weight row (`row_div` 1), expanded
 from the parts' grids on load, and the kernel reads scale row n instead of n // 128.
+
+MoE experts are held the same way, stacked: gate|up [E, 2I, H] and down [E, H, I] as float8_e4m3fn with scales
+[E, *scale_grid] (each expert's gate and up quantized on their own, like a fused matrix's parts), run by the grouped
+FP8 kernel (triton_ops.fp8_grouped_linear) or, for long prefills, dequantized into a transient copy (EXPERTS_DEQUANT_MIN_ROWS).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import torch
 
 from polyrl.weight_sync.quantize import BLOCK, dequantize_fp8_block
 
-FP8_KEYS = ("qkv_w", "o_w", "gu_w", "down_w")  # per-layer matrices held in FP8; embeddings, norms, LM head, routers
-# and (for now) MoE experts stay in the model dtype
+FP8_KEYS = ("qkv_w", "o_w", "gu_w", "down_w", "egu", "edown")  # per-layer matrices (and stacked MoE experts) held in
+# FP8; embeddings, norms, the LM head and routers stay in the model dtype
 SCALE = ".s"  # layout key of a matrix's scales: f"{i}.qkv_w.s"
 
 
@@ -42,11 +46,13 @@ def part_scale_rows(parts: list[int], j: int) -> tuple[int, int]:
 
 
 def dequantize(w: torch.Tensor, s: torch.Tensor, rdiv: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The engine's FP8 matrix as `dtype` (q * its block's scale), from either scale layout."""
-    if rdiv == BLOCK[0]:
+    """The engine's FP8 matrix as `dtype` (q * its block's scale), from either scale layout; w [..., N, K] with
+    scales [..., rows, ceil(K / 128)] (stacked experts: one grid per expert)."""
+    if rdiv == BLOCK[0] and w.dim() == 2:
         return dequantize_fp8_block(w, s, BLOCK, dtype)
-    k = w.shape[1]
-    return (w.float() * s.float().repeat_interleave(BLOCK[1], 1)[:, :k]).to(dtype)
+    n, k = w.shape[-2:]
+    full = s.float().repeat_interleave(rdiv, -2)[..., :n, :].repeat_interleave(BLOCK[1], -1)[..., :k]
+    return (w.float() * full).to(dtype)
 
 
 # How each size runs (bench/fp8_rollout.py --sweep, H100, 2026-11-27; per matrix of the Qwen2.5-1.5B / 7B layers):
@@ -108,3 +114,38 @@ def kernel_config(M: int, N: int, K: int, sms: int, mode: str = "w8a16", row_div
             break
     bm = bm or max(16, 1 << (M - 1).bit_length())
     return tile_config(M, N, K, bm, bn, bk, warps, stages, auto_split(M, N, K, bm, bn, bk, sms), quant_x)
+
+
+# FP8 MoE experts (triton_ops.fp8_grouped_linear): (token, expert) rows sorted by expert, one tile of BM rows never
+# crossing experts. At decode an expert gets few rows (B k / E: 4 at B = 64 on Qwen3-30B-A3B), so BM follows the mean
+# group size, from tl.dot's smallest 16 up to 64. Measured (bench/moe_rollout.py --experts-sweep, H100, 2026-11-27;
+# one Qwen3-30B-A3B layer's experts under a CUDA graph): the kernel takes 332 us at 64 tokens against 545 us for the
+# BF16 grouped GEMM, 1,423 us at 2,048 tokens against 1,676 us for the dequantized experts, and 2,672 us at 4,096
+# against 2,066 us, where the products bound it; the qwen3-moe-1b shape crossed between 1,024 and 4,096 tokens. So
+# from EXPERTS_DEQUANT_MIN_ROWS (token, expert) rows the layer's experts are dequantized into a transient copy for
+# torch's grouped BF16 GEMM.
+EXPERTS_DEQUANT_MIN_ROWS = 16384
+EXPERTS_TILE = dict(BN=64, BK=128, num_warps=4, num_stages=3)
+
+
+def experts_tile(rows: int, experts: int) -> dict:
+    """The grouped FP8 kernel's launch for `rows` (token, expert) rows over `experts` experts."""
+    mean = -(-rows // max(1, experts))
+    return dict(BM=min(64, max(16, 1 << (mean - 1).bit_length())), **EXPERTS_TILE)
+
+
+def expert_tiles(offs, rows: int, BM: int):
+    """(expert of each tile [T] int32, -1 past the last tile; first row of each tile [T] int32) for rows grouped by
+    expert (group e ends at offs[e]) cut into tiles of BM rows that never cross a group, with T = cdiv(rows, BM) + E
+    (each group adds at most one partial tile): the static grid of triton_ops._fp8_grouped_kernel, which computes
+    this map in registers (its reference, checked in the CPU tests)."""
+    E = offs.shape[0]
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    ntiles = (ends - starts + BM - 1) // BM
+    cum = torch.cumsum(ntiles, 0)
+    t = torch.arange(-(-rows // BM) + E, device=offs.device)
+    e = torch.searchsorted(cum, t, right=True)  # the group whose tiles cover slot t
+    ec = e.clamp(max=E - 1)
+    first = starts[ec] + (t - (cum[ec] - ntiles[ec])) * BM
+    return torch.where(e < E, ec, -1).to(torch.int32), first.to(torch.int32)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from polyrl.backends import varlen
 from polyrl.rollout.gpu import fp8 as fp8_layout
 from polyrl.rollout.gpu import ops as ref_ops
-from polyrl.weight_sync.quantize import FP8_DTYPE, SCALE_SUFFIX, Dequantizer, quantize_fp8_block
+from polyrl.weight_sync.quantize import FP8_DTYPE, SCALE_SUFFIX, Dequantizer, quantize_fp8_block, quantize_stream
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # families whose decoder is another's: MiMo-7B is a Qwen2 decoder plus MTP layers the engine never runs (a draft head
@@ -140,14 +140,16 @@ class DenseLM:
     `polyrl.rollout.gpu.triton_ops` layered over it (CUDA)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, ops=ref_ops, fp8: bool = False):
-        """fp8: the decoder linears (polyrl.rollout.gpu.fp8.FP8_KEYS) are held as float8_e4m3fn with float32 block
-        scales, inside the same flat buffer (each region a byte view of it), and run by ops.fp8_linear."""
+        """fp8: the decoder linears and MoE experts (polyrl.rollout.gpu.fp8.FP8_KEYS) are held as float8_e4m3fn with
+        float32 block scales, inside the same flat buffer (each region a byte view of it), and run by ops.fp8_linear
+        and ops.moe_experts."""
         self.spec, self.device, self.dtype, self.ops, self.fp8 = spec, device, dtype, ops, fp8
         s = spec
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         self._qkv_rows = (q, kv, kv)
         # rows of each HF part of the FP8 matrices, and their scale layout (fp8.row_div)
-        self.fp8_parts = {"qkv_w": [q, kv, kv], "o_w": [s.hidden], "gu_w": [s.inter, s.inter], "down_w": [s.hidden]}
+        self.fp8_parts = {"qkv_w": [q, kv, kv], "o_w": [s.hidden], "gu_w": [s.inter, s.inter], "down_w": [s.hidden],
+                          "egu": [s.moe_inter, s.moe_inter], "edown": [s.hidden]}  # experts: per expert
         self.row_div = {k: fp8_layout.row_div(p) for k, p in self.fp8_parts.items()}
         self.layout: list[tuple[str, tuple[int, ...]]] = [("embed", (s.vocab, s.hidden)), ("norm", (s.hidden,))]
         if not s.tied:
@@ -178,7 +180,8 @@ class DenseLM:
                     shape = dict(self.layout)[key]
                     self.kinds[key] = FP8_DTYPE
                     self.kinds[key + fp8_layout.SCALE] = torch.float32
-                    self.layout.append((key + fp8_layout.SCALE, fp8_layout.scale_grid(self.fp8_parts[k], shape[1])))
+                    grid = fp8_layout.scale_grid(self.fp8_parts[k], shape[-1])  # stacked experts: one grid per expert
+                    self.layout.append((key + fp8_layout.SCALE, (*shape[:-2], *grid)))
         el = torch.empty((), dtype=dtype).element_size()
         self.offsets: dict[str, int] = {}
         n = 0
@@ -236,23 +239,32 @@ class DenseLM:
         self.scale_of: dict[str, str] = {}  # HF weight name -> its scale's HF name
         self.fp8_of: dict[str, tuple[str, int]] = {}  # HF name of an FP8 part -> (layout key, part index)
         self.scale_expand: dict[str, tuple[int, ...]] = {}  # scale name -> the streamed (block-grid) shape
+        self.stacked_key: dict[str, str] = {}  # FP8 engine: stacked expert name -> its layout key
         if self.fp8:
             for i in range(s.layers):
-                p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-                names = {"qkv_w": [a + "q_proj", a + "k_proj", a + "v_proj"], "o_w": [a + "o_proj"],
-                         "gu_w": [m + "gate_proj", m + "up_proj"], "down_w": [m + "down_proj"]}
-                for k, mods in names.items():
+                a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+                e = m + "experts."
+                # layout key -> the HF modules of each of its matrices (one matrix, or one per expert when stacked)
+                names = {"qkv_w": [[a + "q_proj", a + "k_proj", a + "v_proj"]], "o_w": [[a + "o_proj"]],
+                         "gu_w": [[m + "gate_proj", m + "up_proj"]], "down_w": [[m + "down_proj"]],
+                         "egu": [[f"{e}{x}.gate_proj", f"{e}{x}.up_proj"] for x in range(s.experts)],
+                         "edown": [[f"{e}{x}.down_proj"] for x in range(s.experts)]}
+                if i in s.moe_layers:
+                    self.stacked_key.update({e + "gate_up_proj": f"{i}.egu", e + "down_proj": f"{i}.edown"})
+                for k, matrices in names.items():
                     key = f"{i}.{k}"
                     if key not in self.kinds:
                         continue
                     parts, sc = self.fp8_parts[k], self.w[key + fp8_layout.SCALE]
-                    for j, mod in enumerate(mods):
-                        lo, hi = fp8_layout.part_scale_rows(parts, j)
-                        hf[mod + SCALE_SUFFIX] = sc[lo:hi]
-                        self.scale_of[mod + ".weight"] = mod + SCALE_SUFFIX
-                        self.fp8_of[mod + ".weight"] = (key, j)
-                        if self.row_div[k] == 1:
-                            self.scale_expand[mod + SCALE_SUFFIX] = fp8_layout.scale_grid([parts[j]], sc.shape[1])
+                    for x, mods in enumerate(matrices):
+                        msc = sc if sc.dim() == 2 else sc[x]
+                        for j, mod in enumerate(mods):
+                            lo, hi = fp8_layout.part_scale_rows(parts, j)
+                            hf[mod + SCALE_SUFFIX] = msc[lo:hi]
+                            self.scale_of[mod + ".weight"] = mod + SCALE_SUFFIX
+                            self.fp8_of[mod + ".weight"] = (key, j)
+                            if self.row_div[k] == 1:
+                                self.scale_expand[mod + SCALE_SUFFIX] = fp8_layout.scale_grid([parts[j]], sc.shape[-1])
         self.hf = hf
         self.layers = [{k.split(".", 1)[1]: v for k, v in self.w.items() if k.startswith(f"{i}.")} for i in range(s.layers)]
 
@@ -282,15 +294,19 @@ class DenseLM:
             return fp8_layout.dequantize(self.hf[name], sc, fp8_layout.BLOCK[0], self.dtype)
         if name in self.scale_expand:
             return self.hf[name][::fp8_layout.BLOCK[0]]
+        if name in self.stacked_key:  # FP8 experts, stacked
+            key = self.stacked_key[name]
+            return fp8_layout.dequantize(self.w[key], self.w[key + fp8_layout.SCALE], self.row_div[key.split(".", 1)[1]],
+                                         self.dtype)
         return self.hf[name]
 
     def _fp8_stream(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream as the views take it: FP8 parts and their scales as they come (a float weight for an FP8 part is
-        quantized here, on the engine's device, into the same pair), scales expanded where the engine keeps one row
-        per weight row; FP8 weights the engine keeps in its own dtype (MoE experts, or an engine without FP8)
-        dequantized once their scales arrive."""
+        quantized here, on the engine's device, into the same pair; a float stacked expert tensor into its experts'
+        pairs), scales expanded where the engine keeps one row per weight row; FP8 weights the engine keeps in its own
+        dtype (an engine without FP8) dequantized once their scales arrive."""
         deq = Dequantizer()
-        for name, t in weights:
+        for name, t in self._split_stacked(weights):
             if name in self.fp8_of or (name in self.scale_expand or (name.endswith(SCALE_SUFFIX) and name in self.hf)):
                 if name in self.fp8_of and t.dtype != FP8_DTYPE:
                     q, sc = quantize_fp8_block(t.to(self.device, non_blocking=True))
@@ -306,6 +322,15 @@ class DenseLM:
                 yield from deq.feed(((name, t),))
         if deq.unpaired():
             raise ValueError("weight sync ended with unpaired FP8 tensors: " + ", ".join(deq.unpaired()))
+
+    def _split_stacked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """FP8 engine: a float stacked expert tensor becomes its experts' FP8 weights and scales (the trainer's own
+        quantization, run on the engine's device); everything else passes."""
+        for name, t in weights:
+            if name in self.stacked_key and t.dtype != FP8_DTYPE:
+                yield from quantize_stream([(name, t.to(self.device, non_blocking=True))])
+            else:
+                yield name, t
 
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool) -> set[str]:
@@ -374,12 +399,14 @@ class DenseLM:
                                    L.get("qn"), L.get("kn"), s.eps, write_k=attn.needs_k, **sc)
             a = attn(q, k, v, kv.k[i], kv.v[i], **sc)  # E4M3 already (FP8Act) where fp8_attention_out said so
             h = lin(a.reshape(a.shape[0], -1) if torch.is_tensor(a) else a, L, "o_w", L.get("o_b"))
-            if "router" in L:  # routers and experts are not FP8
+            if "router" in L:  # the router stays in the model dtype; FP8 experts take unquantized activations (w8a16)
                 x, res = o.add_rmsnorm(h, res, L["ln2"], s.eps)
                 gates, experts = o.moe_route(x, L["router"], s.top_k, s.norm_topk)
                 if routes is not None:
                     routes[:, i] = experts
-                h = o.moe_experts(x, L["egu"], L["edown"], gates, experts)
+                sc = fp8_layout.SCALE
+                fp8 = (L["egu" + sc], self.row_div["egu"], L["edown" + sc], self.row_div["edown"]) if "egu" + sc in L else None
+                h = o.moe_experts(x, L["egu"], L["edown"], gates, experts, scales=fp8)
             else:
                 x, res = norm8(h, res, L["ln2"], s.eps)
                 h = lin((o.silu_mul_fp8 if q8 else o.silu_mul)(lin(x, L, "gu_w")), L, "down_w")

@@ -97,7 +97,7 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalise: bool
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor,
-                grouped=None, act=None) -> torch.Tensor:
+                grouped=None, act=None, scales: tuple | None = None) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; gates, experts: [T, k] -> [T, H] =
     sum over the k of gate * down_e(silu(gate_e x) * up_e x).
     The T * k (token, expert) pairs are sorted by expert, so each expert's rows are one
@@ -105,14 +105,25 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate
     of a token are summed after putting the rows back in order (no atomics: deterministic).
     Only shape-static ops outside `grouped` (sort, searchsorted, gathers), so this is CUDA-graph
     safe when `grouped` is. grouped(x_rows [S, K], w [E, N, K], offs [E] int32) -> [S, N]
-    (default: grouped_linear below); act: the SiLU * up (default: silu_mul)."""
-    grouped, act = grouped or grouped_linear, act or silu_mul
+    (default: grouped_linear below); act: the SiLU * up (default: silu_mul).
+    scales: FP8 experts (gate_up, down float8_e4m3fn; polyrl.rollout.gpu.fp8): (gate_up's scales, their row_div,
+    down's scales, their row_div). Without `grouped` both are dequantized to x's dtype first, the CPU emulation's
+    weights (as fp8_linear does); a given `grouped` then takes (x_rows, w, offs, scale, row_div)."""
+    act = act or silu_mul
+    if scales is not None and grouped is None:
+        from polyrl.rollout.gpu.fp8 import dequantize
+        gate_up, down = dequantize(gate_up, scales[0], scales[1], x.dtype), dequantize(down, scales[2], scales[3], x.dtype)
+        scales = None
+    grouped = grouped or grouped_linear
     T, k = experts.shape
     order_e, perm = torch.sort(experts.reshape(-1))
     offs = torch.searchsorted(order_e, torch.arange(1, gate_up.shape[0] + 1, device=x.device, dtype=order_e.dtype),
                               out_int32=True)
     rows = x.index_select(0, perm // k)
-    y = grouped(act(grouped(rows, gate_up, offs)), down, offs)  # [T * k, H]
+    if scales is None:
+        y = grouped(act(grouped(rows, gate_up, offs)), down, offs)  # [T * k, H]
+    else:
+        y = grouped(act(grouped(rows, gate_up, offs, *scales[:2])), down, offs, *scales[2:])
     y = y * gates.reshape(-1).index_select(0, perm)[:, None]
     out = torch.empty_like(y).index_copy_(0, perm, y)
     return out.view(T, k, -1).sum(dim=1)  # one rounding of the k-term sum, like transformers' grouped_mm experts

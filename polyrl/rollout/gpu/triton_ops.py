@@ -656,8 +656,88 @@ def grouped_linear(x, w, offs):
     return out
 
 
-def moe_experts(x, gate_up, down, gates, experts):
-    return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
+def moe_experts(x, gate_up, down, gates, experts, scales=None):
+    """ops.moe_experts' contract. FP8 experts (scales given; fp8.EXPERTS_DEQUANT_MIN_ROWS says which path): fewer
+    (token, expert) rows run the grouped FP8 kernel (fp8_grouped_linear, weight-only: the emulation's weight rounding,
+    fp32 sums), more (prefill) dequantize the layer's experts into a transient copy of x's dtype, bit for bit the
+    emulation's weights, for the grouped BF16 GEMM; FP32 activations take the dequantized experts too."""
+    if scales is None:
+        return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
+    from polyrl.rollout.gpu.fp8 import EXPERTS_DEQUANT_MIN_ROWS, dequantize
+    rows = x.shape[0] * experts.shape[1]
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        gate_up, down = dequantize(gate_up, scales[0], scales[1], x.dtype), dequantize(down, scales[2], scales[3], x.dtype)
+        return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped_linear, act=silu_mul)
+    if rows >= EXPERTS_DEQUANT_MIN_ROWS:
+        def grouped(xr, w, offs, scale, row_div):  # one transient weight at a time: gate|up's is freed before down's
+            return grouped_linear(xr, fp8_dequantize(w, scale, row_div, xr.dtype), offs)
+    else:
+        def grouped(xr, w, offs, scale, row_div):
+            return fp8_grouped_linear(xr, w, scale, offs, row_div)
+    return _ref.moe_experts(x, gate_up, down, gates, experts, grouped=grouped, act=silu_mul, scales=scales)
+
+
+@triton.jit
+def _fp8_grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ends_ptr, E, N, K, stride_xm, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_ym, ROW_DIV: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    # _fp8_linear_kernel's arithmetic (FP8 weight tile * its block scale in fp32, rounded to the activations' dtype,
+    # fp32 accumulation) over rows grouped by expert (group e ends at ends[e]). Program (t, n) finds its tile in
+    # registers, fp8.expert_tiles' map: groups cut into tiles of BM rows, numbered group after group; slot t belongs to
+    # the first group whose cumulative tile count exceeds t (slots past the last tile exit). It multiplies the tile's
+    # rows by weight rows [n BN, (n + 1) BN) of that expert. Tiles of one expert are adjacent on the fastest grid
+    # axis, so its weight tile is read from HBM about once.
+    t = tl.program_id(0)
+    idx = tl.arange(0, EP)
+    ends = tl.load(ends_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(ends_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    ntiles = tl.where(idx < E, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(ntiles, 0)
+    e = tl.sum((cum <= t).to(tl.int32), 0)
+    if e >= E:
+        return
+    sel = idx == e
+    r1 = tl.sum(tl.where(sel, ends, 0), 0)
+    r0 = tl.sum(tl.where(sel, starts + (t - (cum - ntiles)) * BM, 0), 0)
+    offs_m = r0 + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mm = offs_m < r1
+    mn = offs_n < N
+    rk = tl.arange(0, BK)
+    w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + e.to(tl.int64) * stride_se + (offs_n // ROW_DIV).to(tl.int64) * stride_sn
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + rk
+        mk = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        sc = tl.load(s_rows + k0 // 128, mask=mn, other=0.0)
+        xt = tl.load(x_cols + ks[:, None], mask=mk[:, None] & mm[None, :], other=0.0)
+        acc = tl.dot((w.to(tl.float32) * sc[:, None]).to(xt.dtype), xt, acc)
+    y_off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
+
+
+def fp8_grouped_linear(x, w, scale, offs, row_div: int = 128, config: dict | None = None):
+    """x [S, K] (BF16/FP16) rows grouped by expert (ends offs [E] int32), w float8_e4m3fn [E, N, K] with block scales
+    [E, rows, ceil(K / 128)] (polyrl.rollout.gpu.fp8) -> [S, N]: ops.grouped_linear on the experts dequantized to x's
+    dtype, up to fp32 summation order. One launch of a static grid, cdiv(S, BM) + E tile slots (each group adds at most
+    one partial tile), no host syncs: CUDA-graph safe."""
+    from polyrl.rollout.gpu.fp8 import experts_tile
+    S, K = x.shape
+    E, N, _ = w.shape
+    y = torch.empty(S, N, dtype=x.dtype, device=x.device)
+    if not S:
+        return y
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    c = config or experts_tile(S, E)
+    grid = (triton.cdiv(S, c["BM"]) + E, triton.cdiv(N, c["BN"]))
+    _fp8_grouped_kernel[grid](x, w, scale, y, offs, E, N, K, x.stride(0), w.stride(0), w.stride(1), scale.stride(0),
+                              scale.stride(1), y.stride(0), ROW_DIV=row_div, EP=triton.next_power_of_2(E), BM=c["BM"],
+                              BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return y
 
 
 # ---- FP8 linears (--rollout-quantization fp8) ---------------------------------------------------
@@ -787,25 +867,32 @@ def _fp8_w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, 
 
 
 @triton.jit
-def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, ROW_DIV: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
-    # q * scale in fp32, rounded once to the output dtype: fp8.dequantize's arithmetic, element for element
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_we, stride_se,
+                        ROW_DIV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # q * scale in fp32, rounded once to the output dtype: fp8.dequantize's arithmetic, element for element; grid
+    # axis 2 walks the matrices of a stack (experts), each with its own scale grid
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = tl.program_id(2).to(tl.int64)
     msk = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=msk, other=0.0)
-    s = tl.load(s_ptr + (offs_n // ROW_DIV).to(tl.int64)[:, None] * stride_sn + (offs_k // 128)[None, :], mask=msk,
-                other=0.0)
-    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+    w = tl.load(w_ptr + m * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=msk, other=0.0)
+    s = tl.load(s_ptr + m * stride_se + (offs_n // ROW_DIV).to(tl.int64)[:, None] * stride_sn + (offs_k // 128)[None, :],
+                mask=msk, other=0.0)
+    tl.store(out_ptr + m * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
              (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=msk)
 
 
 def fp8_dequantize(w, scale, row_div: int = 128, dtype: torch.dtype = torch.bfloat16):
-    """fp8.dequantize(w, scale, row_div, dtype) on the GPU: [N, K] in `dtype`, bit for bit the CPU emulation's weight."""
-    N, K = w.shape
-    out = torch.empty(N, K, dtype=dtype, device=w.device)
-    _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, scale, out, N, K, w.stride(0), scale.stride(0),
-                                                                    ROW_DIV=row_div, BN=64, BK=128, num_warps=4)
+    """fp8.dequantize(w, scale, row_div, dtype) on the GPU: [..., N, K] in `dtype` (a stack of matrices, e.g. experts
+    [E, N, K] with scales [E, rows, ceil(K / 128)], each by its own grid), bit for bit the CPU emulation's weight."""
+    N, K = w.shape[-2:]
+    M = w.shape[0] if w.dim() == 3 else 1
+    out = torch.empty(*w.shape, dtype=dtype, device=w.device)
+    if not out.numel():
+        return out
+    _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128), M)](
+        w, scale, out, N, K, w.stride(-2), scale.stride(-2), w.stride(0) if M > 1 else 0,
+        scale.stride(0) if M > 1 else 0, ROW_DIV=row_div, BN=64, BK=128, num_warps=4)
     return out
 
 
