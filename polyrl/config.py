@@ -104,8 +104,8 @@ class RolloutConfig:
     rollout_quantization: str = opt("none", "weights the engines sample from: none (the trainer's, in the engine's dtype) | "
                                             "fp8 (every linear weight sent as FP8 E4M3 with 128x128 block scales, SGLang's "
                                             "block-FP8 names; embeddings, norms, LM head and routers as they are); the "
-                                            "GPU path of the embedded engine (and of polyrl serve) keeps the linears in "
-                                            "FP8 and runs FP8 GEMMs (activations rounded to E4M3 too); on CPU they "
+                                            "GPU path of the embedded engine (and of polyrl serve) keeps the linears and "
+                                            "MoE experts in FP8 and runs FP8 GEMMs (activations rounded to E4M3 too); on CPU they "
                                             "dequantize: either way they sample from an FP8-rounded model. Rollout "
                                             "log-probs then come from another model than the trainer's: add --use-tis "
                                             "(docs/low-precision.md)", ("none", "fp8"))
