@@ -185,8 +185,8 @@ def test_launched_servers_get_the_kv_cache_dtype(kv_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_fp8_cache_kernels_against_the_reference():
     """rope_store's E4M3 bytes and scales against ops.quantize_heads of the k / v it returns: the scale is one fp32
-    division (Triton's may be off by an ulp, 2^-23 relative), so a quotient on a rounding boundary can land one E4M3
-    step away (2^-3 of the value): allowed on under 1% of the elements. Decode attention over the same FP8 cache
+    division, which Triton compiles to div.full.f32 (up to 2 ulp off, 2^-22 relative; 2^-20 allowed), so a quotient
+    on a rounding boundary can land one E4M3 step away (2^-3 of the value): allowed on under 1% of the elements. Decode attention over the same FP8 cache
     against the reference (fp32 throughout there, BF16 probabilities x values in the kernel: 1e-2 relative, the
     bound the BF16 cache's test uses), with and without context splits, and at head_dim 128 the fused E4M3 output."""
     from polyrl.rollout.gpu import triton_ops as tops
@@ -203,10 +203,11 @@ def test_triton_fp8_cache_kernels_against_the_reference():
         # against the kernel's own rotated k (its RoPE is within BF16 rounding of the reference's, not equal to it)
         for cache, scale, x in ((k8, ks, k), (v8, vs, v)):
             want_q, want_s = ops.quantize_heads(x)
-            torch.testing.assert_close(scale[slots], want_s, rtol=2**-22, atol=0)
+            torch.testing.assert_close(scale[slots], want_s, rtol=2**-20, atol=0)
             got, ref = cache[slots].float(), want_q.float()
             off = got != ref
-            assert off.float().mean() < 0.01 and ((got - ref).abs() <= ref.abs() * 2**-3 + 2**-9)[off].all()
+            assert off.float().mean() < 0.01, f"{off.float().mean():.4f} of the E4M3 values differ"
+            assert ((got - ref).abs() <= ref.abs() * 2**-3 + 2**-9)[off].all(), (got - ref).abs().max()
         B, BS, NB = 9, 16, 256
         bt = torch.randperm(NB, device=dev)[:B * 30].view(B, 30).to(torch.int32)
         kc = (torch.randn(NB * BS, hkv, d, device=dev) * 2).to(bf)
@@ -219,11 +220,12 @@ def test_triton_fp8_cache_kernels_against_the_reference():
         split = torch.tensor([128], device=dev, dtype=torch.int32)
         for ns in (1, 4):
             got = tops.paged_decode_attention(qd, k8, v8, bt, ctx, BS, ns, split, k_scale=ks, v_scale=vs).float()
-            assert (got - want).norm() / want.norm() < 1e-2
+            assert (got - want).norm() / want.norm() < 1e-2, ((got - want).norm() / want.norm(), d, ns)
             if d == 128:
                 a8 = tops.paged_decode_attention(qd, k8, v8, bt, ctx, BS, ns, split, fp8_out=True, k_scale=ks, v_scale=vs)
                 deq = a8.q.float().view(B, hq, d) * a8.s[..., None]
-                assert (deq - want).norm() / want.norm() < 0.07  # plus E4M3 rounding of the output: <= 2^-4 each
+                # plus E4M3 rounding of the output: <= 2^-4 of each element
+                assert (deq - want).norm() / want.norm() < 0.07, ((deq - want).norm() / want.norm(), ns)
 
 
 @pytest.mark.gpu
