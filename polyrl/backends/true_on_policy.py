@@ -6,11 +6,12 @@ code over the same BF16 bits, with no weight copy.
 
 Batch invariance by fixed shapes, not by special kernels: sequences are packed into one row (padded by a dummy last
 sequence to a whole number of blocks), and every operation that reduces over a dimension runs on operands whose shape
-does not depend on the pack. Linear layers and RMSNorms run on fixed blocks of ROWS rows, so each GEMM and each norm
-reduction has one shape whatever the micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape
-cuBLAS / MKL pick one kernel, so a token's result does not depend on its neighbours or its place in the pack
-(tests/test_true_on_policy.py checks this bit for bit). Only the values need that: the backward of a Linear is two
-whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
+does not depend on the pack. Linear layers run on fixed blocks of ROWS rows, so each GEMM has one shape whatever the
+micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one kernel, so a
+token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py checks this
+bit for bit). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
+its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
+values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
 elsewhere per-sequence causal SDPA. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
 (polyrl.backends.logprobs) in chunks of exactly ROWS rows. The remaining inputs to the arithmetic are the weights (the
@@ -121,7 +122,11 @@ class _FixedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, x, *params):
         with torch.no_grad():
-            out = fixed_rows(module._polyrl_plain, x)
+            w = params[names.index("weight")] if "weight" in names else None
+            if w is not None and _rms_kernel_fits(module, x, w):
+                out = rms_rows(x, w, module.variance_epsilon)
+            else:
+                out = fixed_rows(module._polyrl_plain, x)
         ctx.module, ctx.names = module, names
         ctx.save_for_backward(x, *params)
         return out
@@ -142,6 +147,62 @@ class _FixedRows(torch.autograd.Function):
         finally:
             _mode.on = prev
         return (None, None, *(next(grads) if n else None for n in need))
+
+
+# RMSNorms whose forward is weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): on CUDA one Triton program per row
+# computes it, a launch per norm instead of ~7 per block of ROWS rows (the mode's host time went mostly to those)
+_RMS_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm")
+
+
+def _rms_kernel_fits(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A CUDA call of a known RMSNorm whose weight is a plain local tensor (not a sharded DTensor) of x's dtype."""
+    return (x.is_cuda and type(module).__name__ in _RMS_CLASSES and hasattr(module, "variance_epsilon")
+            and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
+            and tuple(weight.shape) == tuple(x.shape[-1:]) and _rms_kernel() is not None)
+
+
+_RMS = []
+
+
+def _rms_kernel():
+    if not _RMS:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _RMS.append(None)
+            return None
+
+        @triton.jit
+        def rms_rows_kernel(x_ptr, w_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
+            # one program per row, the whole row in one block: its sum of squares is one tl.sum whose order is fixed
+            # by the compiled kernel (H, BLOCK, warps), never by how many rows the launch has
+            r = tl.program_id(0).to(tl.int64)
+            c = tl.arange(0, BLOCK)
+            m = c < H
+            x = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+            h = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)).to(y_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + c, mask=m, other=0.0)
+            tl.store(y_ptr + r * H + c, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+
+        _RMS.append((triton, rms_rows_kernel))
+    return _RMS[0]
+
+
+def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) [N, H] by the row kernel (values only). x is made contiguous and 16-byte aligned so that
+    every call, the engine's and the trainer's, runs the same specialization of the kernel."""
+    triton, kernel = _rms_kernel()
+    weight = weight.contiguous()
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    n, h = x.shape
+    y = torch.empty_like(x)
+    if n:
+        block = triton.next_power_of_2(h)
+        kernel[(n,)](x, weight, y, h, eps, BLOCK=block,
+                     num_warps=max(1, min(8, block // 256)))
+    return y
 
 
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
