@@ -286,7 +286,10 @@ def run_polyrl(s: dict) -> dict:
             state["startup_s"] = now - T_WORKER - steps[0]["step_s"]
         _write_progress(s, steps, final=False, extra={"startup_s": state["startup_s"]})
         last = max(steps[-1]["step_s"], steps[-1]["wall_step_s"] or 0.0)
-        if step < s["total_steps"] and _out_of_time(s, last):
+        # a warm-up step (compiling, graph capture, pinning host memory) does not predict a measured one: after it the
+        # row goes on, and a measured step that overruns is killed with what was measured kept (a 7B row's 160 s
+        # warm-up once stopped a row whose 9 s steps fitted)
+        if step < s["total_steps"] and step > s["warmup"] and _out_of_time(s, last):
             state["stopped"] = f"row budget: stopped after step {step} of {s['total_steps']}"
             raise BudgetStop(state["stopped"])
 
@@ -354,7 +357,7 @@ def run_trl(s: dict, continuous_batching: bool) -> dict:
             if len(gen_times) == len(per_step) + 1:  # one generation batch per optimizer step
                 st["gen_s"] = gen_times[-1]
             per_step.append(st)
-            if state_.global_step < s["total_steps"] and _out_of_time(s, st["step_s"]):
+            if s["warmup"] < state_.global_step < s["total_steps"] and _out_of_time(s, st["step_s"]):  # as polyrl's
                 state["stopped"] = f"row budget: stopped after step {state_.global_step} of {s['total_steps']}"
                 control.should_training_stop = True
             phase("step start")
