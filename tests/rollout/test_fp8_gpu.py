@@ -91,6 +91,16 @@ def _sharp(tmp_path_factory, name, **kw):
     return sharpen(build_model(d, **kw)[0], d)
 
 
+def _same_greedy_generation(q8: GPUEngine, ref: GPUEngine) -> None:
+    """Both engines' greedy tokens and log-probs on TEXTS are equal (and not all the same response)."""
+    ids = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    a, b = q8.generate(ids, sp), ref.generate(ids, sp)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
+    assert len({tuple(s.response_ids) for s in a}) > 1  # not a degenerate model
+
+
 @pytest.mark.parametrize("shape", [dict(hidden=256, heads=2, kv_heads=1, layers=2),  # head_dim 128: block grids align
                                    dict(hidden=64, heads=4, kv_heads=2, layers=2)],  # k/v of 32 rows: per-row scales
                          ids=["aligned", "per-row"])
@@ -114,12 +124,7 @@ def test_fp8_engine_on_cpu_equals_the_emulation(tmp_path_factory, shape):
     for name, t in hf.items():
         assert torch.equal(q8.get_weight(name), ref.get_weight(name)), name
     assert q8.model.hf["model.layers.0.self_attn.q_proj.weight"].dtype == FP8_DTYPE
-    ids = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
-    a, b = q8.generate(ids, sp), ref.generate(ids, sp)
-    assert [s.response_ids for s in a] == [s.response_ids for s in b]
-    assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
-    assert len({tuple(s.response_ids) for s in a}) > 1  # not a degenerate model
+    _same_greedy_generation(q8, ref)
     # a float weight pushed to the FP8 engine is quantized on load; a scale of the wrong grid is refused
     name = "model.layers.1.mlp.down_proj.weight"
     q8.update_weights([(name, hf[name] * 2)], 2)
@@ -155,12 +160,7 @@ def test_fp8_moe_engine_on_cpu_equals_the_emulation(tmp_path_factory, shape):
     for name in ref.weight_shapes():  # stacked and per-expert names alike
         assert torch.equal(q8.get_weight(name), ref.get_weight(name)), name
     assert m.hf["model.layers.1.mlp.experts.5.up_proj.weight"].dtype == FP8_DTYPE
-    ids = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
-    a, b = q8.generate(ids, sp), ref.generate(ids, sp)
-    assert [s.response_ids for s in a] == [s.response_ids for s in b]
-    assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
-    assert len({tuple(s.response_ids) for s in a}) > 1  # not a degenerate model
+    _same_greedy_generation(q8, ref)
     # float weights pushed to the FP8 engine are quantized on load: a stacked tensor expert by expert, each of its
     # gate / up parts on its own (as the trainer does), and a per-expert weight as any linear
     q8.update_weights([(gu, hf[gu] * 2), (dn, hf[dn] * 3)], 2)
