@@ -828,6 +828,14 @@ def validate(cfg: Config, command: str = "train") -> None:
     if cfg.model.true_on_policy and cfg.rollout.kv_cache_dtype != "auto":
         raise ConfigError(f"--true-on-policy with --kv-cache-dtype {cfg.rollout.kv_cache_dtype}: decode would attend "
                           "to rounded keys and values the trainer never sees; drop one of them (docs/true-on-policy.md)")
+    r = cfg.rollout
+    if r.kv_cache_dtype != "auto" and not cfg.engines.rollout_external and (command == "serve" or (
+            command in ("train", "eval") and r.rollout_engine in ("embedded", "server"))):
+        from polyrl.dist import resolve_device
+        if resolve_device(cfg.cluster.device) == "cpu" or not r.rollout_gpu_engine:
+            where = "on CPU" if r.rollout_gpu_engine else "with --no-rollout-gpu-engine"
+            raise ConfigError(f"--kv-cache-dtype {r.kv_cache_dtype} {where}: only the embedded engine's GPU path (CUDA) "
+                              "keeps a paged KV cache; drop the flag")
     if cfg.model.true_on_policy and cfg.rollout.rollout_quantization != "none":
         raise ConfigError(f"--true-on-policy with --rollout-quantization {cfg.rollout.rollout_quantization}: the engine "
                           "would sample from rounded weights that the trainer does not score with; drop one of them")

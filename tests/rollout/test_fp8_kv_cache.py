@@ -165,6 +165,10 @@ def test_kv_cache_dtype_is_refused_where_it_cannot_hold(kv_model, arith_data):
     with pytest.raises(ConfigError, match="--true-on-policy with --kv-cache-dtype fp8_e4m3"):
         validate(_cfg(kv_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic", "--true-on-policy", "--kv-cache-dtype", "fp8_e4m3"),
                  "train")
+    for engine in ("embedded", "server"):  # their engines would fail at start; the run is refused before
+        with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 on CPU"):
+            validate(_cfg(kv_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic", "--device", "cpu",
+                          "--rollout-engine", engine, "--kv-cache-dtype", "fp8_e4m3"), "train")
     ext = _cfg(kv_model, "--rollout-external", "--kv-cache-dtype", "fp8_e4m3")
     with pytest.raises(ConfigError, match="--kv-cache-dtype is not honoured by --rollout-external.*start SGLang"):
         refuse_unhonoured(ext)
