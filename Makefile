@@ -25,7 +25,7 @@ demo: $(STAMP)
 # so the 2-core CI machine runs the suite in well under its 20 minutes; TEST_WORKERS=0 runs it serially.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest tests --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest tests --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
 # (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. The whole suite took 526 s on one
