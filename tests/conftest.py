@@ -142,16 +142,3 @@ def _no_leftover_process_group():
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# The files that take longest on a 2-core CPU (make test's --durations: the demo ~280 s, PPO ~195 s, ...) run first:
-# `--dist loadfile` hands whole files to the workers in collection order, and these came last alphabetically, so one
-# worker finished them alone while the other sat idle
-LONG_FIRST = ("test_demo.py", "test_ppo_learns.py", "test_fp8_rollout.py", "test_ray_job.py", "test_fsdp_equivalence.py",
-              "test_restart.py", "test_fault_tolerance.py", "test_true_on_policy.py", "test_collective_timeout.py",
-              "test_multimodal_learns.py", "test_http_engine.py", "test_metrics_ranks.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
