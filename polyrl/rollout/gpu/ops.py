@@ -21,8 +21,6 @@ import torch.nn.functional as F
 from polyrl.backends import varlen
 from polyrl.backends.gqa import repeat_kv_heads
 
-FP8_MAX = 448.0  # the largest finite E4M3 value
-
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +69,11 @@ def rope_store(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k_cach
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] -> (E4M3 [T, H, D], float32 scales [T, H]): each head vector's largest |x| onto 448 (an all-zero
-    vector gets scale 1), the quotient rounded to nearest even; x ~= q * scale."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (xf / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sc
+    """x [T, H, D] -> (E4M3 [T, H, D], float32 scales [T, H]): each head vector is one 1 x D block of the weight
+    stream's quantizer (its largest |x| onto 448, an all-zero vector scale 1, rounded to nearest even); x ~= q * scale."""
+    from polyrl.weight_sync.quantize import quantize_fp8_block
+    q, sc = quantize_fp8_block(x, block=(1, x.shape[-1]))
+    return q, sc.squeeze(-1)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
