@@ -22,6 +22,7 @@ some shapes: `pin_threads` fixes it in every process that scores.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 
@@ -161,32 +162,28 @@ def _rms_kernel_fits(module: torch.nn.Module, x: torch.Tensor, weight: torch.Ten
             and tuple(weight.shape) == tuple(x.shape[-1:]) and _rms_kernel() is not None)
 
 
-_RMS = []
-
-
+@functools.lru_cache(maxsize=1)
 def _rms_kernel():
-    if not _RMS:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            _RMS.append(None)
-            return None
+    """(triton, the row kernel), compiled on first use; None without Triton (polyrl.backends.logprobs' pattern)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
 
-        @triton.jit
-        def rms_rows_kernel(x_ptr, w_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
-            # one program per row, the whole row in one block: its sum of squares is one tl.sum whose order is fixed
-            # by the compiled kernel (H, BLOCK, warps), never by how many rows the launch has
-            r = tl.program_id(0).to(tl.int64)
-            c = tl.arange(0, BLOCK)
-            m = c < H
-            x = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
-            h = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)).to(y_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + c, mask=m, other=0.0)
-            tl.store(y_ptr + r * H + c, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+    @triton.jit
+    def rms_rows_kernel(x_ptr, w_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
+        # one program per row, the whole row in one block: its sum of squares is one tl.sum whose order is fixed
+        # by the compiled kernel (H, BLOCK, warps), never by how many rows the launch has
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < H
+        x = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+        h = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)).to(y_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + c, mask=m, other=0.0)
+        tl.store(y_ptr + r * H + c, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
 
-        _RMS.append((triton, rms_rows_kernel))
-    return _RMS[0]
+    return triton, rms_rows_kernel
 
 
 def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
