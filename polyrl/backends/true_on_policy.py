@@ -14,7 +14,7 @@ its reduction order is the compiled kernel's, whatever the launch's row count) d
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
 elsewhere per-sequence causal SDPA. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
-(polyrl.backends.logprobs) in chunks of exactly ROWS rows. The remaining inputs to the arithmetic are the weights (the
+(polyrl.backends.logprobs) in chunks of exactly HEAD_ROWS rows. The remaining inputs to the arithmetic are the weights (the
 same bits on both sides after a sync) and, on CPU, the thread count, which MKL's GEMM splits its reduction over for
 some shapes: `pin_threads` fixes it in every process that scores.
 """
@@ -44,9 +44,12 @@ def pin_threads(device: torch.device | str = "cpu") -> None:
         torch.set_num_threads(THREADS)
 
 
-# rows per block of every GEMM and norm in this mode: big enough for full-speed GEMMs on a GPU, small enough that the
-# zero padding of the last block stays cheap for the tiny CPU models (the same device type on both sides: one value)
-ROWS = {"cpu": 64, "cuda": 1024}
+# rows per block of every GEMM (and CPU norm) in this mode: big enough for full-speed GEMMs on a GPU and few launches
+# per layer, small enough that the zero padding of the last block stays cheap for the tiny CPU models (the same device
+# type on both sides: one value)
+ROWS = {"cpu": 64, "cuda": 2048}
+# rows per chunk of the log-prob head (a divisor of ROWS): its [chunk, vocabulary] logits are the chunk's memory
+HEAD_ROWS = {"cpu": 64, "cuda": 1024}
 ATTENTION = "polyrl_invariant"
 # scoring forwards pack this many tokens at most (the engine's pass over a whole batch; its shapes do not matter)
 PACK_TOKENS = 16384
@@ -298,11 +301,12 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
         hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seg), max_length_k=max(seg)
                       ).last_hidden_state[0].index_select(0, rows)
-    # the head in chunks of exactly ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
+    # the head in chunks of exactly HEAD_ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
     # one shape whatever the pack, and no [T, V] logits are kept for the backward
     n = targets.numel()
-    logp, ent = chunked_logprobs(_padded(hidden, rows_per_block), head.weight, _padded(targets, rows_per_block),
-                                 temperature=temperature, chunk_size=rows_per_block, with_entropy=with_entropy)
+    chunk = HEAD_ROWS.get(device.type, HEAD_ROWS["cuda"])
+    logp, ent = chunked_logprobs(_padded(hidden, chunk), head.weight, _padded(targets, chunk),
+                                 temperature=temperature, chunk_size=chunk, with_entropy=with_entropy)
     return logp[:n], (ent[:n] if ent is not None else None)
 
 

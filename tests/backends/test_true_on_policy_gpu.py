@@ -96,7 +96,7 @@ def test_tiny_qwen3_and_llama_bf16_exact(arch, arith_data, tmp_path, monkeypatch
 @gpu
 @pytest.mark.gpu
 def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
-    """tests/test_true_on_policy.py's invariance check on CUDA in BF16 (varlen attention, 1024-row blocks, the chunked
+    """tests/test_true_on_policy.py's invariance check on CUDA in BF16 (varlen attention, 2048-row blocks, the chunked
     head): each sequence's log-probs are the same bits alone, in packs of other orders and behind leading sequences
     that move it across block boundaries, with autograd recording or not."""
     from transformers import AutoModelForCausalLM
@@ -104,7 +104,7 @@ def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
     lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
     g = torch.Generator().manual_seed(0)
     vocab = lm.config.vocab_size
-    seqs = [(torch.randint(0, vocab, (n,), generator=g).cuda(), p) for n, p in ((700, 40), (1500, 300), (90, 89), (333, 1))]
+    seqs = [(torch.randint(0, vocab, (n,), generator=g).cuda(), p) for n, p in ((700, 40), (3000, 300), (90, 89), (1333, 1))]
     assert sum(len(x) for x, _ in seqs) > 2 * ROWS["cuda"]
     with torch.no_grad():
         alone = [sequences_logprobs(lm, [q], temperature=0.9)[0] for q in seqs]

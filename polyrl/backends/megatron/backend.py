@@ -66,6 +66,18 @@ class _Micro:
     mtp: tuple | None = None  # --enable-mtp-training, a training pass: mtp.plan_inputs (next ids, targets)
 
 
+@contextlib.contextmanager
+def _prepared(optimizer, found_inf: bool, grad_norm: float):
+    """megatron's ChainedOptimizer.step() copies the grads to the main grads and computes their norm, which the train
+    step has already done (to keep a non-finite step off the weights): inside, step() reuses both (one grad pass less)."""
+    optimizer.prepare_grads = lambda: found_inf
+    optimizer.get_grad_norm = lambda: grad_norm
+    try:
+        yield
+    finally:
+        del optimizer.prepare_grads, optimizer.get_grad_norm
+
+
 class MegatronBackend:
     """TrainBackend on megatron-core. Same constructor and methods as FSDPBackend, plus the
     `megatron` config section."""
@@ -516,10 +528,10 @@ class MegatronBackend:
                 metrics = {**metrics, "mtp_loss": per_depth.mean()}
             if item.dummy:
                 loss = loss * 0.0
-            elif report:
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            elif report:  # kept as device tensors: a host sync here would stall the GPU before each backward
+                merge_metric(sums, "loss", loss.detach().double())
                 for k, v in metrics.items():  # the largest over micro-batches and ranks for *_max, else the sum
-                    merge_metric(sums, k, float(v.detach()))
+                    merge_metric(sums, k, v.detach().double())
             return (loss + extra) * scale, {}
 
         if self._grads is not None:
@@ -532,8 +544,11 @@ class MegatronBackend:
 
         if self._offloader is not None:
             self._offloader.onload()  # --offload-train: the main parameters and Adam moments, away until the step
-        self.optimizer.prepare_grads()
+        found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
+        if sums:  # one host sync for every metric of the step
+            sums = dict(zip(sums, torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                                               for v in sums.values()]).tolist()))
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, sums)
         total: dict[str, float] = {}
@@ -550,7 +565,8 @@ class MegatronBackend:
             self._set_lr()
             if self._step_weights is not None:
                 self._step_weights.release()
-            self.optimizer.step()
+            with _prepared(self.optimizer, found_inf, grad_norm):
+                self.optimizer.step()
             if self._step_weights is not None and self._step_weights.released:
                 raise RuntimeError("megatron's optimizer skipped its inner step, so the BF16 weights released for it "
                                    "were not rewritten from the main parameters: run with --no-release-grad-buffers")

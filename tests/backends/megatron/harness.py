@@ -882,6 +882,44 @@ def mode_recompute(a) -> None:
          ok=out[True][0] == ("full", "uniform", 1) and out[False][0][0] is None and rel <= 1e-6)
 
 
+def mode_grad_norm_once(a) -> None:
+    """The train step computes the grad norm once: megatron's optimizer step reuses the step's prepared grads and
+    norm (the backend's `_prepared`) instead of computing them again. FP32, clipping active (clip 1e-3, below every
+    step's norm): 3 steps give bit-identical losses, grad norms and weights to 3 steps where megatron's step computes
+    them itself, with one get_grad_norm_fp32 call per step instead of two."""
+    import contextlib
+    import megatron.core.optimizer.optimizer as mopt
+    from polyrl.backends.megatron import backend as mb
+    init_distributed("cuda")
+    global FP32
+    FP32 = True
+    real, reused = mopt.get_grad_norm_fp32, mb._prepared
+    runs = {}
+    for reuse in (True, False):
+        calls = [0]
+
+        def counted(*args, **kw):
+            calls[0] += 1
+            return real(*args, **kw)
+        mopt.get_grad_norm_fp32 = counted
+        mb._prepared = reused if reuse else (lambda *args: contextlib.nullcontext())
+        try:
+            be = _backend(a.model)
+            for o in be.optimizer.chained_optimizers:  # clip below every norm: the reused norm scales the grads
+                o.config.clip_grad = 1e-3
+            losses, norms, weights = _curve(be, 3, 250)
+        finally:
+            mopt.get_grad_norm_fp32, mb._prepared = real, reused
+        runs[reuse] = (losses, norms, weights, calls[0])
+        del be
+        torch.cuda.empty_cache()
+    (l1, g1, w1, c1), (l0, g0, w0, c0) = runs[True], runs[False]
+    same_w = all(torch.equal(w1[k], w0[k]) for k in w0)
+    emit(check="grad_norm_once", losses=l1, losses_twice=l0, grad_norms=g1, grad_norms_twice=g0, norm_calls=c1,
+         norm_calls_twice=c0, weights_equal=same_w,
+         ok=l1 == l0 and g1 == g0 and same_w and c1 == 3 and c0 == 6 and min(g1) > 1e-3)
+
+
 def mode_optimizer_cpu_offload(a) -> None:
     """--optimizer-cpu-offload (BF16): megatron-core's hybrid-device optimizer keeps the fp32 master weights and Adam
     state on the CPU. Step 1 runs on the same weights as the GPU optimizer's run (equal loss and grad norm); later
@@ -983,7 +1021,7 @@ def mode_provider(a) -> None:
 MODES = {  # the modes that take the parsed arguments
     "layouts": mode_layouts, "resume": mode_resume, "sft-fsdp": mode_sft_fsdp,
     "attention": mode_attention, "hf-wrap": mode_hf_wrap, "replay": mode_replay,
-    "offload": mode_offload, "recompute": mode_recompute,
+    "offload": mode_offload, "recompute": mode_recompute, "grad-norm-once": mode_grad_norm_once,
     "optimizer-cpu-offload": mode_optimizer_cpu_offload, "provider": mode_provider,
 }
 

@@ -464,6 +464,11 @@ def test_gradient_checkpointing_is_megatron_full_recompute(tiny_models):
 
 
 @pytest.mark.gpu
+def test_the_train_step_computes_the_grad_norm_once(tiny_models):
+    _assert_ok(_run(["grad-norm-once", "--model", str(tiny_models / "llama")], nproc=1), 1)
+
+
+@pytest.mark.gpu
 def test_optimizer_cpu_offload_trains_like_the_gpu_optimizer(tiny_models):
     _assert_ok(_run(["optimizer-cpu-offload", "--model", str(tiny_models / "llama")], nproc=1), 1)
 
