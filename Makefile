@@ -23,9 +23,14 @@ demo: $(STAMP)
 
 # Two workers, one test file each at a time (module fixtures build once): most tests wait on subprocesses and servers,
 # so the 2-core CI machine runs the suite in well under its 20 minutes; TEST_WORKERS=0 runs it serially.
+# One intra-op thread per test process (and its subprocesses): two workers each running torch's default of a thread per
+# core oversubscribe the two cores, and the threads spin against each other (the demo and PPO tests side by side took
+# 452 and 456 s that way, 116 and 98 s with one thread each).
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: $(STAMP)
-	$(BIN)/python -m pytest tests --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests --durations=15 \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
 # (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. The whole suite took 526 s on one

@@ -149,6 +149,6 @@ def setup(device: str, backend: str, seed: int, timeout_minutes: float) -> tuple
     device = resolve_device(device)
     init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
-    if device == "cpu":
+    if device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):  # a user's OMP_NUM_THREADS (read by torch) stands
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     return device, Dist(dist.get_rank(), dist.get_world_size())
