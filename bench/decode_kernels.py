@@ -47,16 +47,10 @@ def parse_args(argv=None):
 def gpu_time(fn, iters: int, repeats: int) -> float:
     """Seconds per call of fn: iters calls captured in one CUDA graph, best of `repeats` replays."""
     import torch
+    from polyrl.rollout.gpu.graphs import capture
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
+    g, _ = capture(lambda: [fn() for _ in range(iters)], warmup=fn)
     best = float("inf")
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -224,16 +224,8 @@ def graph_us(make, n: int, iters: int = 20, reps: int = 3) -> float:
     """Microseconds per call: `iters` calls of make(i % n) captured in one CUDA graph (no launch gaps, as in the
     engine's decode step), best of `reps` replays."""
     import torch
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for i in range(min(n, 2)):
-            make(i)
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            make(i % n)
+    from polyrl.rollout.gpu.graphs import capture
+    g, _ = capture(lambda: [make(i % n) for i in range(iters)], warmup=lambda: [make(i) for i in range(min(n, 2))])
     g.replay()
     best = float("inf")
     for _ in range(reps):

@@ -60,6 +60,7 @@ def experts_sweep(shape: dict, tokens: list[int]) -> list[dict]:
 
     from polyrl.rollout.gpu import fp8 as F8
     from polyrl.rollout.gpu import triton_ops as T
+    from polyrl.rollout.gpu.graphs import capture
     from polyrl.weight_sync.quantize import quantize_fp8_block
     H, I, E, k = (shape[n] for n in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -80,15 +81,7 @@ def experts_sweep(shape: dict, tokens: list[int]) -> list[dict]:
                     fn = lambda: T.moe_experts(x, gq, dq, *T.moe_route(x, router, k, True),  # noqa: E731
                                                scales=(gs, 128, ds, 128))
                 fn()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(20):
-                        fn()
+                graph, _ = capture(lambda: [fn() for _ in range(20)], warmup=fn)
                 best = float("inf")
                 for _ in range(3):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

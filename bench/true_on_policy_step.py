@@ -30,12 +30,17 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     run = os.path.join(work, "exact" if exact else "default")
     s = dict(model_dir=model_dir, train_data=data, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
              max_new_tokens=a.new_tokens, total_steps=a.warmup + a.steps, polyrl_default_batching=True, lr=1e-6,
-             seed=0, device="cuda", run_dir=run, beta=0.0, polyrl_args=("--true-on-policy " + a.exact_args) if exact else "")
+             seed=0, device="cuda", run_dir=run, beta=0.0,
+             polyrl_args=" ".join([a.args] + (["--true-on-policy", a.exact_args] if exact else [])))
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)
     with open(os.path.join(run, "stdout.txt"), "w") as f:  # a --profile-step table lands here
         f.write(res.stdout)
+    if a.keep:
+        os.makedirs(a.keep, exist_ok=True)
+        with open(os.path.join(a.keep, f"{'exact' if exact else 'default'}_stdout.txt"), "w") as f:
+            f.write(res.stdout)
     if res.returncode != 0:
         raise RuntimeError(f"{'exact' if exact else 'default'} run failed ({res.returncode}): {res.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
@@ -59,6 +64,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--modes", default="default,exact", help="which runs: default, exact or both (comma list)")
     p.add_argument("--exact-args", default="", help="more polyrl flags for the exact run (e.g. --profile-step 3)")
+    p.add_argument("--args", default="", help="more polyrl flags for both runs (e.g. --profile-step 3)")
+    p.add_argument("--keep", default=None, metavar="DIR", help="copy each run's stdout.txt (its --profile-step table) here")
     a = p.parse_args()
     import torch
     from polyrl.tasks.arithmetic import write_datasets

@@ -15,6 +15,7 @@ from conftest import sharpen
 from polyrl.rollout.gpu import fp8 as L
 from polyrl.rollout.gpu import ops
 from polyrl.rollout.gpu.engine import GPUEngine
+from polyrl.rollout.gpu.graphs import capture
 from polyrl.types import SamplingParams
 from polyrl.weight_sync import FP8Transport, InMemoryTransport
 from polyrl.weight_sync.quantize import FP8_DTYPE, dequantize_stream, quantize_fp8_block, quantize_stream
@@ -280,14 +281,7 @@ def test_fp8_kernel_under_a_cuda_graph_reads_weights_in_place(mode, M):
     q, s = quantize_fp8_block(torch.randn(N, K, device="cuda"))
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     eager = triton_ops.fp8_linear(x, q, s, mode=mode)
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        triton_ops.fp8_linear(x, q, s, mode=mode)
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = triton_ops.fp8_linear(x, q, s, mode=mode)
+    g, out = capture(lambda: triton_ops.fp8_linear(x, q, s, mode=mode))
     for _ in range(20):
         g.replay()
         assert torch.equal(out, eager)
@@ -439,14 +433,7 @@ def test_fp8_moe_experts_under_a_cuda_graph(monkeypatch):
         return T.moe_experts(x, gq, dq, gates, ex, scales=scales), ex
 
     eager, _ = run()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        run()
-    torch.cuda.current_stream().wait_stream(st)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, routes = run()
+    graph, (out, routes) = capture(run)
     graph.replay()
     assert torch.equal(out, eager)
     x.copy_(torch.randn(T_, H, device="cuda", generator=g).to(torch.bfloat16))

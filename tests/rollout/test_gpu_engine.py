@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from polyrl.rollout.gpu.graphs import capture
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 BF16 = torch.bfloat16
@@ -483,14 +485,7 @@ def test_moe_grouped_experts_match_the_reference_and_capture_in_a_graph():
         want = ops.moe_experts(x, gu, dn, g, e)
         got, _ = run()
         assert _rel(got, want) < tol, dt
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, experts = run()
+        graph, (out, experts) = capture(run)
         x.copy_(torch.randn_like(x))
         graph.replay()
         eager, eager_e = run()

@@ -43,6 +43,7 @@ from polyrl.backends.routing_replay import routes_dtype
 from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
+from polyrl.rollout.gpu.graphs import capture
 from polyrl.rollout.gpu.kv_cache import KV_CACHE_DTYPES, BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
                                       spec_from_config)
@@ -578,17 +579,13 @@ class GPUEngine(InProcessEngine):
             self.logits_buf = torch.empty(self.max_running, self.spec.vocab, dtype=self.dtype, device=self.device)
             self.graph_pool = torch.cuda.graph_pool_handle()
         out = self.logits_buf[:B]
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):  # warm-up: compiles the kernels, settles the allocator; the step it takes is undone
+
+        def warmup():  # the step it takes is undone
             saved = (self.tokens[:B].clone(), self.ctx[:B].clone())
             self._decode_step(B, sample, out)
             self.tokens[:B].copy_(saved[0])
             self.ctx[:B].copy_(saved[1])
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.graph_pool):
-            self._decode_step(B, sample, out)
+        g, _ = capture(lambda: self._decode_step(B, sample, out), warmup=warmup, pool=self.graph_pool, device=self.device)
         self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
         return g
 
