@@ -144,11 +144,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def cpu_threads(world_size: int) -> int:
+    """Intra-op threads of a CPU rank: POLYRL_CPU_THREADS when set (make test sets 1: its workers share two cores),
+    else the cores split over the ranks. Not OMP_NUM_THREADS: torchrun sets it to 1 for every multi-process job."""
+    raw = os.environ.get("POLYRL_CPU_THREADS", "")
+    if not raw:
+        return max(1, (os.cpu_count() or 1) // world_size)
+    if not raw.isdigit() or int(raw) < 1:
+        from polyrl.config import ConfigError  # a one-line error at the command line, as a bad flag gets
+        raise ConfigError(f"POLYRL_CPU_THREADS={raw!r}: give a whole number of threads, 1 or more")
+    return int(raw)
+
+
 def setup(device: str, backend: str, seed: int, timeout_minutes: float) -> tuple[str, Dist]:
     """The process group, seeds and CPU threads of a command; returns (device, this rank's Dist)."""
     device = resolve_device(device)
     init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
-    if device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):  # a user's OMP_NUM_THREADS (read by torch) stands
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads(dist.get_world_size()))
     return device, Dist(dist.get_rank(), dist.get_world_size())
