@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,12 +36,12 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)
-    with open(os.path.join(run, "stdout.txt"), "w") as f:  # a --profile-step table lands here
+    log_path = os.path.join(run, "stdout.txt")
+    with open(log_path, "w") as f:  # a --profile-step table lands here
         f.write(res.stdout)
     if a.keep:
         os.makedirs(a.keep, exist_ok=True)
-        with open(os.path.join(a.keep, f"{'exact' if exact else 'default'}_stdout.txt"), "w") as f:
-            f.write(res.stdout)
+        shutil.copy(log_path, os.path.join(a.keep, f"{'exact' if exact else 'default'}_stdout.txt"))
     if res.returncode != 0:
         raise RuntimeError(f"{'exact' if exact else 'default'} run failed ({res.returncode}): {res.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]

@@ -132,14 +132,15 @@ def test_a_killed_train_actor_ends_the_run_with_a_message(tiny_model, arith_data
     try:
         # a Ray cluster, a launched server and two train actors start first: on a loaded 2-core machine (make test's
         # workers beside it) that took over 120 s once, so the bound is generous; it still ends a stuck start
-        deadline = time.monotonic() + 240
+        wait = 240
+        deadline = time.monotonic() + wait
         while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.2)  # training has started: both ranks are in the loop
         if not (run / "metrics.jsonl").exists():
             code = p.poll()
             p.kill()
             out = p.communicate(timeout=30)[0]
-            why = "timed out after 240 s" if code is None else f"exited {code}"
+            why = f"timed out after {wait} s" if code is None else f"exited {code}"
             raise AssertionError(f"the run never trained a step ({why}): {out[-3000:]}")
         pids = json.load(open(run / "ray_actors.json"))
         os.kill(pids["train"][1], signal.SIGKILL)
