@@ -21,12 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m polyrl.demo --run-dir runs/demo
 
-# Two workers, one test file each at a time (module fixtures build once): most tests wait on subprocesses and servers,
-# so the 2-core CI machine runs the suite in well under its 20 minutes; TEST_WORKERS=0 runs it serially.
-# One intra-op thread per test process (and its subprocesses): two workers each running torch's default of a thread per
-# core oversubscribe the two cores, and the threads spin against each other (the demo and PPO tests side by side took
+# Workers take one test file each at a time (module fixtures build once); TEST_WORKERS=0 runs the suite serially.
+# Three workers on the 2-core CI machine: many tests wait on subprocesses and servers, and a third file fills those
+# waits. One intra-op thread per test process (and its subprocesses): workers each running torch's default of a thread
+# per core oversubscribe the cores, and the threads spin against each other (the demo and PPO tests side by side took
 # 452 and 456 s that way, 116 and 98 s with one thread each).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_THREADS ?= 1
 test: $(STAMP)
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests --durations=15 \
