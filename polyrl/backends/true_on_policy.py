@@ -321,6 +321,8 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
 # graphed scoring packs are padded to a whole number of this many tokens (a multiple of ROWS["cuda"]): few pack sizes,
 # so that a few CUDA graphs serve a run
 GRAPH_ROWS = 4096
+# sequence slots per graphed pack: one per SLOT_TOKENS tokens; the attention bound: at least MIN_BOUND tokens
+SLOT_TOKENS, MIN_BOUND = 32, 256
 
 
 class GraphedScoring:
@@ -328,8 +330,8 @@ class GraphedScoring:
     longest-sequence bucket, temperature), captured on first use over static input buffers. A replay launches the
     kernels the eager pass launches, on the same shapes, so no value changes; what goes is the host's per-op work (the
     eager layers' Python, a launch per GEMM block), which left the GPU idle for most of the pass. A pack is padded to a
-    whole number of GRAPH_ROWS tokens (one dummy sequence, as sequences_logprobs pads), its sequence count to a power
-    of two with empty sequences, and the attention's longest-sequence bound to a power of two (the padding is cut into
+    whole number of GRAPH_ROWS tokens, its sequence count to T / SLOT_TOKENS (or the next power of two) with empty
+    sequences, and the attention's longest-sequence bound to a power of two of at least MIN_BOUND (the padding is cut into
     dummy sequences no longer than the real ones, so it never raises the bound): the attention reduces
     each sequence over its own keys whatever the bound and the count, which only size its grid. All graphs share one
     memory pool (replays run one at a time); the weights' addresses are baked in, so `reset()` when they move."""
@@ -351,10 +353,12 @@ class GraphedScoring:
         lens = [len(x) for x in seqs]
         total = sum(lens)
         T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
-        bound = 1 << (max(lens) - 1).bit_length()
+        bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
         pad = T - total  # dummy sequences of at most `bound` tokens: the padding never decides the bound
         seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
-        slots = 1 << (len(seg) - 1).bit_length()
+        # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
+        # sequences takes the next power of two); the empty slots only add programs that exit at once
+        slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
         key = (T, slots, bound, temperature)
         if key not in self.graphs:
             self.graphs[key] = self._capture(T, slots, bound, temperature)

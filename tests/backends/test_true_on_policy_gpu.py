@@ -127,7 +127,7 @@ def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
 @pytest.mark.gpu
 def test_half_b_shape_graphed_scoring_equals_the_eager_pass(half_b):
     """The engine's scoring pass replayed from CUDA graphs (GraphedScoring: packs padded to GRAPH_ROWS tokens, the
-    sequence count to a power of two, the attention bound to a power of two) gives each sequence the bits of the
+    sequence count to a slot count per pack size, the attention bound to a power of two) gives each sequence the bits of the
     eager pass (sequences_logprobs, which pads to ROWS and bounds the attention by the pack's own longest sequence),
     over packs of other compositions that share a graph and others that need a new one; a replay with the weights
     changed in place reads the new weights."""
@@ -142,8 +142,8 @@ def test_half_b_shape_graphed_scoring_equals_the_eager_pass(half_b):
         return [(torch.randint(0, vocab, (n,), generator=g).tolist(), p) for n, p in shape]
 
     packs = [pack(((300, 40), (290, 12), (257, 200))), pack(((310, 30), (100, 99), (280, 1))),  # one graph
-             pack(((700, 40), (3000, 300), (90, 89), (1333, 1), (5, 2))),  # another: 8 slots, 4096 bound, 8192 rows
-             pack(((270, 14),) * 60)]  # 60 sequences of a GRPO batch: 64 slots, 16384 rows
+             pack(((700, 40), (3000, 300), (90, 89), (1333, 1), (5, 2))),  # another: 8192 rows, 4096 bound
+             pack(((270, 14),) * 60)]  # 60 sequences of a GRPO batch: 16384 rows
     with torch.no_grad():
         for k, seqs in enumerate(packs):
             got = graphs([x for x, _ in seqs], [p for _, p in seqs], 0.9)
