@@ -334,18 +334,28 @@ class GraphedScoring:
     sequences, and the attention's longest-sequence bound to a power of two of at least MIN_BOUND (the padding is cut into
     dummy sequences no longer than the real ones, so it never raises the bound): the attention reduces
     each sequence over its own keys whatever the bound and the count, which only size its grid. All graphs share one
-    memory pool (replays run one at a time); the weights' addresses are baked in, so `reset()` when they move."""
+    memory pool (replays run one at a time). The weights' addresses are baked in: `use(addresses)` names where they
+    are now, and the graphs of the last MAX_SETS places are kept (an engine that sleeps beside a trainer may get its
+    weights back at one of two alternating addresses)."""
+
+    MAX_SETS = 2
 
     def __init__(self, lm: torch.nn.Module, device: torch.device):
         self.lm, self.device = lm, device
+        self.sets: dict[tuple, dict[tuple, tuple]] = {}  # weights' addresses -> (pack key -> graph), oldest first
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
         self.captures = self.resets = 0
 
-    def reset(self) -> None:
-        self.resets += bool(self.graphs)
-        self.graphs.clear()
-        self.pool = None
+    def use(self, addresses: tuple) -> None:
+        """The weights are at `addresses` now: replay the graphs captured for them, if any (dropping the oldest set
+        beyond MAX_SETS: a reset)."""
+        if addresses not in self.sets:
+            if len(self.sets) >= self.MAX_SETS:
+                self.sets.pop(next(iter(self.sets)))
+                self.resets += 1
+            self.sets[addresses] = {}
+        self.graphs = self.sets[addresses]
 
     def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
         """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
@@ -474,8 +484,8 @@ class EngineScorer:
             parent, _, leaf = name.rpartition(".")
             self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(src, requires_grad=False)
         self._bound = key
-        if self.graphs is not None:  # they read the old addresses
-            self.graphs.reset()
+        if self.graphs is not None:  # graphs read the weights where they were captured
+            self.graphs.use(key)
 
     @torch.no_grad()
     def __call__(self, samples: list, sp) -> list:
