@@ -277,6 +277,26 @@ def register_attention() -> str:
     return ATTENTION
 
 
+def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targets, temperature: float,
+                     with_entropy: bool = False):
+    """The scoring arithmetic over one pack (ids / pos [T], T a whole number of ROWS; cu the int32 sequence bounds;
+    rows [N] the pack rows whose next token is targets [N]): log-probs [N rounded up to HEAD_ROWS] and entropy | None.
+    sequences_logprobs and the engine's CUDA graphs (GraphedScoring) both run exactly this."""
+    base = getattr(lm, lm.base_model_prefix)
+    head = lm.get_output_embeddings()
+    if head.bias is not None:
+        raise ValueError("--true-on-policy: an LM head with a bias is not supported by the log-prob head")
+    with invariant():
+        hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
+                      ).last_hidden_state[0].index_select(0, rows)
+    # the head in chunks of exactly HEAD_ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
+    # one shape whatever the pack, and no [T, V] logits are kept for the backward
+    chunk = HEAD_ROWS.get(ids.device.type, HEAD_ROWS["cuda"])
+    return chunked_logprobs(_padded(hidden, chunk), head.weight, _padded(targets, chunk), temperature=temperature,
+                            chunk_size=chunk, with_entropy=with_entropy)
+
+
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
@@ -293,33 +313,111 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     starts = cu[:-1].tolist()
     rows = torch.cat([torch.arange(st + p - 1, st + n - 1, device=device) for st, n, (_, p) in zip(starts, lens, sequences)])
     targets = torch.cat([x[p:] for x, p in sequences])
-    base = getattr(lm, lm.base_model_prefix)
-    head = lm.get_output_embeddings()
-    if head.bias is not None:
-        raise ValueError("--true-on-policy: an LM head with a bias is not supported by the log-prob head")
-    with invariant():
-        hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
-                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seg), max_length_k=max(seg)
-                      ).last_hidden_state[0].index_select(0, rows)
-    # the head in chunks of exactly HEAD_ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
-    # one shape whatever the pack, and no [T, V] logits are kept for the backward
     n = targets.numel()
-    chunk = HEAD_ROWS.get(device.type, HEAD_ROWS["cuda"])
-    logp, ent = chunked_logprobs(_padded(hidden, chunk), head.weight, _padded(targets, chunk),
-                                 temperature=temperature, chunk_size=chunk, with_entropy=with_entropy)
+    logp, ent = _packed_logprobs(lm, ids, pos, cu, max(seg), rows, targets, temperature, with_entropy)
     return logp[:n], (ent[:n] if ent is not None else None)
 
 
-def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device) -> list[torch.Tensor]:
-    """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time."""
+# graphed scoring packs are padded to a whole number of this many tokens (a multiple of ROWS["cuda"]): few pack sizes,
+# so that a few CUDA graphs serve a run
+GRAPH_ROWS = 4096
+# sequence slots per graphed pack: one per SLOT_TOKENS tokens; the attention bound: at least MIN_BOUND tokens
+SLOT_TOKENS, MIN_BOUND = 32, 256
+
+
+class GraphedScoring:
+    """The engine's scoring pass on CUDA (no autograd) replayed from CUDA graphs, one per (pack tokens, sequence slots,
+    longest-sequence bucket, temperature), captured on first use over static input buffers. A replay launches the
+    kernels the eager pass launches, on the same shapes, so no value changes; what goes is the host's per-op work (the
+    eager layers' Python, a launch per GEMM block), which left the GPU idle for most of the pass. A pack is padded to a
+    whole number of GRAPH_ROWS tokens, its sequence count to T / SLOT_TOKENS (or the next power of two) with empty
+    sequences, and the attention's longest-sequence bound to a power of two of at least MIN_BOUND (the padding is cut into
+    dummy sequences no longer than the real ones, so it never raises the bound): the attention reduces
+    each sequence over its own keys whatever the bound and the count, which only size its grid. All graphs share one
+    memory pool (replays run one at a time). The weights' addresses are baked in: `use(addresses)` names where they
+    are now, and the graphs of the last MAX_SETS places are kept (an engine that sleeps beside a trainer may get its
+    weights back at one of two alternating addresses)."""
+
+    MAX_SETS = 2
+
+    def __init__(self, lm: torch.nn.Module, device: torch.device):
+        self.lm, self.device = lm, device
+        self.sets: dict[tuple, dict[tuple, tuple]] = {}  # weights' addresses -> (pack key -> graph), oldest first
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = None
+        self.captures = self.resets = 0
+
+    def use(self, addresses: tuple) -> None:
+        """The weights are at `addresses` now: replay the graphs captured for them, if any (dropping the oldest set
+        beyond MAX_SETS: a reset)."""
+        if addresses not in self.sets:
+            if len(self.sets) >= self.MAX_SETS:
+                self.sets.pop(next(iter(self.sets)))
+                self.resets += 1
+            self.sets[addresses] = {}
+        self.graphs = self.sets[addresses]
+
+    def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
+        """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
+        log-probs [sum of responses] on the CPU."""
+        lens = [len(x) for x in seqs]
+        total = sum(lens)
+        T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
+        bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
+        pad = T - total  # dummy sequences of at most `bound` tokens: the padding never decides the bound
+        seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
+        # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
+        # sequences takes the next power of two); the empty slots only add programs that exit at once
+        slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
+        key = (T, slots, bound, temperature)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(T, slots, bound, temperature)
+        (ids, pos, cu, rows, targets), logp, graph = self.graphs[key]
+        flat = [t for x in seqs for t in x]
+        starts = [0]
+        for n in seg:
+            starts.append(starts[-1] + n)
+        want = [r for st, n, p in zip(starts, lens, prompts) for r in range(st + p - 1, st + n - 1)]
+        host = {"ids": flat + [0] * (T - total), "pos": [i for n in seg for i in range(n)],
+                "cu": starts + [T] * (slots + 1 - len(starts)), "rows": want + [0] * (T - len(want)),
+                "targets": [t for x, p in zip(seqs, prompts) for t in x[p:]] + [0] * (T - len(want))}
+        for buf, name in ((ids, "ids"), (pos, "pos"), (cu, "cu"), (rows, "rows"), (targets, "targets")):
+            buf.copy_(torch.tensor(host[name], dtype=buf.dtype), non_blocking=True)
+        graph.replay()
+        return logp[:len(want)].cpu()
+
+    def _capture(self, T: int, slots: int, bound: int, temperature: float) -> tuple:
+        from polyrl.rollout.gpu.graphs import capture
+        d = self.device
+        # until the first replay's inputs are copied in: sequences of `bound` tokens (T <= slots x bound holds for
+        # every pack of this key, so the warm-up and the capture see a valid pack)
+        ids, rows, targets = (torch.zeros(T, dtype=torch.long, device=d) for _ in range(3))
+        pos = torch.arange(T, device=d) % bound
+        cu = (torch.arange(slots + 1, device=d) * bound).clamp(max=T).to(torch.int32)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature),
+                                   pool=self.pool, device=d)
+        self.captures += 1
+        return (ids, pos, cu, rows, targets), logp, graph
+
+
+def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device,
+                  graphs: GraphedScoring | None = None) -> list[torch.Tensor]:
+    """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time (through
+    `graphs`, CUDA graphs of the same arithmetic, when given)."""
     out: list[torch.Tensor] = []
     group: list = []
 
     def flush():
         if group:
-            seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(device, non_blocking=True),
-                     len(s.prompt_ids)) for s in group]
-            lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+            if graphs is not None:
+                lp = graphs([s.prompt_ids + s.response_ids for s in group], [len(s.prompt_ids) for s in group],
+                            temperature)
+            else:
+                seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(device, non_blocking=True),
+                         len(s.prompt_ids)) for s in group]
+                lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
             out.extend(lp.split([len(s.response_ids) for s in group]))
             group.clear()
 
@@ -349,7 +447,8 @@ class EngineScorer:
     rotary buffers (computed on the CPU, as the trainer's from_pretrained computes them) and one sequence's
     activations. The views are re-read whenever the engine's buffer moved (sleep / wake rebinds them)."""
 
-    def __init__(self, hf_checkpoint: str, weights, *, device: torch.device, dtype: torch.dtype):
+    def __init__(self, hf_checkpoint: str, weights, *, device: torch.device, dtype: torch.dtype,
+                 cuda_graph: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
         config = AutoConfig.from_pretrained(hf_checkpoint)
         with torch.device("meta"):
@@ -362,6 +461,8 @@ class EngineScorer:
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.lm.get_submodule(parent) if parent else self.lm, leaf, fresh)
         self.weights, self.device, self._bound = weights, device, None
+        self.graphs = GraphedScoring(self.lm, device) if cuda_graph and torch.device(device).type == "cuda" else None
+        self._seen = (0, 0)  # the graphs' captures and resets at the last stats()
         self.sampler_diff: float | None = None  # the largest |decode log-prob - reported log-prob| since stats()
         self.score_s = 0.0
 
@@ -383,6 +484,8 @@ class EngineScorer:
             parent, _, leaf = name.rpartition(".")
             self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(src, requires_grad=False)
         self._bound = key
+        if self.graphs is not None:  # graphs read the weights where they were captured
+            self.graphs.use(key)
 
     @torch.no_grad()
     def __call__(self, samples: list, sp) -> list:
@@ -394,7 +497,7 @@ class EngineScorer:
         self._bind()
         temperature = 0.0 if sp.greedy else sp.temperature
         todo = [s for s in samples if s.response_ids]
-        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device)):
+        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device, self.graphs)):
             decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             self.sampler_diff = max(self.sampler_diff or 0.0, float((logp - decoded).abs().max()))
             s.rollout_logprobs = logp.tolist()
@@ -407,6 +510,10 @@ class EngineScorer:
         if self.sampler_diff is None:
             return {}
         out = {"rollout/sampler_logprob_abs_diff_max": self.sampler_diff, "rollout/score_s": self.score_s}
+        if self.graphs is not None:  # CUDA graphs captured for new pack shapes since the last call
+            out["rollout/score_graph_captures"] = float(self.graphs.captures - self._seen[0])
+            out["rollout/score_graph_resets"] = float(self.graphs.resets - self._seen[1])
+            self._seen = (self.graphs.captures, self.graphs.resets)
         self.sampler_diff, self.score_s = None, 0.0
         return out
 

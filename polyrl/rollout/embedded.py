@@ -326,7 +326,8 @@ def make_embedded_engine(hf_checkpoint: str, *, device: str = "cpu", gpu_engine:
                             **{k: v for k, v in kw.items() if k in ("dtype", "max_batch")})
             if kw.get("true_on_policy"):  # it samples with its own kernels and reports the trainer's scoring
                 from polyrl.backends.true_on_policy import EngineScorer
-                eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
+                eng.rescore = EngineScorer(hf_checkpoint, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype,
+                                           cuda_graph=eng.cuda_graph)
             return eng
         if kv_cache_dtype != "auto":
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the embedded engine's GPU path does not support "

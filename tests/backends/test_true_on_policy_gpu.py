@@ -44,7 +44,8 @@ def run_exact(model: str, data: str, tmp_path, monkeypatch, *extra: str) -> tupl
 
     def seen(self, prompts, params):
         out = generate(self, prompts, params)
-        engines.append((self.cuda_graph, len(self.graphs), self.rescore is not None))
+        scorer = self.rescore
+        engines.append((self.cuda_graph, len(self.graphs), scorer is not None and scorer.graphs.captures > 0))
         return out
     monkeypatch.setattr(GPUEngine, "generate", seen)
     rm = tmp_path / "rm.py"
@@ -71,7 +72,7 @@ def assert_exact(rs: list[dict], records: list[dict], engines: list[tuple]) -> N
         # the control: the CUDA-graph decode's own log-probs differ from the reported ones (BF16 kernels of another
         # shape), so an exact zero above is the scoring function's doing
         assert r["rollout/sampler_logprob_abs_diff_max"] > 0
-    # every call went through the GPU engine with captured CUDA graphs and the scorer
+    # every call went through the GPU engine with captured CUDA graphs and the scorer's graphed scoring pass
     assert engines and all(g and n > 0 and scored for g, n, scored in engines), engines
     assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 16
     assert {r["call"] for r in records} == {1, 2, 3}
@@ -120,6 +121,41 @@ def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
     assert torch.equal(with_grad.detach(), torch.cat(alone))
     with_grad.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lm.parameters())
+
+
+@gpu
+@pytest.mark.gpu
+def test_half_b_shape_graphed_scoring_equals_the_eager_pass(half_b):
+    """The engine's scoring pass replayed from CUDA graphs (GraphedScoring: packs padded to GRAPH_ROWS tokens, the
+    sequence count to a slot count per pack size, the attention bound to a power of two) gives each sequence the bits of the
+    eager pass (sequences_logprobs, which pads to ROWS and bounds the attention by the pack's own longest sequence),
+    over packs of other compositions that share a graph and others that need a new one; a replay with the weights
+    changed in place reads the new weights."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import GraphedScoring, prepare, sequences_logprobs
+    lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
+    graphs = GraphedScoring(lm, torch.device("cuda"))
+    g = torch.Generator().manual_seed(1)
+    vocab = lm.config.vocab_size
+
+    def pack(shape):
+        return [(torch.randint(0, vocab, (n,), generator=g).tolist(), p) for n, p in shape]
+
+    packs = [pack(((300, 40), (290, 12), (257, 200))), pack(((310, 30), (100, 99), (280, 1))),  # one graph
+             pack(((700, 40), (3000, 300), (90, 89), (1333, 1), (5, 2))),  # another: 8192 rows, 4096 bound
+             pack(((270, 14),) * 60)]  # 60 sequences of a GRPO batch: 16384 rows
+    with torch.no_grad():
+        for k, seqs in enumerate(packs):
+            got = graphs([x for x, _ in seqs], [p for _, p in seqs], 0.9)
+            want = sequences_logprobs(lm, [(torch.tensor(x).cuda(), p) for x, p in seqs], temperature=0.9)[0].cpu()
+            assert torch.equal(got, want), (k, (got - want).abs().max())
+        assert graphs.captures == 3 and len(graphs.graphs) == 3
+        for p in lm.parameters():  # an in-place weight update (the engine's sync) is what the next replay reads
+            p.mul_(0.5)
+        seqs = packs[0]
+        got = graphs([x for x, _ in seqs], [p for _, p in seqs], 0.9)
+        want = sequences_logprobs(lm, [(torch.tensor(x).cuda(), p) for x, p in seqs], temperature=0.9)[0].cpu()
+        assert torch.equal(got, want) and graphs.captures == 3
 
 
 @gpu

@@ -180,6 +180,7 @@ class GPUEngine(InProcessEngine):
         self.buckets = [b for b in BUCKETS if b < R] + [R]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        self._captures = [0, 0.0]  # decode graphs captured, and their seconds, since stats()
         self.logits_buf: torch.Tensor | None = None
         self._cpu_flat: torch.Tensor | None = None
         self.asleep = False
@@ -310,7 +311,15 @@ class GPUEngine(InProcessEngine):
         return self._results  # type: ignore[return-value]
 
     def stats(self) -> dict[str, float]:
-        return self.rescore.stats() if self.rescore is not None else {}
+        """Since the last call: the decode CUDA graphs captured (a wake that finds its weights and KV cache at new
+        addresses drops them) and their capture time; with --true-on-policy, the scorer's figures."""
+        out = {}
+        if self.cuda_graph:
+            out = {"rollout/graph_captures": float(self._captures[0]), "rollout/graph_capture_s": self._captures[1]}
+            self._captures = [0, 0.0]
+        if self.rescore is not None:
+            out.update(self.rescore.stats())
+        return out
 
     def _fits(self, g: _Group) -> bool:
         return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n) <= self.alloc.num_free
@@ -586,7 +595,9 @@ class GPUEngine(InProcessEngine):
             self.tokens[:B].copy_(saved[0])
             self.ctx[:B].copy_(saved[1])
         g, _ = capture(lambda: self._decode_step(B, sample, out), warmup=warmup, pool=self.graph_pool, device=self.device)
-        self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + dt
+        self._captures = [self._captures[0] + 1, self._captures[1] + dt]
         return g
 
     # ---- timing ------------------------------------------------------------------------------
