@@ -335,27 +335,22 @@ class GraphedScoring:
     dummy sequences no longer than the real ones, so it never raises the bound): the attention reduces
     each sequence over its own keys whatever the bound and the count, which only size its grid. All graphs share one
     memory pool (replays run one at a time). The weights' addresses are baked in: `use(addresses)` names where they
-    are now, and the graphs of the last MAX_SETS places are kept (an engine that sleeps beside a trainer may get its
-    weights back at one of two alternating addresses)."""
-
-    MAX_SETS = 2
+    are now, and the graphs of the last two places are kept (GraphSets)."""
 
     def __init__(self, lm: torch.nn.Module, device: torch.device):
+        from polyrl.rollout.gpu.graphs import GraphSets
         self.lm, self.device = lm, device
-        self.sets: dict[tuple, dict[tuple, tuple]] = {}  # weights' addresses -> (pack key -> graph), oldest first
-        self.graphs: dict[tuple, tuple] = {}
+        self.sets = GraphSets()  # weights' addresses -> (pack key -> (inputs, output, graph))
         self.pool = None
-        self.captures = self.resets = 0
+        self.captures = 0
 
     def use(self, addresses: tuple) -> None:
-        """The weights are at `addresses` now: replay the graphs captured for them, if any (dropping the oldest set
-        beyond MAX_SETS: a reset)."""
-        if addresses not in self.sets:
-            if len(self.sets) >= self.MAX_SETS:
-                self.sets.pop(next(iter(self.sets)))
-                self.resets += 1
-            self.sets[addresses] = {}
-        self.graphs = self.sets[addresses]
+        """The weights are at `addresses` now: replay the graphs captured for them, if any."""
+        self.sets.use(addresses)
+
+    @property
+    def resets(self) -> int:
+        return self.sets.resets
 
     def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
         """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
@@ -370,9 +365,10 @@ class GraphedScoring:
         # sequences takes the next power of two); the empty slots only add programs that exit at once
         slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
         key = (T, slots, bound, temperature)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(T, slots, bound, temperature)
-        (ids, pos, cu, rows, targets), logp, graph = self.graphs[key]
+        graphs = self.sets.current
+        if key not in graphs:
+            graphs[key] = self._capture(T, slots, bound, temperature)
+        (ids, pos, cu, rows, targets), logp, graph = graphs[key]
         flat = [t for x in seqs for t in x]
         starts = [0]
         for n in seg:

@@ -43,7 +43,7 @@ from polyrl.backends.routing_replay import routes_dtype
 from polyrl.rollout.base import InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
-from polyrl.rollout.gpu.graphs import capture
+from polyrl.rollout.gpu.graphs import GraphSets, capture
 from polyrl.rollout.gpu.kv_cache import KV_CACHE_DTYPES, BlockAllocator, KVCache
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
                                       spec_from_config)
@@ -178,7 +178,7 @@ class GPUEngine(InProcessEngine):
         self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self.is_cuda else 1
         self.decode_splits = decode_splits
         self.buckets = [b for b in BUCKETS if b < R] + [R]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_sets = GraphSets()  # decode graphs per (weights, KV cache) addresses: a graph reads them baked in
         self.graph_pool = None
         self._captures = [0, 0.0]  # decode graphs captured, and their seconds, since stats()
         self.logits_buf: torch.Tensor | None = None
@@ -186,7 +186,7 @@ class GPUEngine(InProcessEngine):
         self.asleep = False
         self._stale = False  # awake, but the GPU buffer does not hold the weights yet (see wake)
         self._host_valid = True  # False after a sleep that kept no host copy, until a full update
-        self._graph_ptrs = (0, 0)  # the weights' and KV cache's addresses the graphs were captured with
+        self._graph_sets.use(self._addresses())
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         self.rescore = None  # --true-on-policy: polyrl.backends.true_on_policy.EngineScorer
@@ -631,6 +631,14 @@ class GPUEngine(InProcessEngine):
         st["ttft_first_s"], st["ttft_mean_s"] = (min(ttft), sum(ttft) / len(ttft)) if ttft else (0.0, 0.0)
 
     # ---- weights & memory --------------------------------------------------------------------
+    @property
+    def graphs(self) -> dict:
+        """The decode graphs captured for where the weights and the KV cache are now, by (batch bucket, sample, filter)."""
+        return self._graph_sets.current
+
+    def _addresses(self) -> tuple[int, int]:
+        return self.model.flat.data_ptr(), self.kv.data.data_ptr() if self.kv.data is not None else 0
+
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """In place (same storage, so captured graphs stay valid); while asleep, into the host copy (an engine that
@@ -680,11 +688,11 @@ class GPUEngine(InProcessEngine):
         trainer shares this process (shares_allocator): it holds them and pushes them all after every wake (as SGLang
         drops them without --enable-weights-cpu-backup), which saves a device-to-host copy of the model per RL step.
         The captured CUDA graphs are kept, with their pool and the logits buffer: a wake that gets the weights and the
-        KV cache back at the same addresses (the caching allocator's usual answer) replays them instead of capturing."""
+        KV cache back at addresses they had before (the last two places are remembered) replays that place's graphs
+        instead of capturing."""
         if not self.is_cuda:
             return
         if self.model.flat.is_cuda:
-            self._graph_ptrs = (self.model.flat.data_ptr(), self.kv.data.data_ptr() if self.kv.data is not None else 0)
             if self.shares_allocator:  # no host buffer at all (it would be model-sized pinned RAM, never filled)
                 self._host_valid = False
                 self.model.bind(torch.empty(self.model.numel, dtype=self.dtype, device="meta"))
@@ -712,10 +720,8 @@ class GPUEngine(InProcessEngine):
             self.kv.allocate()
             self._split_val = -1
         self.asleep = not self.model.flat.is_cuda or self.kv.data is None
-        if not self.asleep and self.graphs and self._graph_ptrs != (self.model.flat.data_ptr(), self.kv.data.data_ptr()):
-            self.graphs.clear()  # they read the old addresses; recaptured on first use
-            self.graph_pool = self.logits_buf = None
-            log.debug("GPU engine: weights or KV cache came back at new addresses; CUDA graphs will be recaptured")
+        if not self.asleep:
+            self._graph_sets.use(self._addresses())
 
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -17,3 +17,26 @@ def capture(fn, *, warmup=None, pool=None, device=None):
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+class GraphSets:
+    """Captured graphs by key, one set per place of the memory they read. A graph bakes in the addresses of the tensors
+    it reads (weights, KV cache), so memory that comes back elsewhere after a sleep needs graphs of its own; the sets of
+    the last `keep` places are kept, because memory freed and reallocated beside a trainer tends to alternate between
+    two places (measured: the --true-on-policy engine's decode graphs were captured again at every step with one set)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.sets: dict[tuple, dict] = {}  # place -> (key -> graph), least recently used first
+        self.current: dict = {}
+        self.resets = 0  # sets dropped for a new place
+
+    def use(self, place: tuple) -> None:
+        """The memory is at `place` now: the graphs captured for it, if any, are the current set."""
+        graphs = self.sets.pop(place, None)
+        if graphs is None:
+            graphs = {}
+            if len(self.sets) >= self.keep:
+                self.sets.pop(next(iter(self.sets)))  # the place used least recently
+                self.resets += 1
+        self.sets[place] = self.current = graphs

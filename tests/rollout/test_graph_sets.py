@@ -1,0 +1,23 @@
+"""polyrl.rollout.gpu.graphs.GraphSets: which captured graphs a place of memory gets back (pure bookkeeping, CPU)."""
+
+from polyrl.rollout.gpu.graphs import GraphSets
+
+
+def test_two_alternating_places_keep_their_graphs_and_a_third_drops_the_oldest():
+    sets = GraphSets(keep=2)
+    sets.use((1, 2))
+    sets.current["b128"] = "graph at A"
+    sets.use((3, 4))
+    assert sets.current == {}  # new place: nothing to replay
+    sets.current["b128"] = "graph at B"
+    for _ in range(3):  # weights that alternate between two places replay each place's own graphs
+        sets.use((1, 2))
+        assert sets.current == {"b128": "graph at A"}
+        sets.use((3, 4))
+        assert sets.current == {"b128": "graph at B"}
+    assert sets.resets == 0
+    sets.use((5, 6))  # a third place drops the set used least recently
+    assert sets.resets == 1 and list(sets.sets) == [(3, 4), (5, 6)]
+    sets.use((3, 4))  # using a place makes it the newest: the next new place drops (5, 6)
+    sets.use((7, 8))
+    assert list(sets.sets) == [(3, 4), (7, 8)] and sets.current == {} and sets.resets == 2
