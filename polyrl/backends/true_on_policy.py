@@ -91,17 +91,11 @@ def fixed_rows(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 class _FixedRowsLinear(torch.autograd.Function):
-    """y = x W^T + b with a forward whose rows do not depend on the pack: on CUDA in BF16 / FP16 one launch of the
-    fixed-configuration Triton GEMM (invariant_mm), elsewhere cuBLAS / MKL on fixed blocks of ROWS rows (each written
-    into the output in place: no cat); the backward as two whole GEMMs: only the values must not depend on the pack,
-    the gradient is the layer's."""
+    """y = x W^T + b with the forward on fixed blocks of ROWS rows (each written into the output in place: no cat),
+    the backward as two whole GEMMs: only the values must not depend on the pack, the gradient is the layer's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        if _mm_fits(x, weight, bias):  # one launch for the whole pack (its rows do not see M either)
-            return invariant_mm(x, weight, bias)
         rows, n = _rows(x), x.shape[0]
         xp = _padded(x, rows)
         out = xp.new_empty(xp.shape[0], weight.shape[0])
@@ -111,6 +105,8 @@ class _FixedRowsLinear(torch.autograd.Function):
                 torch.mm(c, wt, out=o)
             else:
                 torch.addmm(bias, c, wt, out=o)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
         return out[:n] if out.shape[0] != n else out
 
     @staticmethod
@@ -166,13 +162,12 @@ def _rms_kernel_fits(module: torch.nn.Module, x: torch.Tensor, weight: torch.Ten
     """A CUDA call of a known RMSNorm whose weight is a plain local tensor (not a sharded DTensor) of x's dtype."""
     return (x.is_cuda and type(module).__name__ in _RMS_CLASSES and hasattr(module, "variance_epsilon")
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
-            and tuple(weight.shape) == tuple(x.shape[-1:]) and _kernels() is not None)
+            and tuple(weight.shape) == tuple(x.shape[-1:]) and _rms_kernel() is not None)
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels():
-    """(triton, the RMSNorm row kernel, the GEMM kernel), compiled on first use; None without Triton
-    (polyrl.backends.logprobs' pattern)."""
+def _rms_kernel():
+    """(triton, the row kernel), compiled on first use; None without Triton (polyrl.backends.logprobs' pattern)."""
     try:
         import triton
         import triton.language as tl
@@ -191,74 +186,16 @@ def _kernels():
         w = tl.load(w_ptr + c, mask=m, other=0.0)
         tl.store(y_ptr + r * H + c, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
 
-    # M is not specialized (Triton would compile another variant for M % 16 == 0): one kernel for every row count
-    @triton.jit(do_not_specialize=["M"])
-    def mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP: tl.constexpr):
-        # y = x W^T (+ b): one program per BM x BN output tile, K walked in BK steps in one order, FP32 accumulation,
-        # the bias added in FP32 and one rounding. A row's value is its own row, W and this loop: never the grid's size
-        pid = tl.program_id(0)
-        tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        per_group = GROUP * tiles_n  # GROUP row tiles share the weight tiles they read while those sit in L2
-        first = (pid // per_group) * GROUP
-        size = tl.minimum(tiles_m - first, GROUP)
-        pm = first + (pid % per_group) % size
-        pn = (pid % per_group) // size
-        rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-        rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            acc = tl.dot(a, b, acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    return triton, rms_rows_kernel, mm_kernel
-
-
-# the GEMM's one configuration: chosen by nothing (not M, not the device), so that every call of a layer, the engine's
-# and the trainer's, runs the same kernel
-MM_CONFIG = dict(BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=4)
-
-
-def _mm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """A CUDA BF16 / FP16 Linear with plain local tensors (not a sharded DTensor) of x's dtype. FP32 stays on cuBLAS
-    in blocks (Triton's FP32 dot would round the inputs to TF32)."""
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and type(weight) in plain and (bias is None or (type(bias) in plain and bias.dtype == x.dtype))
-            and _kernels() is not None)
-
-
-def invariant_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] W[N, K]^T (+ bias) in one launch whose rows do not depend on M or on their place in x (values only).
-    Operands are made contiguous and 16-byte aligned, so that every call runs the same specialization."""
-    triton, _, kernel = _kernels()
-    x, weight = _aligned(x), _aligned(weight)
-    bias = _aligned(bias) if bias is not None else None
-    (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        c = MM_CONFIG
-        grid = (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),)
-        kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, HAS_BIAS=bias is not None, **c)
-    return y
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+    return triton, rms_rows_kernel
 
 
 def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) [N, H] by the row kernel (values only). x is made contiguous and 16-byte aligned so that
     every call, the engine's and the trainer's, runs the same specialization of the kernel."""
-    triton, kernel, _ = _kernels()
-    weight, x = weight.contiguous(), _aligned(x)
+    triton, kernel = _rms_kernel()
+    weight = weight.contiguous()
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
     n, h = x.shape
     y = torch.empty_like(x)
     if n:
