@@ -202,3 +202,18 @@ def test_two_runs_with_the_same_seeds_log_the_same_metrics_on_cuda(half_b, arith
     assert len(a) == 3
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert x == y, (step, {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
+
+
+@gpu
+@pytest.mark.gpu
+def test_exact_through_a_launched_polyrl_serve_on_cuda(arith_data, tmp_path, monkeypatch):
+    """--rollout-engine server on CUDA: the launched `polyrl serve` runs the GPU engine with the scorer over its own
+    weights (--true-on-policy on its command line), the weights reach it from disk (trainer and server share the one
+    GPU, where NCCL cannot pair two processes), and every loss-masked token of 3 steps agrees bit for bit."""
+    model = make_model_dir(tmp_path / "qwen3", arch="qwen3", hidden=128, layers=2, tied=True)
+    rs, records, _ = run_exact(model, arith_data["train"], tmp_path, monkeypatch, "--rollout-engine", "server",
+                               "--weight-sync", "disk", "--micro-batch-size", "3")
+    assert [r["step"] for r in rs] == [1, 2, 3]
+    for r in rs:
+        assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["grad_norm"] > 0, r
+    assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 16
