@@ -13,7 +13,8 @@ bit for bit). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel w
 its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
-elsewhere per-sequence causal SDPA. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
+elsewhere per-sequence causal SDPA. MoE routers run on the fixed blocks, each expert's GEMMs too, and a token's
+expert outputs are added in expert order. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
 (polyrl.backends.logprobs) in chunks of exactly HEAD_ROWS rows. The remaining inputs to the arithmetic are the weights (the
 same bits on both sides after a sync) and, on CPU, the thread count, which MKL's GEMM splits its reduction over for
 some shapes: `pin_threads` fixes it in every process that scores.
@@ -220,17 +221,65 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _FixedRows.apply(self, names, x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
 
 
+def _router_forward(self, hidden_states: torch.Tensor):
+    """A top-k router (row-wise: each token's route is its own) run on fixed blocks of ROWS rows, under autograd, its
+    outputs (logits, gates, indices) concatenated: the router GEMM then has one shape whatever the pack."""
+    if not _active():
+        return self._polyrl_plain(hidden_states)
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    rows, n = _rows(x), x.shape[0]
+    outs = [self._polyrl_plain(c) for c in _padded(x, rows).split(rows)]
+    return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
+
+
+def _experts_fit(m: torch.nn.Module) -> bool:
+    """HF's stacked-experts layout the invariant forward implements: gate_up_proj [E, 2I, H] ([gate; up]),
+    down_proj [E, H, I], no biases (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral in transformers 5)."""
+    gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+            and not getattr(m, "is_transposed", False) and not getattr(m, "has_bias", False)
+            and getattr(m, "has_gate", True) and getattr(m, "is_concatenated", True) and hasattr(m, "act_fn"))
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """HF's eager expert loop with every expert GEMM on fixed blocks (_FixedRowsLinear). A token's output is the sum of
+    its experts' outputs added in increasing expert order (one index_add_ per expert, each token once per call), so it
+    depends on its own hidden state and route only, not on which other tokens an expert got."""
+    if not _active():
+        return self._polyrl_plain(hidden_states, top_k_index, top_k_weights)
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        hit = torch.unique(top_k_index[(top_k_index >= 0) & (top_k_index < self.gate_up_proj.shape[0])]).tolist()
+    for e in hit:
+        tok, pos = torch.where(top_k_index == e)
+        gate, up = _FixedRowsLinear.apply(hidden_states[tok], self.gate_up_proj[e], None).chunk(2, dim=-1)
+        h = _FixedRowsLinear.apply(self.act_fn(gate) * up, self.down_proj[e], None)
+        out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
+    return out
+
+
 def prepare(lm: torch.nn.Module) -> torch.nn.Module:
-    """Route lm's Linear layers and RMSNorms through fixed blocks inside `invariant()` (outside it, as before: the
-    engine's own generation is untouched) and make its attention the per-sequence one. Idempotent."""
+    """Route lm's Linear layers, RMSNorms, MoE routers and stacked experts through fixed blocks inside `invariant()`
+    (outside it, as before: the engine's own generation is untouched) and make its attention the per-sequence one.
+    Idempotent. A stacked-experts layout the mode does not implement is refused."""
     for m in lm.modules():
         if getattr(m, "_polyrl_invariant", False):
             continue
+        name = type(m).__name__
         if isinstance(m, torch.nn.Linear):
             m.forward = types.MethodType(_linear_forward, m)
-        elif type(m).__name__.endswith("RMSNorm"):
+        elif name.endswith("RMSNorm"):
             m._polyrl_plain = m.forward
             m.forward = types.MethodType(_norm_forward, m)
+        elif name.endswith("TopKRouter"):
+            m._polyrl_plain = m.forward
+            m.forward = types.MethodType(_router_forward, m)
+        elif name.endswith("Experts") and hasattr(m, "gate_up_proj"):
+            if not _experts_fit(m):
+                raise ValueError(f"--true-on-policy: {name}'s expert layout (transposed, biased or interleaved "
+                                 f"weights) has no batch-invariant forward in polyrl")
+            m._polyrl_plain = m.forward
+            m.forward = types.MethodType(_experts_forward, m)
         else:
             continue
         m._polyrl_invariant = True
@@ -297,6 +346,12 @@ def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targ
                             chunk_size=chunk, with_entropy=with_entropy)
 
 
+def packed_tokens(lens: list[int], device: torch.device) -> int:
+    """The token count of sequences_logprobs' pack of sequences of `lens` tokens (a dummy last sequence pads it to a
+    whole number of ROWS: every layer then sees whole blocks, no per-layer pad)."""
+    return sum(lens) + (-sum(lens)) % ROWS.get(torch.device(device).type, ROWS["cuda"])
+
+
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
@@ -304,8 +359,7 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     | None. One packed forward; each token's value is the one it gets alone or in any other pack. Differentiable."""
     device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
-    rows_per_block = ROWS.get(device.type, ROWS["cuda"])
-    pad = (-sum(lens)) % rows_per_block  # a dummy last sequence: every layer then sees whole blocks, no per-layer pad
+    pad = packed_tokens(lens, device) - sum(lens)
     ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
     seg = lens + ([pad] if pad else [])
     pos = torch.cat([torch.arange(n, device=device) for n in seg])
@@ -539,6 +593,10 @@ def refuse_unsupported(cfg, command: str) -> None:
                  "through SDPA (or eager), which reads no packed sequence boundaries")
     if m.compile:
         raise no("--compile", "compiled kernels would differ between the engine's and the trainer's forwards")
+    if m.use_routing_replay or m.use_rollout_routing_replay:
+        raise no("--use-rollout-routing-replay" if m.use_rollout_routing_replay else "--use-routing-replay",
+                 "both sides route every token with the same function, so their routes already agree; replaying "
+                 "recorded routes would make the trainer compute another function than the engine's scoring pass")
     if m.lora_rank:
         raise no("--lora-rank", "the engine runs merged weights while the trainer adds the adapters, a different "
                  "arithmetic")

@@ -27,7 +27,7 @@ from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl import multimodal
 from polyrl.backends.parallel_dims import ParallelDims
-from polyrl.backends.true_on_policy import pin_threads, sequences_logprobs
+from polyrl.backends.true_on_policy import packed_tokens, pin_threads, sequences_logprobs
 from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -241,9 +241,9 @@ class FSDPBackend:
         if self.exact:
             cpu = self.device.type == "cpu"
             if (self.dtype != torch.float32 if cpu else self.dtype not in (torch.bfloat16, torch.float32)) \
-                    or self.peft is not None or self.routing is not None:
-                raise ValueError("--true-on-policy: the FSDP backend implements it for dense models without LoRA, on "
-                                 "CPU in FP32 and on CUDA in BF16 or FP32")
+                    or self.peft is not None or (self.routing is not None and not cpu):
+                raise ValueError("--true-on-policy: the FSDP backend implements it without LoRA, for dense models on "
+                                 "CPU in FP32 and on CUDA in BF16 or FP32, and for MoE models on CPU in FP32")
             pin_threads(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
@@ -431,6 +431,11 @@ class FSDPBackend:
         dummy = (torch.zeros(2, dtype=torch.long), 1)
         mb = batch.select(idx) if idx else TrainBatch([dummy[0]], [dummy[1]])
         seqs = list(zip(mb.input_ids, mb.prompt_lens))
+        if self.routing is not None and model is self.model:  # MoE: count the routing (replay is refused in this mode)
+            lens = [int(x.numel()) for x, _ in seqs]
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            self.routing.begin_at([torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, self.device),
+                                  self.device, count=bool(idx))
         logp, ent = model(None, None, None, None, None, temperature, with_entropy,
                           sequences=[(ids.to(self.device), p) for ids, p in seqs])
         lens = mb.response_lens
