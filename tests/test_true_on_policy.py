@@ -344,10 +344,11 @@ def test_an_moe_tokens_value_does_not_depend_on_its_pack(tiny_moe):
     assert mlp.experts.gate_up_proj.grad.abs().sum() > 0 and mlp.gate.weight.grad.abs().sum() > 0
 
 
-def test_moe_exact_over_three_steps_and_routing_replay_refused(tiny_moe, arith_data, tmp_path, monkeypatch, capsys):
+def test_moe_exact_over_three_steps_with_and_without_rollout_routing_replay(tiny_moe, arith_data, tmp_path, monkeypatch,
+                                                                            capsys):
     """Qwen3-MoE through the embedded engine: every token exact at every step, with the routing counted (moe/* metrics)
-    and a load-balancing loss added; replaying recorded routes (R2 / R3) is refused, since both sides already route
-    each token with the same function."""
+    and a load-balancing loss added; with R3 (--use-rollout-routing-replay) the engine reports the routes of its
+    scoring pass and the trainer replays them, still exact; R2 is refused (it records a pass the mode skips)."""
     from polyrl.cli import main
     rm = tmp_path / "rm.py"
     rm.write_text(REWARD)
@@ -359,8 +360,21 @@ def test_moe_exact_over_three_steps_and_routing_replay_refused(tiny_moe, arith_d
     assert_exact_rows(rs)
     assert assert_every_token_exact(records) >= 3 * 16
     assert all(r["moe/load_max_over_mean"] >= 1.0 and r["moe/aux_loss"] > 0 for r in rs)  # routing counted, aux loss on
-    assert main(argv("r3", "--use-rollout-routing-replay")) == 2
-    assert "--true-on-policy with --use-rollout-routing-replay" in capsys.readouterr().err
+    from polyrl.backends.routing_replay import MoERouting
+    replays: list[bool] = []
+    begin_at = MoERouting.begin_at
+
+    def seen(self, positions, n, device, **kw):
+        replays.append(bool(kw.get("replay")))
+        return begin_at(self, positions, n, device, **kw)
+    monkeypatch.setattr(MoERouting, "begin_at", seen)
+    records.clear()
+    rs = train(argv("r3", "--micro-batch-size", "3", "--use-rollout-routing-replay"))  # R3: the scoring pass's routes
+    assert_exact_rows(rs)
+    assert assert_every_token_exact(records) >= 3 * 16
+    assert any(replays) and all(r["moe/routed_experts_bytes"] > 0 for r in rs)
+    assert main(argv("r2", "--use-routing-replay")) == 2
+    assert "--true-on-policy with --use-routing-replay" in capsys.readouterr().err
 
 
 def test_gradients_flow_through_the_scoring_function(tiny_model):

@@ -352,6 +352,13 @@ def packed_tokens(lens: list[int], device: torch.device) -> int:
     return sum(lens) + (-sum(lens)) % ROWS.get(torch.device(device).type, ROWS["cuda"])
 
 
+def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """(each sequence's token positions in sequences_logprobs' pack, the pack's token count): what MoERouting.begin_at
+    takes to count, record or replay the routes of one scoring forward."""
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return [torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, device)
+
+
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
@@ -453,9 +460,10 @@ class GraphedScoring:
 
 
 def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device,
-                  graphs: GraphedScoring | None = None) -> list[torch.Tensor]:
+                  graphs: GraphedScoring | None = None, routing=None) -> list[torch.Tensor]:
     """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time (through
-    `graphs`, CUDA graphs of the same arithmetic, when given)."""
+    `graphs`, CUDA graphs of the same arithmetic, when given). routing: lm's MoERouting, to set each sample's
+    routed_experts to the routes of this pass (what the trainer's forward computes too, so R3 replays its own routes)."""
     out: list[torch.Tensor] = []
     group: list = []
 
@@ -467,7 +475,17 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
             else:
                 seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(device, non_blocking=True),
                          len(s.prompt_ids)) for s in group]
-                lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+                if routing is not None:
+                    routing.begin_at(*pack_positions([len(x) for x, _ in seqs], device), device, record=True,
+                                     count=False)
+                try:
+                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+                    if routing is not None:
+                        for s, routes in zip(group, routing.recorded(drop_last=True)):
+                            s.routed_experts = routes
+                finally:
+                    if routing is not None:
+                        routing.end()
             out.extend(lp.split([len(s.response_ids) for s in group]))
             group.clear()
 
@@ -593,10 +611,10 @@ def refuse_unsupported(cfg, command: str) -> None:
                  "through SDPA (or eager), which reads no packed sequence boundaries")
     if m.compile:
         raise no("--compile", "compiled kernels would differ between the engine's and the trainer's forwards")
-    if m.use_routing_replay or m.use_rollout_routing_replay:
-        raise no("--use-rollout-routing-replay" if m.use_rollout_routing_replay else "--use-routing-replay",
-                 "both sides route every token with the same function, so their routes already agree; replaying "
-                 "recorded routes would make the trainer compute another function than the engine's scoring pass")
+    if m.use_routing_replay:
+        raise no("--use-routing-replay", "R2 records the routes of the trainer's old-log-prob pass, which this mode "
+                 "skips (the rollout's log-probs are the old policy's); --use-rollout-routing-replay (R3) replays the "
+                 "routes of the engine's scoring pass")
     if m.lora_rank:
         raise no("--lora-rank", "the engine runs merged weights while the trainer adds the adapters, a different "
                  "arithmetic")

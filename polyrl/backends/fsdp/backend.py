@@ -27,7 +27,7 @@ from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl import multimodal
 from polyrl.backends.parallel_dims import ParallelDims
-from polyrl.backends.true_on_policy import packed_tokens, pin_threads, sequences_logprobs
+from polyrl.backends.true_on_policy import pack_positions, pin_threads, sequences_logprobs
 from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -431,11 +431,15 @@ class FSDPBackend:
         dummy = (torch.zeros(2, dtype=torch.long), 1)
         mb = batch.select(idx) if idx else TrainBatch([dummy[0]], [dummy[1]])
         seqs = list(zip(mb.input_ids, mb.prompt_lens))
-        if self.routing is not None and model is self.model:  # MoE: count the routing (replay is refused in this mode)
-            lens = [int(x.numel()) for x, _ in seqs]
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            self.routing.begin_at([torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, self.device),
-                                  self.device, count=bool(idx))
+        if self.routing is not None and model is self.model:
+            # MoE: count the routing; R3 replays the routes of the engine's scoring pass (the routes this forward computes
+            # too: the replayed gates are the same softmax entries, so the values stay the engine's)
+            replay = bool(idx) and self.mcfg.use_rollout_routing_replay
+            if replay and mb.rollout_routed_experts is None:
+                raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the engine "
+                                 "must return them")
+            self.routing.begin_at(*pack_positions([int(x.numel()) for x, _ in seqs], self.device), self.device,
+                                  routes=mb.rollout_routed_experts if replay else None, replay=replay, count=bool(idx))
         logp, ent = model(None, None, None, None, None, temperature, with_entropy,
                           sequences=[(ids.to(self.device), p) for ids, p in seqs])
         lens = mb.response_lens
