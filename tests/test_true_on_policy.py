@@ -344,6 +344,36 @@ def test_an_moe_tokens_value_does_not_depend_on_its_pack(tiny_moe):
     assert mlp.experts.gate_up_proj.grad.abs().sum() > 0 and mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_the_gpu_engines_scorer_reports_moe_logprobs_and_the_routes_of_its_scoring_pass(tiny_moe):
+    """The GPU engine's reporter over a Qwen3-MoE (CPU, FP32, reference ops): its stacked expert views feed the
+    invariant expert loop, the reported log-probs are sequences_logprobs of the checkpoint's HF model, and with
+    return_routed_experts (R3) each sample's routes are those of that scoring pass (the trainer's forward computes the
+    same ones), not the decode's."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.backends.routing_replay import MoERouting
+    from polyrl.backends.true_on_policy import EngineScorer, pack_positions, pin_threads, prepare, sequences_logprobs
+    from polyrl.rollout.gpu.engine import GPUEngine
+    from polyrl.types import SamplingParams
+    pin_threads()
+    eng = GPUEngine(tiny_moe, device="cpu", dtype=torch.float32, num_kv_blocks=256, block_size=4)
+    eng.rescore = EngineScorer(tiny_moe, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype)
+    assert eng.rescore.routing is not None and eng.rescore.graphs is None
+    hf = prepare(AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval())
+    routing = MoERouting.attach(hf)
+    out = eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=1,
+                                                                     return_routed_experts=True))
+    for s in out:
+        ids = torch.tensor(s.prompt_ids + s.response_ids)
+        routing.begin_at(*pack_positions([len(ids)], "cpu"), "cpu", record=True, count=False)
+        with torch.no_grad():
+            want = sequences_logprobs(hf, [(ids, len(s.prompt_ids))], temperature=1.0)[0]
+        (routes,) = routing.recorded(drop_last=True)
+        routing.end()
+        assert s.rollout_logprobs == want.tolist()
+        assert torch.equal(s.routed_experts.long(), routes.long())
+
+
 def test_moe_exact_over_three_steps_with_and_without_rollout_routing_replay(tiny_moe, arith_data, tmp_path, monkeypatch,
                                                                             capsys):
     """Qwen3-MoE through the embedded engine: every token exact at every step, with the routing counted (moe/* metrics)

@@ -529,7 +529,11 @@ class EngineScorer:
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.lm.get_submodule(parent) if parent else self.lm, leaf, fresh)
         self.weights, self.device, self._bound = weights, device, None
-        self.graphs = GraphedScoring(self.lm, device) if cuda_graph and torch.device(device).type == "cuda" else None
+        from polyrl.backends.routing_replay import MoERouting
+        self.routing = MoERouting.attach(self.lm)  # MoE: the routes of the scoring pass, for a request that asks (R3)
+        # an MoE layer's expert loop reads which experts were hit back to the host: not capturable, so MoE scores eagerly
+        graphed = cuda_graph and torch.device(device).type == "cuda" and self.routing is None
+        self.graphs = GraphedScoring(self.lm, device) if graphed else None
         self._seen = (0, 0)  # the graphs' captures and resets at the last stats()
         self.sampler_diff: float | None = None  # the largest |decode log-prob - reported log-prob| since stats()
         self.score_s = 0.0
@@ -565,7 +569,8 @@ class EngineScorer:
         self._bind()
         temperature = 0.0 if sp.greedy else sp.temperature
         todo = [s for s in samples if s.response_ids]
-        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device, self.graphs)):
+        routing = self.routing if sp.return_routed_experts else None  # R3: this pass's routes, not the decode's
+        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device, self.graphs, routing)):
             decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             self.sampler_diff = max(self.sampler_diff or 0.0, float((logp - decoded).abs().max()))
             s.rollout_logprobs = logp.tolist()

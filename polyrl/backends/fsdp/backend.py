@@ -241,9 +241,9 @@ class FSDPBackend:
         if self.exact:
             cpu = self.device.type == "cpu"
             if (self.dtype != torch.float32 if cpu else self.dtype not in (torch.bfloat16, torch.float32)) \
-                    or self.peft is not None or (self.routing is not None and not cpu):
-                raise ValueError("--true-on-policy: the FSDP backend implements it without LoRA, for dense models on "
-                                 "CPU in FP32 and on CUDA in BF16 or FP32, and for MoE models on CPU in FP32")
+                    or self.peft is not None:
+                raise ValueError("--true-on-policy: the FSDP backend implements it without LoRA, on CPU in FP32 and on "
+                                 "CUDA in BF16 or FP32")
             pin_threads(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
