@@ -73,6 +73,19 @@ def assert_every_token_exact(records: list[dict], first_minibatch_only: int = 0)
     return compared
 
 
+def spy_routing(setattr_) -> list[bool]:
+    """Whether each MoE routing forward (MoERouting.begin_at) replayed given routes, in call order."""
+    from polyrl.backends.routing_replay import MoERouting
+    replays: list[bool] = []
+    begin_at = MoERouting.begin_at
+
+    def seen(self, positions, n, device, **kw):
+        replays.append(bool(kw.get("replay")))
+        return begin_at(self, positions, n, device, **kw)
+    setattr_(MoERouting, "begin_at", seen)
+    return replays
+
+
 def base_args(model: str, data: str, rm: str, run) -> list[str]:
     return ["train", "--hf-checkpoint", model, "--prompt-data", data, "--custom-rm-path", f"{rm}:digits",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6", "--lr", "1e-2",
@@ -390,14 +403,7 @@ def test_moe_exact_over_three_steps_with_and_without_rollout_routing_replay(tiny
     assert_exact_rows(rs)
     assert assert_every_token_exact(records) >= 3 * 16
     assert all(r["moe/load_max_over_mean"] >= 1.0 and r["moe/aux_loss"] > 0 for r in rs)  # routing counted, aux loss on
-    from polyrl.backends.routing_replay import MoERouting
-    replays: list[bool] = []
-    begin_at = MoERouting.begin_at
-
-    def seen(self, positions, n, device, **kw):
-        replays.append(bool(kw.get("replay")))
-        return begin_at(self, positions, n, device, **kw)
-    monkeypatch.setattr(MoERouting, "begin_at", seen)
+    replays = spy_routing(monkeypatch.setattr)
     records.clear()
     rs = train(argv("r3", "--micro-batch-size", "3", "--use-rollout-routing-replay"))  # R3: the scoring pass's routes
     assert_exact_rows(rs)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_model_dir
-from test_true_on_policy import assert_every_token_exact, install_spy, rows
+from test_true_on_policy import assert_every_token_exact, install_spy, rows, spy_routing
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with make test-gpu on a GPU machine)")
 
@@ -227,15 +227,8 @@ def test_tiny_qwen3_moe_bf16_exact(arith_data, tmp_path, monkeypatch, r3):
     """Qwen3-MoE on CUDA in BF16: the GPU engine decodes with its own MoE kernels (CUDA graphs), its scorer runs the
     invariant router and expert loop eagerly (the loop reads the experts hit back to the host, which a graph cannot),
     the trainer runs the same; with R3 the trainer replays the scoring pass's routes. Every token exact over 3 steps."""
-    from polyrl.backends.routing_replay import MoERouting
     model = make_model_dir(tmp_path / "moe", arch="qwen3_moe", hidden=128, layers=2)
-    replays: list[bool] = []
-    begin_at = MoERouting.begin_at
-
-    def seen(self, positions, n, device, **kw):
-        replays.append(bool(kw.get("replay")))
-        return begin_at(self, positions, n, device, **kw)
-    monkeypatch.setattr(MoERouting, "begin_at", seen)
+    replays = spy_routing(monkeypatch.setattr)
     extra = ["--micro-batch-size", "3"] + (["--use-rollout-routing-replay"] if r3 else [])
     rs, records, engines = run_exact(model, arith_data["train"], tmp_path, monkeypatch, *extra)
     assert [r["step"] for r in rs] == [1, 2, 3]
