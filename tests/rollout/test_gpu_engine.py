@@ -316,12 +316,13 @@ def test_sleep_releases_weights_and_kv_cache_and_wake_restores(qwen2_dir):
     prompts = [[3, 4, 5, 6]] * 4
     want = e.generate(prompts, sp)
     held = e.model.nbytes + e.kv.nbytes
-    alloc0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    # this process's own figures: the device's free memory also moves with other test workers on the same GPU
+    alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     e.sleep()
-    alloc1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-    _report("sleep_wake", {"held_bytes": held, "allocated_drop": alloc0 - alloc1, "free_gain": free1 - free0})
+    alloc1, reserved1 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    _report("sleep_wake", {"held_bytes": held, "allocated_drop": alloc0 - alloc1, "returned": reserved0 - reserved1})
     assert alloc0 - alloc1 >= 0.95 * held
-    assert free1 - free0 >= 0.9 * held
+    assert reserved0 - reserved1 >= 0.9 * held  # handed back to the driver (empty_cache), not only freed
     with pytest.raises(RuntimeError, match="wake"):
         e.generate(prompts, sp)
     e.wake()
