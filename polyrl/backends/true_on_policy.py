@@ -630,9 +630,6 @@ def refuse_unsupported(cfg, command: str) -> None:
         shown = {"external": "--rollout-external", "none": "--debug-train-only"}.get(kind, f"--rollout-engine {kind}")
         who = ", ".join(k for k, c in ENGINE_CAPABILITIES.items() if "true_on_policy" in c)
         raise no(shown, f"only engines that score with the trainer's function honour it ({who})")
-    if cuda and kind not in ("embedded", "server"):
-        raise no(f"--rollout-engine {kind} on CUDA", "on CUDA the mode is implemented for the embedded engine, in "
-                 "process or in launched polyrl serve processes; pass --rollout-engine embedded|server or --device cpu")
     if r.rollout_top_p < 1.0:
         raise no(f"--rollout-top-p {r.rollout_top_p:g}", "nucleus sampling draws from a renormalised distribution, "
                  "not the one the trainer scores")
