@@ -712,7 +712,7 @@ class MegatronBackend:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (the in-memory names of the HF model, like FSDP), gathered over
         TP / EP and broadcast over PP one parameter at a time."""
-        with self._resident():
+        with self._resident(("weights",), read_only=True):
             yield from self._export(self.model, self._fused_experts)
 
     @torch.no_grad()
@@ -771,7 +771,7 @@ class MegatronBackend:
         from polyrl.backends.megatron import lora
         if self.lora is None:
             raise ValueError("--save-hf-adapter writes LoRA adapters: train with --lora-rank R")
-        with self._resident():
+        with self._resident(("weights",), read_only=True):
             tensors = {}
             for name, t in lora.stream_to_peft(self._megatron_stream(self.model, adapters=True)):
                 if dist.get_rank() == 0:
@@ -917,15 +917,22 @@ class MegatronBackend:
             self._offloader.onload(skip=STEP_ONLY)
 
     @contextlib.contextmanager
-    def _resident(self):
-        """Checkpoints and exports read the state: bring it back for them and leave it as it was."""
-        away = self._offloader is not None and self._offloader.offloaded
-        if away:
-            self._offloader.onload()
+    def _resident(self, kinds: tuple[str, ...] | None = None, read_only: bool = False):
+        """Exports and checkpoints use the state while --offload-train keeps it on the host: bring back what they use
+        (`kinds` of offload.megatron_state, all by default), then offload again. read_only (exports, saves): what came
+        back is emptied again without a copy, its host copy still holding its values; an export of a 7B model then
+        moves its BF16 weights one way, not the weights, FP32 main parameters and Adam moments both ways."""
+        off = self._offloader
+        if off is None or not off.offloaded:
+            yield
+            return
+        back = off.onload(only=kinds)
         try:
             yield
         finally:
-            if away:
+            if read_only:
+                off.put_back(back)
+            else:
                 self.offload()
 
 

@@ -198,15 +198,31 @@ class StorageOffloader:
         self._away = [True] * len(self.slots)
         return summarize(self.slots)
 
-    def onload(self, skip: tuple[str, ...] = ()) -> None:
-        """Refill what is away, except the kinds in `skip` (left for a later onload)."""
-        back = False
+    def onload(self, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> list[int]:
+        """Refill what is away, except the kinds in `skip` (left for a later onload), or of `only` these kinds; returns
+        the slots refilled (for put_back)."""
+        back = []
         for i, s in enumerate(self.slots):
-            if self._away[i] and s.kind not in skip:
+            if self._away[i] and s.kind not in skip and (only is None or s.kind in only):
                 refill(s)
-                self._away[i], back = False, True
+                self._away[i] = False
+                back.append(i)
         if back and self.device_type == "cuda":
             torch.cuda.synchronize()  # Megatron-FSDP gathers weights on side streams that do not wait on this one
+        return back
+
+    def put_back(self, slots: list[int]) -> None:
+        """Empty `slots` (an onload's return) again after they were only read (an export, a checkpoint save): their
+        host copies still hold their values, so nothing is copied back."""
+        if not slots:
+            return
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()  # the readers' kernels and copies are done with them
+        for i in slots:
+            self.slots[i].storage.resize_(0)
+            self._away[i] = True
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _module_tensors(modules: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:

@@ -176,3 +176,25 @@ def test_a_new_layout_frees_the_old_arenas_before_making_its_own(monkeypatch):
     assert seen_alive and max(seen_alive) == 0
     off.onload()
     assert torch.equal(buf, torch.arange(24, dtype=torch.float32))
+
+
+def test_a_read_only_onload_of_the_weights_is_emptied_again_without_a_copy():
+    """What an export does under --offload-train: only the weights come back (the FP32 main parameters, Adam moments
+    and gradient buffers stay away), and put_back empties them again without copying (their host copy still holds
+    their values: a change made in between is not kept, which is why only readers use it)."""
+    buf, w1, w2, grad, g1, adam = _state()
+    main = torch.randn(24)
+    want = {"buf": buf.clone(), "main": main.clone(), "exp_avg": adam["exp_avg"].clone()}
+    groups = [("weights", True, [w1, w2]), ("main_params", True, [main]), ("optimizer", True, list(adam.values())),
+              ("grads", False, [grad])]
+    off = StorageOffloader(device_type="cpu", pin=False)
+    off.offload(groups)
+    back = off.onload(only=("weights",))
+    assert [off.slots[i].kind for i in back] == ["weights"] and torch.equal(buf, want["buf"])
+    assert main.untyped_storage().nbytes() == 0 and grad.untyped_storage().nbytes() == 0
+    w1.add_(1.0)  # a change put_back does not copy to the host: the next onload shows the host copy's values
+    off.put_back(back)
+    assert buf.untyped_storage().nbytes() == 0 and all(off._away)
+    assert off.onload() and torch.equal(buf, want["buf"]) and torch.equal(main, want["main"])
+    assert torch.equal(adam["exp_avg"], want["exp_avg"])
+    assert off.put_back([]) is None and off.onload() == []  # nothing away: nothing to do
