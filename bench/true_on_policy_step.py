@@ -1,5 +1,5 @@
-"""The GRPO step with and without --true-on-policy, in the same call: `polyrl train` on one GPU, the Qwen2.5-0.5B shape
-(random weights), 16 prompts x 8 samples x 256 new tokens, default batching in both modes (`--exact-args` adds flags
+"""The GRPO step with and without --true-on-policy, in the same call: `polyrl train` on one GPU (or the CPU, --device
+cpu, FP32), the Qwen2.5-0.5B shape (random weights), 16 prompts x 8 samples x 256 new tokens, default batching in both modes (`--exact-args` adds flags
 to the exact run only, e.g. a micro-batch size, which does not change its arithmetic), bench/compare_trl.py's settings. Each
 mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
 metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
@@ -31,7 +31,7 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     run = os.path.join(work, "exact" if exact else "default")
     s = dict(model_dir=model_dir, train_data=data, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
              max_new_tokens=a.new_tokens, total_steps=a.warmup + a.steps, polyrl_default_batching=True, lr=1e-6,
-             seed=0, device="cuda", run_dir=run, beta=0.0,
+             seed=0, device=a.device, run_dir=run, beta=0.0,
              polyrl_args=" ".join([a.args] + (["--true-on-policy", a.exact_args] if exact else [])))
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -59,6 +59,8 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-0.5b")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: FP32 on both runs (the mode's CPU "
+                   "arithmetic), e.g. with --shape tiny")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -77,7 +79,12 @@ def main() -> int:
     model_dir = os.path.join(work, "model")
     build_model_dir(model_dir, a.shape)
     data = write_datasets(os.path.join(work, "data"), digits=3, n_train=2000, n_eval=10, seed=0)["train"]
-    device = torch.cuda.get_device_name(0)
+    if a.device == "cuda":
+        device = torch.cuda.get_device_name(0)
+    else:
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")] \
+            if os.path.exists("/proc/cpuinfo") else []
+        device = f"CPU {names[0] if names else 'unknown'}, {os.cpu_count()} cores"
     result = {"device": device, "shape": a.shape, "setting": f"{a.prompts} prompts x {a.samples} samples x "
               f"{a.new_tokens} new tokens, median of {a.steps} steps after {a.warmup} warm-up"}
     wanted = set(a.modes.split(","))
