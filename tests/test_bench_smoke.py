@@ -258,3 +258,21 @@ def test_vlm_step_flags_and_help_without_torch():
         with pytest.raises(SystemExit) as e:
             vs.parse_args(bad)
         assert e.value.code == 2
+
+
+def test_true_on_policy_step_runs_both_modes_on_cpu(tmp_path):
+    """bench/true_on_policy_step.py --device cpu end to end with the tiny model: both modes run, the exact one at a
+    log-prob difference of exactly 0 (the default one's FP32 rounding is checked by tests/test_true_on_policy.py), and
+    the table names both."""
+    out = tmp_path / "top.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "true_on_policy_step.py"), "--device", "cpu", "--shape",
+                          "tiny", "--prompts", "4", "--samples", "2", "--new-tokens", "16", "--warmup", "1", "--steps",
+                          "1", "--timeout", "240", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(BENCH)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["true_on_policy"]["train_rollout_logprob_abs_diff_max"] == 0.0
+    assert r["default"]["train_rollout_logprob_abs_diff_max"] >= 0.0
+    assert r["true_on_policy"]["steps_measured"] == r["default"]["steps_measured"] == 1
+    assert "step ratio (true-on-policy / default)" in res.stdout and "CPU" in res.stdout
