@@ -82,12 +82,15 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
 
 
-def fixed_rows(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...]. Values only
-    (no autograd through the blocks: see _FixedRows for the differentiable form)."""
+def fixed_rows(fn, x: torch.Tensor):
+    """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...] (or a tuple of
+    such, for an fn that returns one). Autograd runs through the blocks (a norm takes its cheaper gradient from
+    _FixedRows instead)."""
     rows, n = _rows(x), x.shape[0]
-    xp = _padded(x, rows)
-    out = torch.cat([fn(c) for c in xp.split(rows)]) if xp.shape[0] > rows else fn(xp)
+    outs = [fn(c) for c in _padded(x, rows).split(rows)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out[:n] if out.shape[0] != n else out
 
 
@@ -226,10 +229,7 @@ def _router_forward(self, hidden_states: torch.Tensor):
     outputs (logits, gates, indices) concatenated: the router GEMM then has one shape whatever the pack."""
     if not _active():
         return self._polyrl_plain(hidden_states)
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    rows, n = _rows(x), x.shape[0]
-    outs = [self._polyrl_plain(c) for c in _padded(x, rows).split(rows)]
-    return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
+    return fixed_rows(self._polyrl_plain, hidden_states.reshape(-1, hidden_states.shape[-1]))
 
 
 def _experts_fit(m: torch.nn.Module) -> bool:
@@ -403,15 +403,14 @@ class GraphedScoring:
         self.lm, self.device = lm, device
         self.sets = GraphSets()  # weights' addresses -> (pack key -> (inputs, output, graph))
         self.pool = None
-        self.captures = 0
 
     def use(self, addresses: tuple) -> None:
         """The weights are at `addresses` now: replay the graphs captured for them, if any."""
         self.sets.use(addresses)
 
     @property
-    def resets(self) -> int:
-        return self.sets.resets
+    def captures(self) -> int:
+        return self.sets.captures
 
     def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
         """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
@@ -426,10 +425,8 @@ class GraphedScoring:
         # sequences takes the next power of two); the empty slots only add programs that exit at once
         slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
         key = (T, slots, bound, temperature)
-        graphs = self.sets.current
-        if key not in graphs:
-            graphs[key] = self._capture(T, slots, bound, temperature)
-        (ids, pos, cu, rows, targets), logp, graph = graphs[key]
+        (ids, pos, cu, rows, targets), logp, graph = self.sets.get(key, lambda: self._capture(T, slots, bound,
+                                                                                              temperature))
         flat = [t for x in seqs for t in x]
         starts = [0]
         for n in seg:
@@ -455,7 +452,6 @@ class GraphedScoring:
             self.pool = torch.cuda.graph_pool_handle()
         graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature),
                                    pool=self.pool, device=d)
-        self.captures += 1
         return (ids, pos, cu, rows, targets), logp, graph
 
 
@@ -534,7 +530,6 @@ class EngineScorer:
         # an MoE layer's expert loop reads which experts were hit back to the host: not capturable, so MoE scores eagerly
         graphed = cuda_graph and torch.device(device).type == "cuda" and self.routing is None
         self.graphs = GraphedScoring(self.lm, device) if graphed else None
-        self._seen = (0, 0)  # the graphs' captures and resets at the last stats()
         self.sampler_diff: float | None = None  # the largest |decode log-prob - reported log-prob| since stats()
         self.score_s = 0.0
 
@@ -584,9 +579,8 @@ class EngineScorer:
             return {}
         out = {"rollout/sampler_logprob_abs_diff_max": self.sampler_diff, "rollout/score_s": self.score_s}
         if self.graphs is not None:  # CUDA graphs captured for new pack shapes since the last call
-            out["rollout/score_graph_captures"] = float(self.graphs.captures - self._seen[0])
-            out["rollout/score_graph_resets"] = float(self.graphs.resets - self._seen[1])
-            self._seen = (self.graphs.captures, self.graphs.resets)
+            captures, resets = self.graphs.sets.drain()
+            out["rollout/score_graph_captures"], out["rollout/score_graph_resets"] = float(captures), float(resets)
         self.sampler_diff, self.score_s = None, 0.0
         return out
 

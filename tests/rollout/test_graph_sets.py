@@ -21,3 +21,18 @@ def test_two_alternating_places_keep_their_graphs_and_a_third_drops_the_oldest()
     sets.use((3, 4))  # using a place makes it the newest: the next new place drops (5, 6)
     sets.use((7, 8))
     assert list(sets.sets) == [(3, 4), (7, 8)] and sets.current == {} and sets.resets == 2
+
+
+def test_get_captures_once_per_key_and_place_and_drain_counts_since_the_last_read():
+    sets = GraphSets(keep=1)
+    made: list[str] = []
+
+    def capture(name):
+        made.append(name)
+        return name
+    sets.use(("a",))
+    assert sets.get(8, lambda: capture("a8")) == "a8" and sets.get(8, lambda: capture("again")) == "a8"
+    sets.get(16, lambda: capture("a16"))
+    assert made == ["a8", "a16"] and sets.drain() == (2, 0) and sets.drain() == (0, 0)
+    sets.use(("b",))  # keep=1: a's set goes
+    assert sets.get(8, lambda: capture("b8")) == "b8" and sets.drain() == (1, 1) and sets.captures == 3

@@ -180,7 +180,7 @@ class GPUEngine(InProcessEngine):
         self.buckets = [b for b in BUCKETS if b < R] + [R]
         self._graph_sets = GraphSets()  # decode graphs per (weights, KV cache) addresses: a graph reads them baked in
         self.graph_pool = None
-        self._captures = [0, 0.0]  # decode graphs captured, and their seconds, since stats()
+        self._capture_s = 0.0  # seconds of decode-graph capture since stats()
         self.logits_buf: torch.Tensor | None = None
         self._cpu_flat: torch.Tensor | None = None
         self.asleep = False
@@ -311,12 +311,13 @@ class GPUEngine(InProcessEngine):
         return self._results  # type: ignore[return-value]
 
     def stats(self) -> dict[str, float]:
-        """Since the last call: the decode CUDA graphs captured (a wake that finds its weights and KV cache at new
-        addresses drops them) and their capture time; with --true-on-policy, the scorer's figures."""
+        """Since the last call: the decode CUDA graphs captured (for new batch buckets, or for weights and a KV cache
+        that came back at a place no kept set was captured for) and their capture time; with --true-on-policy, the
+        scorer's figures."""
         out = {}
         if self.cuda_graph:
-            out = {"rollout/graph_captures": float(self._captures[0]), "rollout/graph_capture_s": self._captures[1]}
-            self._captures = [0, 0.0]
+            out = {"rollout/graph_captures": float(self._graph_sets.drain()[0]), "rollout/graph_capture_s": self._capture_s}
+            self._capture_s = 0.0
         if self.rescore is not None:
             out.update(self.rescore.stats())
         return out
@@ -576,10 +577,7 @@ class GPUEngine(InProcessEngine):
         if not self.cuda_graph:
             return self._decode_step(b, sample)
         key = (B, sample, sample and self._filter)  # a filtered step's graph also holds the threshold kernel
-        g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = self._capture(B, sample)
-        g.replay()
+        self._graph_sets.get(key, lambda: self._capture(B, sample)).replay()
         return self.logits_buf[:b]
 
     def _capture(self, B: int, sample: bool) -> torch.cuda.CUDAGraph:
@@ -597,7 +595,7 @@ class GPUEngine(InProcessEngine):
         g, _ = capture(lambda: self._decode_step(B, sample, out), warmup=warmup, pool=self.graph_pool, device=self.device)
         dt = time.perf_counter() - t
         self.last_stats["graph_capture_s"] = self.last_stats.get("graph_capture_s", 0.0) + dt
-        self._captures = [self._captures[0] + 1, self._captures[1] + dt]
+        self._capture_s += dt
         return g
 
     # ---- timing ------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ class GraphSets:
         self.keep = keep
         self.sets: dict[tuple, dict] = {}  # place -> (key -> graph), least recently used first
         self.current: dict = {}
-        self.resets = 0  # sets dropped for a new place
+        self.captures = self.resets = 0  # graphs captured, sets dropped for a new place
+        self._drained = (0, 0)
 
     def use(self, place: tuple) -> None:
         """The memory is at `place` now: the graphs captured for it, if any, are the current set."""
@@ -40,3 +41,18 @@ class GraphSets:
                 self.sets.pop(next(iter(self.sets)))  # the place used least recently
                 self.resets += 1
         self.sets[place] = self.current = graphs
+
+    def get(self, key, capture):
+        """The current place's graph for `key`, captured by `capture()` on first use."""
+        graph = self.current.get(key)
+        if graph is None:
+            graph = self.current[key] = capture()
+            self.captures += 1
+        return graph
+
+    def drain(self) -> tuple[int, int]:
+        """(graphs captured, sets dropped) since the last drain: a step's metrics."""
+        now = (self.captures, self.resets)
+        out = (now[0] - self._drained[0], now[1] - self._drained[1])
+        self._drained = now
+        return out
