@@ -184,18 +184,11 @@ class StorageOffloader:
             self.slots = plan_slots(groups, self.device_type)
             self._host_views([s for s in self.slots if s.keep])
             self._away = [False] * len(self.slots)
-        here = [s for s, away in zip(self.slots, self._away) if not away]
-        for s in here:
-            if s.keep:
-                s.host.copy_(_flat(s), non_blocking=True)
-        if here and self.device_type == "cuda":
-            # the host copies must land before the device memory is handed to another process (empty_cache)
-            torch.cuda.synchronize()
-        for s in here:
-            s.storage.resize_(0)
-        if here and self.device_type == "cuda":
-            torch.cuda.empty_cache()
-        self._away = [True] * len(self.slots)
+        here = [i for i, away in enumerate(self._away) if not away]
+        for i in here:
+            if self.slots[i].keep:
+                self.slots[i].host.copy_(_flat(self.slots[i]), non_blocking=True)
+        self.put_back(here)  # its synchronize also lands the host copies before the memory is handed on
         return summarize(self.slots)
 
     def onload(self, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> list[int]:
@@ -213,11 +206,11 @@ class StorageOffloader:
 
     def put_back(self, slots: list[int]) -> None:
         """Empty `slots` (an onload's return) again after they were only read (an export, a checkpoint save): their
-        host copies still hold their values, so nothing is copied back."""
+        host copies still hold their values, so nothing is copied back. offload() ends with it too."""
         if not slots:
             return
         if self.device_type == "cuda":
-            torch.cuda.synchronize()  # the readers' kernels and copies are done with them
+            torch.cuda.synchronize()  # the readers' kernels and copies (offload's to the host) are done with them
         for i in slots:
             self.slots[i].storage.resize_(0)
             self._away[i] = True
