@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
                    "(megatron: base, compile = its --compile (polyrl's norms and RoPE), ac = full recompute, keepgrads = "
-                   "--no-release-grad-buffers; combine with +, e.g. compile+ac); base is eager on both backends")
+                   "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion; combine with +, e.g. compile+ac); base "
+                   "is eager on both backends")
     p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
                         "backends are compared in one process; replaces --train-backend / --variants / --tokens")
@@ -127,7 +128,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         extra["megatron_cfg"] = MegatronConfig(recompute_granularity="full" if ac else None,
                                                recompute_method="uniform" if ac else None,
                                                recompute_num_layers=1 if ac else None,
-                                               release_grad_buffers="keepgrads" not in variant)
+                                               release_grad_buffers="keepgrads" not in variant,
+                                               gradient_accumulation_fusion="nofusion" not in variant)
     be = load_backend_class(backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device,
                                              total_steps=a.steps + a.warmup, **extra)
     n_params, geo = matmul_params(model_dir)

@@ -167,7 +167,8 @@ def refuse_unhonoured(cfg: Config, command: str = "train") -> None:
             if need.capability not in caps:
                 who = [k for k, c in (BACKEND_CAPABILITIES if need.who == "backend" else ENGINE_CAPABILITIES).items()
                        if need.capability in c]
-                raise ConfigError(f"{_flag(f)} is not honoured by {shown} (it applies to: {', '.join(who)}); drop it"
+                name = _flag(f) if not (default is True and value is False) else "--no-" + _flag(f)[2:]
+                raise ConfigError(f"{name} is not honoured by {shown} (it applies to: {', '.join(who)}); drop it"
                                   f"{_HINTS.get((f.name, kind), '')}")
     e = cfg.engines
     if command in ENGINE_COMMANDS and e.sglang_router_policy != "cache_aware" and not e.use_sglang_router:

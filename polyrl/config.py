@@ -502,6 +502,11 @@ class MegatronConfig:
                                            "parameter less GPU memory between steps (BF16: 18 -> 14), training "
                                            "bit-identical, at the cost of one memset of the buffers a step; on by "
                                            "default (Megatron-FSDP manages its own buffers)")
+    gradient_accumulation_fusion: bool = opt(True, "each linear's weight gradient accumulated by its GEMM into the FP32 "
+                                                   "main grad (Apex's fusion, here torch's mixed-precision addmm), not "
+                                                   "written in BF16 and added: fewer bytes and kernels a step; on by "
+                                                   "default on CUDA with DDP (not --use-megatron-fsdp, which has its "
+                                                   "own gradient path)")
     override_ddp_config: list[str] = opt([], "key=value overrides of megatron's DistributedDataParallelConfig (repeatable)",
                                          repeat=True)
 

@@ -79,6 +79,8 @@ def test_each_capability_flag_is_refused_exactly_where_the_kind_lacks_it(backend
             continue
         c = configured(backend, engine, section, f.name, other_value(f))
         flag = _flag(f)
+        if f.default is True:  # an on-by-default switch is asked for by its --no- form, and named so
+            flag = "--no-" + flag[2:]
         if f.name == "sglang_router_policy":  # configures the router: only with --use-sglang-router, refused first
             c.engines.use_sglang_router, flag = True, "--use-sglang-router"
         caps = BACKEND_CAPABILITIES[backend] if need.who == "backend" else ENGINE_CAPABILITIES[engine]
@@ -98,7 +100,7 @@ def test_known_refusals_name_flag_and_kind():
     with pytest.raises(ConfigError, match="--use-fault-tolerance is not honoured by --rollout-engine embedded"):
         refuse_unhonoured(c)
     c = configured("fsdp", "sglang", "rollout", "rollout_cuda_graph", False)
-    with pytest.raises(ConfigError, match="--rollout-cuda-graph is not honoured by --rollout-engine sglang"):
+    with pytest.raises(ConfigError, match="--no-rollout-cuda-graph is not honoured by --rollout-engine sglang"):
         refuse_unhonoured(c)
     c = configured("fsdp", "server", "engines", "sglang_router_policy", "random")
     with pytest.raises(ConfigError, match="--sglang-router-policy random configures the sglang-router: add --use-sglang-router"):

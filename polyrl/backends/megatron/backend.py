@@ -129,6 +129,7 @@ class MegatronBackend:
         self.dtype = model_cfg.dtype("cuda")
         self.config = mm.transformer_config(self.hf_config, mg, self.dims, self.vpp, self.dtype, model_cfg)
         self.ddp_config = mm.ddp_config(mg)
+        mm.use_wgrad_fusion(self.config, mg, self.ddp_config)
         if self.ddp_config.use_megatron_fsdp and (self.dims.tp > 1 or self.dims.ep > 1 or self.dims.pp > 1):
             log.warning("Megatron-FSDP with TP/EP/PP > 1: training works through megatron-core, but weight export / "
                         "HF save gather only data-parallel shards and are proven for TP=EP=PP=1")

@@ -7,7 +7,9 @@ imports megatron-core at module level, so every shim is tested on CPU
   `keep_adam_step_on_load` (KeyError('step') loading a fully-reshardable optimizer state),
   `untie_adam_steps` (the load shares one `step` tensor across parameters);
 - speed: `use_foreach_grad_kernels` (the grad norm synced the host once per parameter),
-  `use_fused_adam` (torch's multi-tensor AdamW instead of the fused kernel).
+  `use_fused_adam` (torch's multi-tensor AdamW instead of the fused kernel),
+  `use_wgrad_accumulation` (Apex's gradient-accumulation fusion: each weight gradient accumulated by its GEMM into
+  the FP32 main grad, not written in BF16 and added).
 """
 
 from __future__ import annotations
@@ -122,3 +124,46 @@ def use_fused_adam(optimizer) -> None:
             st = inner.state.get(p)
             if st and isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+
+
+def wgrad_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """Drop-in for Apex's fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 / _fp16: main_grad += grad_output^T
+    total_input by one GEMM whose epilogue adds into main_grad in main_grad's dtype (BF16 inputs into an FP32 main
+    grad through torch's mixed-precision addmm), instead of a BF16 weight gradient written, read back and added."""
+    a, b = grad_output.t(), total_input
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+    else:
+        torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+
+
+def wgrad_accumulation_works(device) -> str | None:
+    """None if wgrad_accumulate runs here (CUDA, a torch with addmm's out_dtype), else why not."""
+    if torch.device(device).type != "cuda":
+        return "its fused GEMM needs CUDA"
+    try:
+        x = torch.ones(4, 8, dtype=torch.bfloat16, device=device)
+        g = torch.ones(4, 2, dtype=torch.bfloat16, device=device)
+        acc = torch.ones(2, 8, dtype=torch.float32, device=device)
+        wgrad_accumulate(x, g, acc)
+    except (RuntimeError, TypeError) as e:  # an older torch: no out_dtype overload of addmm on CUDA
+        return f"torch.addmm(out_dtype=float32) failed: {e}"
+    if not bool((acc == 5).all()):
+        return "torch.addmm(out_dtype=float32) gave a wrong sum"
+    return None
+
+
+def use_wgrad_accumulation() -> None:
+    """Let megatron-core's linears take their gradient-accumulation-fusion path without Apex: its layers module
+    imports `fused_weight_gradient_mlp_cuda` at its own import (absent here) and checks `_grad_accum_fusion_available`;
+    wgrad_accumulate stands in for both of Apex's kernels. A real Apex stays. (megatron's deferred embedding wgrad,
+    which imports the module inside utils, is a pipeline option polyrl does not set.)"""
+    import types
+
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return
+    shim = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_accumulate, wgrad_gemm_accum_fp16=wgrad_accumulate)
+    layers.fused_weight_gradient_mlp_cuda = shim
+    layers._grad_accum_fusion_available = True

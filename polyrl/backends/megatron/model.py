@@ -346,6 +346,22 @@ def transformer_config(hf_config, mg, dims: ParallelDims, vpp: int | None, dtype
     )
 
 
+def use_wgrad_fusion(config: TransformerConfig, mg, dcfg: DistributedDataParallelConfig) -> bool:
+    """--gradient-accumulation-fusion (default on): set it in `config` before the model is built where it holds, DDP
+    on CUDA (Megatron-FSDP makes its main grads in the backward and writes them through Transformer Engine's GEMM,
+    absent here); megatron's Apex kernels are polyrl's shim (compat.wgrad_accumulate). A torch without the
+    mixed-precision GEMM keeps the unfused path, with a warning."""
+    if not mg.gradient_accumulation_fusion or dcfg.use_megatron_fsdp or not torch.cuda.is_available():
+        return False
+    why = compat.wgrad_accumulation_works(torch.cuda.current_device())
+    if why is not None:
+        log.warning("gradient accumulation fusion off: %s", why)
+        return False
+    compat.use_wgrad_accumulation()
+    config.gradient_accumulation_fusion = True
+    return True
+
+
 def _load_provider(path: str):
     mod, _, fn = path.rpartition(":")
     if not mod or not fn:

@@ -174,6 +174,34 @@ def test_foreach_grad_kernels_match_the_per_tensor_fallbacks():
     assert all(torch.equal(s, t * 0.5) for s, t in zip(src, ts))
 
 
+def test_wgrad_accumulation_adds_the_weight_gradient_into_the_main_grad(tmp_path):
+    """The stand-in for Apex's wgrad_gemm_accum kernels: main_grad += grad_output^T input, in place (the same-dtype
+    path runs here; the BF16-into-FP32 GEMM needs CUDA and is refused elsewhere with its reason). FP32 on both sides:
+    the GEMM accumulating into C rounds the same products once each, as the unfused GEMM then add does; the check
+    allows FP32 summation order (K = 64 terms of magnitude ~1: 1e-5 relative). --no-gradient-accumulation-fusion
+    is a megatron flag, refused with FSDP."""
+    import torch
+
+    from polyrl.backends.megatron.compat import wgrad_accumulate, wgrad_accumulation_works
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)
+    acc = torch.randn(8, 16, generator=g)
+    want = acc + dy.t() @ x
+    ptr = acc.data_ptr()
+    wgrad_accumulate(x, dy, acc)
+    assert acc.data_ptr() == ptr
+    torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-5)
+    assert "CUDA" in wgrad_accumulation_works("cpu")
+    assert not _cfg("--no-gradient-accumulation-fusion", tmp_path=tmp_path).megatron.gradient_accumulation_fusion
+    from conftest import make_model_dir
+    make_model_dir(str(tmp_path))
+    from polyrl.capabilities import check_setup
+    cfg = _cfg("--no-gradient-accumulation-fusion", "--train-backend", "fsdp", tmp_path=tmp_path)
+    validate(cfg)
+    with pytest.raises(ConfigError, match="--no-gradient-accumulation-fusion is not honoured by --train-backend fsdp"):
+        check_setup(cfg, "train")
+
 
 def test_critic_under_megatron_fsdp_and_the_grad_buffer_switch_are_accepted(tmp_path):
     """PPO's critic runs on Megatron-FSDP (its unused LM output layer is frozen, model.add_value_heads); megatron DDP's
