@@ -191,6 +191,12 @@ def print_profile(prof, step_s: float) -> None:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
     print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60,
                                                        max_src_column_width=110), flush=True)
+    import tempfile
+
+    from polyrl.metrics import idle_table
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:  # where the GPU waited, by the code that ended each wait
+        prof.export_chrome_trace(f.name)
+        print(idle_table(json.load(open(f.name)), top=20), flush=True)
 
 
 def main(argv=None) -> int:

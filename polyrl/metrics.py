@@ -3,6 +3,7 @@ metrics must pass (failed rewards, the train/rollout log-prob gate), the start-u
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -114,6 +115,66 @@ def phase_busy(trace: dict) -> list[tuple[str, float, float]]:
             busy = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged)
             out.append((name[len("phase/"):], (hi - lo) / 1e6, busy / 1e6))
     return sorted(out, key=lambda r: -r[1])
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_CODE = ("polyrl/", "megatron/", "transformers/", "bench/", "tests/")
+
+
+def _short(frame: str) -> str:
+    for root in _CODE:
+        i = frame.find(root)
+        if i >= 0:
+            return frame[i:]
+    return frame
+
+
+def idle_gaps(trace: dict, top: int = 12, min_us: float = 20.0) -> list[tuple[str, float, int]]:
+    """Where the device waited on the host, from a chrome trace recorded with with_stack: each gap of at least min_us
+    between the device's kernels and copies (the first one's wait from the start of the trace included) is charged to
+    the Python code that launched the kernel ending it, its three innermost frames in polyrl / megatron /
+    transformers. (where, idle s, gaps), the most idle first."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    if not ev:
+        return []
+    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("correlation"))
+                 for e in ev if e.get("cat") in _DEVICE_CATS)
+    launched = {e["args"]["correlation"]: float(e["ts"]) for e in ev
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    py = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], e.get("args", {}).get("Python id"),
+                 e.get("args", {}).get("Python parent id")) for e in ev if e.get("cat") == "python_function"),
+                key=lambda f: (f[0], -f[1]))  # a frame after those that enclose it, when they start together
+    starts = [f[0] for f in py]
+    by_id = {f[3]: f for f in py if f[3] is not None}
+
+    def where(t: float) -> str:
+        i = bisect.bisect_right(starts, t) - 1
+        while i >= 0 and py[i][1] < t:  # the innermost frame running at t started last among those still running
+            i -= 1
+        frames, f, hops = [], py[i] if i >= 0 else None, 0
+        while f is not None and len(frames) < 3 and hops < 200:
+            if any(r in f[2] for r in _CODE):
+                frames.append(_short(f[2]))
+            f, hops = by_id.get(f[4]), hops + 1
+        return " < ".join(frames) or "(no Python frame: launched outside the traced code)"
+
+    out: dict[str, list] = {}
+    end = min(float(e["ts"]) for e in ev)
+    for a, b, corr in dev:
+        if a - end >= min_us:
+            s = out.setdefault(where(launched.get(corr, a)), [0.0, 0])
+            s[0] += (a - end) / 1e6
+            s[1] += 1
+        end = max(end, b)
+    return sorted(((k, v[0], v[1]) for k, v in out.items()), key=lambda r: -r[1])[:top]
+
+
+def idle_table(trace: dict, top: int = 12) -> str:
+    rows = idle_gaps(trace, top)
+    if not rows:
+        return ""
+    lines = [f"  {s * 1e3:8.2f} ms in {n:5d} gaps  {w}" for w, s, n in rows]
+    return "device idle, by the code that launched the kernel ending each wait (>= 20 us):\n" + "\n".join(lines)
 
 
 def start_wandb(run_dir: str, *, project: str, group: str | None = None, name: str | None = None, mode: str = "online",
@@ -409,7 +470,7 @@ def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
-    with profile(activities=acts, record_shapes=False) as prof:
+    with profile(activities=acts, record_shapes=False, with_stack=cuda) as prof:
         yield
         if cuda:
             torch.cuda.synchronize()
@@ -424,8 +485,9 @@ def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
     phases = ""
     if cuda:
         with open(path) as f:
-            rows = phase_busy(json.load(f))
+            trace = json.load(f)
+        rows = phase_busy(trace)
         phases = "".join(f"\n  {n:<12} {w:8.3f} s wall, device busy {b:8.3f} s ({b / max(w, 1e-9):4.0%})" for n, w, b in rows)
-        phases = f"\nphases (device busy = GPU kernels and copies running inside the phase):{phases}"
+        phases = f"\nphases (device busy = GPU kernels and copies running inside the phase):{phases}\n{idle_table(trace)}"
     print(f"\n--profile-step {step}: {wall:.3f} s wall, {busy:.3f} s of {where} time in ops "
           f"({busy / max(wall, 1e-9):.0%} of the wall time); trace: {path}{phases}\n{table}", flush=True)

@@ -3,7 +3,7 @@
 
 import os
 
-from polyrl.metrics import Timer, phase_busy
+from polyrl.metrics import Timer, idle_gaps, idle_table, phase_busy
 
 
 def test_phase_busy_is_the_union_of_kernels_inside_each_phase():
@@ -23,6 +23,32 @@ def test_phase_busy_is_the_union_of_kernels_inside_each_phase():
     assert rows["rollout"] == (1e-3, (500 + 100 + 50) / 1e6)
     assert rows["train"] == (3e-3, (50 + 500) / 1e6)
     assert phase_busy({}) == []
+
+
+def test_idle_gaps_charge_each_device_wait_to_the_code_that_ended_it():
+    """A synthetic trace: the device waits 0..100 us before its first kernel (launched from step > plan), 300..1000 us
+    between kernels (the next launch from step > optimizer, after a host sync) and 10 us once (under the 20 us floor)."""
+    def py(pid, parent, name, ts, dur):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur,
+                "args": {"Python id": pid, "Python parent id": parent}}
+    ev = [
+        py(1, None, "/x/site-packages/torch/autograd.py(1): run", 0, 2000),  # not polyrl code: skipped in the name
+        py(2, 1, "/repo/polyrl/step/learner.py(10): step", 0, 2000),
+        py(3, 2, "/repo/polyrl/backends/fsdp/backend.py(20): plan", 0, 150),
+        py(4, 2, "/repo/polyrl/backends/fsdp/backend.py(30): optimizer", 900, 200),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 90, "dur": 5, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 950, "dur": 5, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 960, "dur": 5, "args": {"correlation": 9}},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 100, "dur": 200, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 1000, "dur": 50, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "kernel", "name": "k3", "ts": 1060, "dur": 50, "args": {"correlation": 9}},
+    ]
+    rows = idle_gaps({"traceEvents": ev})
+    assert [(w, round(s * 1e6), n) for w, s, n in rows] == [
+        ("polyrl/backends/fsdp/backend.py(30): optimizer < polyrl/step/learner.py(10): step", 700, 1),
+        ("polyrl/backends/fsdp/backend.py(20): plan < polyrl/step/learner.py(10): step", 100, 1)]
+    assert "700" not in idle_table({"traceEvents": ev}) and "0.70 ms in     1 gaps" in idle_table({"traceEvents": ev})
+    assert idle_gaps({}) == [] and idle_table({}) == ""
 
 
 def test_timer_sums_repeated_phases(monkeypatch):

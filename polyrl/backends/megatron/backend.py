@@ -713,7 +713,7 @@ class MegatronBackend:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (the in-memory names of the HF model, like FSDP), gathered over
         TP / EP and broadcast over PP one parameter at a time."""
-        with self._resident(("weights",), read_only=True):
+        with self._resident(self._export_kinds(), read_only=True):
             yield from self._export(self.model, self._fused_experts)
 
     @torch.no_grad()
@@ -772,7 +772,7 @@ class MegatronBackend:
         from polyrl.backends.megatron import lora
         if self.lora is None:
             raise ValueError("--save-hf-adapter writes LoRA adapters: train with --lora-rank R")
-        with self._resident(("weights",), read_only=True):
+        with self._resident(self._export_kinds(), read_only=True):
             tensors = {}
             for name, t in lora.stream_to_peft(self._megatron_stream(self.model, adapters=True)):
                 if dist.get_rank() == 0:
@@ -916,6 +916,11 @@ class MegatronBackend:
         if self._offloader is not None:
             from polyrl.backends.megatron.offload import STEP_ONLY
             self._offloader.onload(skip=STEP_ONLY)
+
+    def _export_kinds(self) -> tuple[str, ...]:
+        """What an export reads: the BF16 (or FP32) weights with DDP; under Megatron-FSDP the parameters are DTensors
+        over its FP32 main-weight buffer (offload.megatron_state files it under main_params), gathered from there."""
+        return ("weights", "main_params") if self.ddp_config.use_megatron_fsdp else ("weights",)
 
     @contextlib.contextmanager
     def _resident(self, kinds: tuple[str, ...] | None = None, read_only: bool = False):
