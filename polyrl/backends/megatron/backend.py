@@ -281,8 +281,7 @@ class MegatronBackend:
         mine = (batch.input_ids, batch.prompt_lens, batch.token_fields if with_fields else {},
                 batch.rollout_routed_experts, batch.recorded_routed_experts,
                 (batch.multimodal or [None] * len(batch)) if self.vl_config is not None else None)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        parts = _all_objects(mine)
         ids, plens, fields, counts = [], [], {}, []
         routes: list[list | None] = [[], []]
         mms: list | None = [] if self.vl_config is not None else None
@@ -348,9 +347,11 @@ class MegatronBackend:
             shards = plan_micro_batches(lens, micro_batch_size=max(-(-len(lens) // dp), 1), num_micro_batches=dp)
         shard = shards[dp_rank] if len(lens) else []
         slens = [lens[i] for i in shard]
-        k = torch.tensor(len(plan_micro_batches(slens, **kw)) if slens else 1, device=self.device)
-        dist.all_reduce(k, op=dist.ReduceOp.MAX)
-        k = int(k)
+        k = len(plan_micro_batches(slens, **kw)) if slens else 1
+        if dist.get_world_size() > 1:  # as many forwards on every rank
+            t = torch.tensor(k, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            k = int(t)
         if self.vpp:
             k = -(-k // self.dims.pp) * self.dims.pp
         local = plan_micro_batches(slens, num_micro_batches=k, **kw) if slens else [[] for _ in range(k)]
@@ -467,8 +468,7 @@ class MegatronBackend:
         with self.lora.disabled() if lora_ref else contextlib.nullcontext():
             self._run(m, micros, collect, forward_only=True, temperature=temperature, with_entropy=False,
                       route_mode=mode)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, found if self._reporting_rank() else {})
+        parts = _all_objects(found if self._reporting_rank() else {})
         merged: dict[int, torch.Tensor] = {}
         for p in parts:
             merged.update(p)
@@ -486,8 +486,7 @@ class MegatronBackend:
                 got = self.routing.take_recorded(k, item.routes["glob"], item.routes["offsets"], item.routes["lens"])
                 if sends:
                     shares.update({item.index[j]: r for j, r in got.items()})
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, shares)
+            parts = _all_objects(shares)
             lens = {i: int(glob.input_ids[i].numel()) for i in mine}
             full = merge_route_shares(parts, lens, self.hf_config.num_hidden_layers, self.config.moe_router_topk,
                                       routes_dtype(self.config.num_moe_experts))
@@ -550,8 +549,7 @@ class MegatronBackend:
         if sums:  # one host sync for every metric of the step
             sums = dict(zip(sums, torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                                for v in sums.values()]).tolist()))
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, sums)
+        parts = _all_objects(sums)
         total: dict[str, float] = {}
         for p in parts:
             for k, v in p.items():
@@ -940,6 +938,16 @@ class MegatronBackend:
                 off.put_back(back)
             else:
                 self.offload()
+
+
+def _all_objects(obj) -> list:
+    """Every rank's obj (dist.all_gather_object); one rank keeps it without the pickling, the device round trip and
+    the host sync that the collective costs even alone."""
+    if dist.get_world_size() == 1:
+        return [obj]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
