@@ -54,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="override the dense BF16 peak")
     p.add_argument("--out", default=None, help="append JSON rows here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--isolate", action="store_true", help="run each row in a fresh process (one model written "
+                   "once): no row inherits an earlier row's leftovers (megatron-core's reference cycles, compiled "
+                   "code, allocator state), as a user's run, which builds one backend, does not")
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # --isolate's rows: the model already written
     p.add_argument("--profile", nargs="*", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="print the top CUDA kernels of one measured step of every row, or of the rows named")
     return p.parse_args(argv)
@@ -199,6 +203,31 @@ def print_profile(prof, step_s: float) -> None:
         print(idle_table(json.load(open(f.name)), top=20), flush=True)
 
 
+def isolated(a, argv: list[str] | None, shape: str, model_dir: str, row: str) -> dict:
+    """One row in a fresh process on this machine (one rank; the row's JSON comes back through a file)."""
+    import subprocess
+    import sys
+    if dist_world() > 1:
+        raise ValueError("--isolate runs single-process rows; drop it under torchrun")
+    keep, skip = [], False
+    for x in (argv if argv is not None else sys.argv[1:]):  # this command less its rows, shapes, output and --isolate
+        if skip and not x.startswith("--"):
+            continue
+        skip = x in ("--rows", "--model-shape", "--out", "--train-backend", "--variants", "--tokens", "--model-dir")
+        if not skip and x != "--isolate":
+            keep.append(x)
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        cmd = [sys.executable, os.path.abspath(__file__), *keep, "--model-shape", shape, "--model-dir", model_dir,
+               "--rows", row, "--out", f.name]
+        subprocess.run(cmd, check=True, timeout=1800)
+        return json.loads(open(f.name).read().splitlines()[-1])
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
@@ -211,15 +240,16 @@ def main(argv=None) -> int:
     dist.broadcast_object_list(box, src=0)  # every rank reads the model rank 0 wrote
     tmp = box[0]
     for shape in a.model_shape:
-        model_dir = os.path.join(tmp, shape)
-        if dist.get_rank() == 0:
+        model_dir = a.model_dir or os.path.join(tmp, shape)
+        if dist.get_rank() == 0 and not a.model_dir:
             make_model(shape, model_dir)
         dist.barrier()
         plan = ([(b, v, int(t)) for b, v, t in (r.split(":") for r in a.rows)] if a.rows else
                 [(a.train_backend, v, t) for t in a.tokens for v in a.variants.split(",")])
         for backend, variant, tokens in plan:
             try:
-                rows.append(run_one(a, shape, model_dir, tokens, variant, backend))
+                rows.append(isolated(a, argv, shape, model_dir, f"{backend}:{variant}:{tokens}") if a.isolate
+                            else run_one(a, shape, model_dir, tokens, variant, backend))
             except Exception as e:  # an OOM (or a failing row) is reported in its row; the next rows still run
                 oom = isinstance(e, torch.OutOfMemoryError)
                 rows.append({"shape": shape, "backend": backend, "variant": variant, "tokens_per_gpu": tokens,
