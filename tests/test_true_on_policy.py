@@ -537,3 +537,41 @@ if __name__ == "__main__":  # the two-rank worker: OUT_DIR, then `polyrl train`'
     os.makedirs(out_dir, exist_ok=True)
     torch.save(recs, os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.pt"))
     sys.exit(code)
+
+
+def test_graphed_packs_lay_out_the_same_inputs_as_the_token_loop():
+    """graph_inputs (the GPU scorer's pack inputs, built with array operations) against the plain loop over every
+    token it replaced, on packs of one to many sequences, short and long, prompts of one token and responses of one:
+    every key and input equal (integers: exact)."""
+    import random
+
+    from polyrl.backends import true_on_policy as top
+
+    def by_loop(seqs, prompts):
+        lens = [len(x) for x in seqs]
+        total = sum(lens)
+        T = -(-total // top.GRAPH_ROWS) * top.GRAPH_ROWS
+        bound = max(top.MIN_BOUND, 1 << (max(lens) - 1).bit_length())
+        pad = T - total
+        seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
+        slots = max(T // top.SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
+        starts = [0]
+        for n in seg:
+            starts.append(starts[-1] + n)
+        want = [r for st, n, p in zip(starts, lens, prompts) for r in range(st + p - 1, st + n - 1)]
+        host = ([t for x in seqs for t in x] + [0] * (T - total), [i for n in seg for i in range(n)],
+                starts + [T] * (slots + 1 - len(starts)), want + [0] * (T - len(want)),
+                [t for x, p in zip(seqs, prompts) for t in x[p:]] + [0] * (T - len(want)))
+        return (T, slots, bound), host
+
+    rng = random.Random(0)
+    cases = [([[5, 6]], [1]), ([list(range(1, 4097))], [4000])]
+    for n in (1, 3, 40, 300):
+        seqs = [[rng.randrange(1, 1000) for _ in range(rng.randint(2, 600))] for _ in range(n)]
+        cases.append((seqs, [rng.randint(1, len(x) - 1) for x in seqs]))
+    for seqs, prompts in cases:
+        key, got = top.graph_inputs(seqs, prompts)
+        want_key, want = by_loop(seqs, prompts)
+        assert key == want_key
+        for g, w, dtype in zip(got, want, (torch.long, torch.long, torch.int32, torch.long, torch.long)):
+            assert g.dtype == dtype and g.tolist() == w

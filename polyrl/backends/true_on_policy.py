@@ -386,6 +386,38 @@ GRAPH_ROWS = 4096
 SLOT_TOKENS, MIN_BOUND = 32, 256
 
 
+def graph_inputs(seqs: list[list[int]], prompts: list[int]) -> tuple[tuple[int, int, int], tuple[torch.Tensor, ...]]:
+    """A graphed pack's key (tokens T, sequence slots, longest-sequence bound) and its inputs on the host: ids and
+    positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is scored and those targets [T]
+    (zero past the real ones). Built with array operations: a Python loop over the pack's tokens cost the scoring pass
+    tens of milliseconds a step."""
+    import numpy as np
+    lens = [len(x) for x in seqs]
+    total = sum(lens)
+    T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
+    bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
+    pad = T - total  # dummy sequences of at most `bound` tokens: the padding never decides the bound
+    seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
+    # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
+    # sequences takes the next power of two); the empty slots only add programs that exit at once
+    slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
+    starts = np.concatenate([[0], np.cumsum(seg)]).astype(np.int64)
+    ids = np.zeros(T, dtype=np.int64)
+    ids[:total] = np.fromiter((t for x in seqs for t in x), dtype=np.int64, count=total)
+    pos = np.arange(T, dtype=np.int64) - np.repeat(starts[:-1], seg)
+    cu = np.full(slots + 1, T, dtype=np.int32)
+    cu[:len(starts)] = starts
+    # a sequence at st of n tokens with a prompt of p scores rows st + p - 1 .. st + n - 2, each predicting the next
+    first = starts[:len(lens)] + np.asarray(prompts, dtype=np.int64) - 1
+    count = np.asarray(lens, dtype=np.int64) - np.asarray(prompts, dtype=np.int64)
+    want = np.repeat(first - np.concatenate([[0], np.cumsum(count)[:-1]]), count) + np.arange(int(count.sum()))
+    rows = np.zeros(T, dtype=np.int64)
+    rows[:want.size] = want
+    targets = np.zeros(T, dtype=np.int64)
+    targets[:want.size] = ids[want + 1]
+    return (T, slots, bound), tuple(torch.from_numpy(a) for a in (ids, pos, cu, rows, targets))
+
+
 class GraphedScoring:
     """The engine's scoring pass on CUDA (no autograd) replayed from CUDA graphs, one per (pack tokens, sequence slots,
     longest-sequence bucket, temperature), captured on first use over static input buffers. A replay launches the
@@ -415,30 +447,13 @@ class GraphedScoring:
     def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
         """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
         log-probs [sum of responses] on the CPU."""
-        lens = [len(x) for x in seqs]
-        total = sum(lens)
-        T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
-        bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
-        pad = T - total  # dummy sequences of at most `bound` tokens: the padding never decides the bound
-        seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
-        # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
-        # sequences takes the next power of two); the empty slots only add programs that exit at once
-        slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
-        key = (T, slots, bound, temperature)
-        (ids, pos, cu, rows, targets), logp, graph = self.sets.get(key, lambda: self._capture(T, slots, bound,
-                                                                                              temperature))
-        flat = [t for x in seqs for t in x]
-        starts = [0]
-        for n in seg:
-            starts.append(starts[-1] + n)
-        want = [r for st, n, p in zip(starts, lens, prompts) for r in range(st + p - 1, st + n - 1)]
-        host = {"ids": flat + [0] * (T - total), "pos": [i for n in seg for i in range(n)],
-                "cu": starts + [T] * (slots + 1 - len(starts)), "rows": want + [0] * (T - len(want)),
-                "targets": [t for x, p in zip(seqs, prompts) for t in x[p:]] + [0] * (T - len(want))}
-        for buf, name in ((ids, "ids"), (pos, "pos"), (cu, "cu"), (rows, "rows"), (targets, "targets")):
-            buf.copy_(torch.tensor(host[name], dtype=buf.dtype), non_blocking=True)
+        (T, slots, bound), host = graph_inputs(seqs, prompts)
+        (ids, pos, cu, rows, targets), logp, graph = self.sets.get(
+            (T, slots, bound, temperature), lambda: self._capture(T, slots, bound, temperature))
+        for buf, t in zip((ids, pos, cu, rows, targets), host):
+            buf.copy_(t, non_blocking=True)
         graph.replay()
-        return logp[:len(want)].cpu()
+        return logp[:sum(len(x) - p for x, p in zip(seqs, prompts))].cpu()
 
     def _capture(self, T: int, slots: int, bound: int, temperature: float) -> tuple:
         from polyrl.rollout.gpu.graphs import capture
