@@ -175,13 +175,22 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
-            "step_s": round(t, 4), "step_times": [round(x, 4) for x in times], "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "step_s": round(t, 4), "step_times": [round(x, 4) for x in times], "cpu_mhz": cpu_mhz(), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
             "state_mem_gib": round(state / 2**30, 1) if cuda else None,
             "state_bytes_per_param": round(state / total_params(model_dir), 2) if cuda else None, "device": name}
+
+
+def cpu_mhz() -> float | None:
+    """The host cores' mean clock now (/proc/cpuinfo), or None: a host-bound step slows when it drops."""
+    try:
+        mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz")]
+    except OSError:
+        return None
+    return round(sum(mhz) / len(mhz)) if mhz else None
 
 
 def print_profile(prof, step_s: float) -> None:
