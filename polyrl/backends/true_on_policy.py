@@ -389,8 +389,8 @@ SLOT_TOKENS, MIN_BOUND = 32, 256
 def graph_inputs(seqs: list[list[int]], prompts: list[int]) -> tuple[tuple[int, int, int], tuple[torch.Tensor, ...]]:
     """A graphed pack's key (tokens T, sequence slots, longest-sequence bound) and its inputs on the host: ids and
     positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is scored and those targets [T]
-    (zero past the real ones). Built with array operations: a Python loop over the pack's tokens cost the scoring pass
-    tens of milliseconds a step."""
+    (zero past the real ones). Built with array operations: a Python loop over every token of a step's packs was the
+    graphed pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
     lens = [len(x) for x in seqs]
     total = sum(lens)
