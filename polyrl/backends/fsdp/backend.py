@@ -345,16 +345,21 @@ class FSDPBackend:
         if not real:  # the dummy forward of a rank without samples: route it, count nothing
             self.routing.begin(lens, self.layout, self.device, count=False)
             return
-        if m.use_rollout_routing_replay and mb.rollout_routed_experts is None:
-            raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the rollout engine "
-                             "must return them (SGLang: launch with --enable-return-routed-experts)")
-        if m.use_rollout_routing_replay:
-            routes, replay = mb.rollout_routed_experts, True
-        elif m.use_routing_replay and mb.recorded_routed_experts is not None:
-            routes, replay = mb.recorded_routed_experts, True
-        else:
-            routes, replay = mb.rollout_routed_experts, False
+        routes, replay = self._routes(mb)
         self.routing.begin(lens, self.layout, self.device, routes=routes, replay=replay, record=record)
+
+    def _routes(self, mb: TrainBatch) -> tuple[list | None, bool]:
+        """(routes, replay) of an actor forward over mb's samples: the rollout's routes replayed (R3), the log-prob
+        pass's (R2), or the rollout's routes to compare with (none replayed)."""
+        m = self.mcfg
+        if m.use_rollout_routing_replay:
+            if mb.rollout_routed_experts is None:
+                raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the rollout "
+                                 "engine must return them (SGLang: launch with --enable-return-routed-experts)")
+            return mb.rollout_routed_experts, True
+        if m.use_routing_replay and mb.recorded_routed_experts is not None:
+            return mb.recorded_routed_experts, True
+        return mb.rollout_routed_experts, False
 
     # ---- forward ------------------------------------------------------------------------
     def _token_budget(self) -> int | None:
@@ -434,12 +439,9 @@ class FSDPBackend:
         if self.routing is not None and model is self.model:
             # MoE: count the routing; R3 replays the routes of the engine's scoring pass (the routes this forward computes
             # too: the replayed gates are the same softmax entries, so the values stay the engine's)
-            replay = bool(idx) and self.mcfg.use_rollout_routing_replay
-            if replay and mb.rollout_routed_experts is None:
-                raise ValueError("--use-rollout-routing-replay: these samples carry no routed experts; the engine "
-                                 "must return them")
+            routes, replay = self._routes(mb) if idx else (None, False)
             self.routing.begin_at(*pack_positions([int(x.numel()) for x, _ in seqs], self.device), self.device,
-                                  routes=mb.rollout_routed_experts if replay else None, replay=replay, count=bool(idx))
+                                  routes=routes if replay else None, replay=replay, count=bool(idx))
         logp, ent = model(None, None, None, None, None, temperature, with_entropy,
                           sequences=[(ids.to(self.device), p) for ids, p in seqs])
         lens = mb.response_lens
