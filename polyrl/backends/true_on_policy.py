@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import types
 
@@ -355,7 +356,7 @@ def packed_tokens(lens: list[int], device: torch.device) -> int:
 def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Tensor], int]:
     """(each sequence's token positions in sequences_logprobs' pack, the pack's token count): what MoERouting.begin_at
     takes to count, record or replay the routes of one scoring forward."""
-    starts = [sum(lens[:i]) for i in range(len(lens))]
+    starts = itertools.accumulate(lens, initial=0)
     return [torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, device)
 
 
