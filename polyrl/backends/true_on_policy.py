@@ -302,8 +302,8 @@ def compile_layers(lm: torch.nn.Module) -> None:
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
     and fuses differently) and the scorer's inference graph agree bit for bit. Measured on CPU in BF16
     (bench/exact_compiled_cpu.py, 2-layer models, packs of four sequences): compiled inference == compiled training
-    forward, in any pack, for Qwen2 and Qwen3 (Qwen2 equal to eager too, Qwen3 3.6e-5 from it: both sides compile, so
-    eager is not the reference); without the setting the two compiled Qwen2 graphs differed by 2e-3. The GEMMs stay the fixed-block cuBLAS calls, the norms and attention their
+    forward, in any pack, for Qwen2, Qwen3 and Llama (Qwen2 equal to eager too, Qwen3 3.6e-5 and Llama 2e-3 from it:
+    both sides compile, so eager is not the reference); without the setting the two compiled Qwen2 graphs differed by 2e-3. The GEMMs stay the fixed-block cuBLAS calls, the norms and attention their
     own kernels. The setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
     import torch._inductor.config as inductor_config
 
