@@ -289,6 +289,30 @@ def prepare(lm: torch.nn.Module) -> torch.nn.Module:
     return lm
 
 
+def compiles(lm: torch.nn.Module, device) -> bool:
+    """Whether the mode runs lm's decoder layers compiled: on CUDA for a dense model, in the trainer and in the engine's
+    scorer alike (both sides decide it from the model and the device, so they always agree). MoE layers stay eager:
+    their expert loop reads the experts hit back to the host."""
+    return torch.device(device).type == "cuda" and not any(
+        type(m).__name__.endswith("Experts") and getattr(m, "_polyrl_invariant", False) for m in lm.modules())
+
+
+def compile_layers(lm: torch.nn.Module) -> None:
+    """torch.compile each decoder layer of a prepare()d model (dynamic shapes, as the FSDP backend's default), with
+    Inductor rounding every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
+    op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
+    and fuses differently) and the scorer's inference graph agree bit for bit. Measured on CPU in BF16
+    (bench/exact_compiled_cpu.py, 2-layer models, packs of four sequences): compiled inference == compiled training
+    forward, in any pack, for Qwen2, Qwen3 and Llama (Qwen2 equal to eager too, Qwen3 3.6e-5 and Llama 2e-3 from it:
+    both sides compile, so eager is not the reference); without the setting the two compiled Qwen2 graphs differed by 2e-3. The GEMMs stay the fixed-block cuBLAS calls, the norms and attention their
+    own kernels. The setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
+    import torch._inductor.config as inductor_config
+
+    from polyrl.backends.fsdp.parallelize import apply_compile
+    inductor_config.emulate_precision_casts = True
+    apply_compile(lm)
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Per-sequence causal SDPA over a packed row (cu_seq_lens_q in kwargs); any other call (generation with a KV
     cache and a padding mask) is HF's SDPA path."""
@@ -540,6 +564,8 @@ class EngineScorer:
                 fresh = type(mod)(config=mod.config).to(device)
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.lm.get_submodule(parent) if parent else self.lm, leaf, fresh)
+        if compiles(self.lm, device):  # as the trainer does (compiles() decides it the same way on both sides)
+            compile_layers(self.lm)
         self.weights, self.device, self._bound = weights, device, None
         from polyrl.backends.routing_replay import MoERouting
         self.routing = MoERouting.attach(self.lm)  # MoE: the routes of the scoring pass, for a request that asks (R3)
@@ -624,8 +650,11 @@ def refuse_unsupported(cfg, command: str) -> None:
     if m.attn_implementation not in ("auto", "sdpa", "eager"):
         raise no(f"--attn-implementation {m.attn_implementation}", "every sequence is scored as one unpadded row "
                  "through SDPA (or eager), which reads no packed sequence boundaries")
-    if m.compile:
-        raise no("--compile", "compiled kernels would differ between the engine's and the trainer's forwards")
+    if m.compile and not cuda:
+        raise no("--compile", "on CPU the mode runs its layers eagerly in the engine and the trainer")
+    if m.compile is False and cuda:
+        raise no("--no-compile", "on CUDA the mode compiles the dense decoder layers of the engine's scorer and of the "
+                 "trainer alike (the engine does not read the flag), so that both run the same kernels")
     if m.use_routing_replay:
         raise no("--use-routing-replay", "R2 records the routes of the trainer's old-log-prob pass, which this mode "
                  "skips (the rollout's log-probs are the old policy's); --use-rollout-routing-replay (R3) replays the "

@@ -97,13 +97,18 @@ def test_tiny_qwen3_and_llama_bf16_exact(arch, arith_data, tmp_path, monkeypatch
 
 @gpu
 @pytest.mark.gpu
-def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b, compiled):
     """tests/test_true_on_policy.py's invariance check on CUDA in BF16 (varlen attention, 2048-row blocks, the chunked
     head): each sequence's log-probs are the same bits alone, in packs of other orders and behind leading sequences
-    that move it across block boundaries, with autograd recording or not."""
+    that move it across block boundaries, with autograd recording or not (compiled: the training graph's forward and
+    the inference graph, as the trainer and the engine's scorer run them)."""
     from transformers import AutoModelForCausalLM
-    from polyrl.backends.true_on_policy import ROWS, prepare, sequences_logprobs
+    from polyrl.backends.true_on_policy import ROWS, compile_layers, compiles, prepare, sequences_logprobs
     lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
+    assert compiles(lm, "cuda")
+    if compiled:
+        compile_layers(lm)
     g = torch.Generator().manual_seed(0)
     vocab = lm.config.vocab_size
     seqs = [(torch.randint(0, vocab, (n,), generator=g).cuda(), p) for n, p in ((700, 40), (3000, 300), (90, 89), (1333, 1))]

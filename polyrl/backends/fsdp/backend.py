@@ -289,9 +289,12 @@ class FSDPBackend:
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
-        # --true-on-policy: the engine scores with the eager module code, so no compiled (fused) kernels here either
-        compiled = self.mcfg.compiled(self.device.type, getattr(config, "model_type", None)) and not self.mcfg.true_on_policy
-        if compiled:
+        if self.mcfg.true_on_policy and self.role == "actor" and not value:
+            # the engine's scorer compiles (or not) by the same rule, so both run the same kernels
+            from polyrl.backends.true_on_policy import compile_layers, compiles
+            if compiles(lm, self.device):
+                compile_layers(lm)
+        elif self.mcfg.compiled(self.device.type, getattr(config, "model_type", None)):
             apply_compile(lm)
         mtp = self.mcfg.mtp_detach_encoder if self.mcfg.enable_mtp_training and train and not value else None
         root = ValueModel(lm) if value else PolicyModel(lm, self.mcfg.logprob_chunk_size, mtp)
