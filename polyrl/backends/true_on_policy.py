@@ -95,32 +95,90 @@ def fixed_rows(fn, x: torch.Tensor):
     return out[:n] if out.shape[0] != n else out
 
 
-class _FixedRowsLinear(torch.autograd.Function):
-    """y = x W^T + b with the forward on fixed blocks of ROWS rows (each written into the output in place: no cat),
-    the backward as two whole GEMMs: only the values must not depend on the pack, the gradient is the layer's."""
+def _blocks_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b on fixed blocks of ROWS rows, each written into the output in place (no cat)."""
+    rows, n = _rows(x), x.shape[0]
+    xp = _padded(x, rows)
+    out = xp.new_empty(xp.shape[0], weight.shape[0])
+    wt = weight.t()
+    for c, o in zip(xp.split(rows), out.split(rows)):
+        if bias is None:
+            torch.mm(c, wt, out=o)
+        else:
+            torch.addmm(bias, c, wt, out=o)
+    return out[:n] if out.shape[0] != n else out
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        rows, n = _rows(x), x.shape[0]
-        xp = _padded(x, rows)
-        out = xp.new_empty(xp.shape[0], weight.shape[0])
-        wt = weight.t()
-        for c, o in zip(xp.split(rows), out.split(rows)):
-            if bias is None:
-                torch.mm(c, wt, out=o)
-            else:
-                torch.addmm(bias, c, wt, out=o)
+
+def _rms_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm forward (Llama / Qwen2 / Qwen3 / Mistral): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _fresh(y: torch.Tensor) -> torch.Tensor:
+    """y, copied if it is a view (of the padded blocks): a custom op returns tensors of its own."""
+    return y if y._base is None else y.clone()
+
+
+@functools.lru_cache(maxsize=1)
+def _ops():
+    """The mode's fixed-arithmetic linear and RMSNorm as torch custom ops (registered by prepare()): torch.compile
+    keeps each as one opaque call, so a compiled layer runs the very kernels an eager one runs (their block loop and
+    Triton launch are not traced), and Inductor fuses only the elementwise work between them. The gradients are the
+    layers' own (two whole GEMMs; the RMSNorm's closed form): only the values must not depend on the pack."""
+
+    @torch.library.custom_op("polyrl::fixed_rows_linear", mutates_args=())
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _fresh(_blocks_mm(x, weight, bias))
+
+    @linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    def linear_setup(ctx, inputs, output):
+        x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return out[:n] if out.shape[0] != n else out
 
-    @staticmethod
-    def backward(ctx, g):
+    def linear_backward(ctx, g):
         x, weight = ctx.saved_tensors
-        gx = g @ weight if ctx.needs_input_grad[0] else None
-        gw = g.t() @ x if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        need = ctx.needs_input_grad
+        return (g @ weight if need[0] else None, g.t() @ x if need[1] else None,
+                g.sum(0) if ctx.has_bias and need[2] else None)
+
+    linear.register_autograd(linear_backward, setup_context=linear_setup)
+
+    @torch.library.custom_op("polyrl::rms_rows", mutates_args=())
+    def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_cuda and _rms_kernel() is not None:
+            return rms_rows(x, weight, eps)
+        return _fresh(fixed_rows(lambda c: _rms_formula(c, weight, eps), x))
+
+    @rms.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    def rms_setup(ctx, inputs, output):
+        x, weight, eps = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+
+    def rms_backward(ctx, g):
+        # y = w * h, h = (x r).to(dtype), r = rsqrt(mean(x^2) + eps): dh = g w, dx = r (dh - n mean(dh n)), n = x r
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        n = xf * r
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            dh = (g * weight).float()
+            gx = (r * (dh - n * (dh * n).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g * n.to(x.dtype)).sum(0).to(weight.dtype)
+        return gx, gw, None
+
+    rms.register_autograd(rms_backward, setup_context=rms_setup)
+    return linear, rms
 
 
 class _FixedRows(torch.autograd.Function):
@@ -131,11 +189,7 @@ class _FixedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, x, *params):
         with torch.no_grad():
-            w = params[names.index("weight")] if "weight" in names else None
-            if w is not None and _rms_kernel_fits(module, x, w):
-                out = rms_rows(x, w, module.variance_epsilon)
-            else:
-                out = fixed_rows(module._polyrl_plain, x)
+            out = fixed_rows(module._polyrl_plain, x)
         ctx.module, ctx.names = module, names
         ctx.save_for_backward(x, *params)
         return out
@@ -163,11 +217,12 @@ class _FixedRows(torch.autograd.Function):
 _RMS_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MistralRMSNorm")
 
 
-def _rms_kernel_fits(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A CUDA call of a known RMSNorm whose weight is a plain local tensor (not a sharded DTensor) of x's dtype."""
-    return (x.is_cuda and type(module).__name__ in _RMS_CLASSES and hasattr(module, "variance_epsilon")
-            and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype == x.dtype
-            and tuple(weight.shape) == tuple(x.shape[-1:]) and _rms_kernel() is not None)
+def _rms_op_fits(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """A known RMSNorm whose weight is a plain local tensor (not a sharded DTensor) of x's dtype: the rms_rows op."""
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ in _RMS_CLASSES and hasattr(module, "variance_epsilon")
+            and type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == x.dtype
+            and tuple(w.shape) == tuple(x.shape[-1:]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,13 +268,15 @@ def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _active():
         return F.linear(x, self.weight, self.bias)
-    y = _FixedRowsLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+    y = torch.ops.polyrl.fixed_rows_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _active():
         return self._polyrl_plain(x)
+    if _rms_op_fits(self, x):
+        return torch.ops.polyrl.rms_rows(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon).reshape(x.shape)
     names = [n for n, _ in self.named_parameters(recurse=False)]
     params = [p for _, p in self.named_parameters(recurse=False)]
     return _FixedRows.apply(self, names, x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
@@ -243,7 +300,7 @@ def _experts_fit(m: torch.nn.Module) -> bool:
 
 
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """HF's eager expert loop with every expert GEMM on fixed blocks (_FixedRowsLinear). A token's output is the sum of
+    """HF's eager expert loop with every expert GEMM on fixed blocks (the fixed-rows linear op). A token's output is the sum of
     its experts' outputs added in increasing expert order (one index_add_ per expert, each token once per call), so it
     depends on its own hidden state and route only, not on which other tokens an expert got."""
     if not _active():
@@ -253,8 +310,9 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
         hit = torch.unique(top_k_index[(top_k_index >= 0) & (top_k_index < self.gate_up_proj.shape[0])]).tolist()
     for e in hit:
         tok, pos = torch.where(top_k_index == e)
-        gate, up = _FixedRowsLinear.apply(hidden_states[tok], self.gate_up_proj[e], None).chunk(2, dim=-1)
-        h = _FixedRowsLinear.apply(self.act_fn(gate) * up, self.down_proj[e], None)
+        linear = torch.ops.polyrl.fixed_rows_linear
+        gate, up = linear(hidden_states[tok], self.gate_up_proj[e], None).chunk(2, dim=-1)
+        h = linear(self.act_fn(gate) * up, self.down_proj[e], None)
         out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
     return out
 
@@ -263,6 +321,7 @@ def prepare(lm: torch.nn.Module) -> torch.nn.Module:
     """Route lm's Linear layers, RMSNorms, MoE routers and stacked experts through fixed blocks inside `invariant()`
     (outside it, as before: the engine's own generation is untouched) and make its attention the per-sequence one.
     Idempotent. A stacked-experts layout the mode does not implement is refused."""
+    _ops()  # registered here, outside any compiled region: the forwards call them as torch.ops.polyrl.*
     for m in lm.modules():
         if getattr(m, "_polyrl_invariant", False):
             continue
@@ -292,9 +351,11 @@ def prepare(lm: torch.nn.Module) -> torch.nn.Module:
 def compiles(lm: torch.nn.Module, device) -> bool:
     """Whether the mode runs lm's decoder layers compiled: on CUDA for a dense model, in the trainer and in the engine's
     scorer alike (both sides decide it from the model and the device, so they always agree). MoE layers stay eager:
-    their expert loop reads the experts hit back to the host."""
+    their expert loop reads the experts hit back to the host; so does a model with an RMSNorm the rms_rows op does not
+    know (its fallback re-runs the module in its backward)."""
+    prepared = [type(m).__name__ for m in lm.modules() if getattr(m, "_polyrl_invariant", False)]
     return torch.device(device).type == "cuda" and not any(
-        type(m).__name__.endswith("Experts") and getattr(m, "_polyrl_invariant", False) for m in lm.modules())
+        n.endswith("Experts") or (n.endswith("RMSNorm") and n not in _RMS_CLASSES) for n in prepared)
 
 
 def compile_layers(lm: torch.nn.Module) -> None:
