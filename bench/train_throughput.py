@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
                    "(megatron: base, compile = its --compile (polyrl's norms and RoPE), ac = full recompute, keepgrads = "
-                   "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion; combine with +, e.g. compile+ac); base "
+                   "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion, gcfreeze = no automatic garbage collection in the measured steps (either backend); combine with +, e.g. compile+ac); base "
                    "is eager on both backends")
     p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
@@ -145,7 +145,21 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
+    gc_pause, gc_since = [0.0], [0.0]  # seconds the cyclic garbage collector held the host in each step
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_since[0] = time.perf_counter()
+        else:
+            gc_pause[0] += time.perf_counter() - gc_since[0]
+    gc.callbacks.append(on_gc)
+    gc_times = []
     for step in range(a.warmup + a.steps):
+        if step == a.warmup and "gcfreeze" in variant:  # what Megatron-LM's --manual-gc does: no collection mid-step
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        gc_pause[0] = 0.0
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
         prof = None
         profiled = a.profile is not None and (not a.profile or f"{backend}:{variant}:{tokens}" in a.profile)
@@ -165,6 +179,10 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         if step >= a.warmup:
             times.append(dt)
             flops.append(f)
+            gc_times.append(gc_pause[0])
+    gc.callbacks.remove(on_gc)
+    gc.enable()
+    gc.unfreeze()
     state = torch.cuda.memory_allocated() if cuda else 0  # between steps: weights, grads, optimizer state
     del be
     gc.collect()  # megatron's DDP hooks and config callbacks hold the model in reference cycles:
@@ -175,7 +193,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
-            "step_s": round(t, 4), "step_times": [round(x, 4) for x in times], "cpu_mhz": cpu_mhz(), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "step_s": round(t, 4), "step_times": [round(x, 4) for x in times],
+            "gc_s": [round(x, 4) for x in gc_times], "cpu_mhz": cpu_mhz(), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
