@@ -362,7 +362,8 @@ class ModelConfig:
     bf16: bool = opt(False, "force BF16 (also on CPU)")
     fp32: bool = opt(False, "force FP32 params and compute (also on GPU): exact parity checks, debugging")
     true_on_policy: bool = opt(False, "the engine and the trainer score every token with one batch-invariant function "
-                                      "(packed rows, fixed-block GEMMs and norms, per-sequence attention), so "
+                                      "(packed rows, fixed-block GEMMs and norms, per-sequence attention; on CUDA the dense "
+                                      "layers compiled on both sides), so "
                                       "train_rollout_logprob_abs_diff is exactly 0 and the rollout's log-probs serve as "
                                       "the old policy's; FSDP backend; embedded or server engine; CPU FP32 or GPU "
                                       "BF16/FP32; dense and MoE (docs/true-on-policy.md)")

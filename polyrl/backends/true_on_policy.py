@@ -362,11 +362,13 @@ def compile_layers(lm: torch.nn.Module) -> None:
     """torch.compile each decoder layer of a prepare()d model (dynamic shapes, as the FSDP backend's default), with
     Inductor rounding every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
-    and fuses differently) and the scorer's inference graph agree bit for bit. Measured on CPU in BF16
-    (bench/exact_compiled_cpu.py, 2-layer models, packs of four sequences): compiled inference == compiled training
-    forward, in any pack, for Qwen2, Qwen3 and Llama (Qwen2 equal to eager too, Qwen3 3.6e-5 and Llama 2e-3 from it:
-    both sides compile, so eager is not the reference); without the setting the two compiled Qwen2 graphs differed by 2e-3. The GEMMs stay the fixed-block cuBLAS calls, the norms and attention their
-    own kernels. The setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
+    and fuses differently) and the scorer's inference graph agree bit for bit. The fixed-block GEMMs and the row
+    RMSNorm stay their own kernels (custom ops, opaque to the compiler), attention its varlen call; Inductor fuses the
+    elementwise work between them (RoPE, SiLU * up, residual adds). On an H100 in BF16 the mode's GPU tests pass
+    compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance, 3-step GRPO runs of the 0.5B shape, Qwen3,
+    Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
+    training forward == eager for Qwen3, while without the setting two compiled Qwen2 graphs differed by 2e-3. The
+    setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
     import torch._inductor.config as inductor_config
 
     from polyrl.backends.fsdp.parallelize import apply_compile
