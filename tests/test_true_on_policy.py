@@ -413,6 +413,40 @@ def test_moe_exact_over_three_steps_with_and_without_rollout_routing_replay(tiny
     assert "--true-on-policy with --use-routing-replay" in capsys.readouterr().err
 
 
+def test_the_custom_ops_are_the_layers_they_replace():
+    """polyrl::fixed_rows_linear and polyrl::rms_rows (what a prepared model's Linear layers and RMSNorms call in the
+    mode, compiled or not): values and gradients are F.linear's and HF's Qwen2RMSNorm's, over more rows than one block
+    and a ragged last block. FP32: the linear op runs the same GEMMs on row blocks and its backward is the same two
+    products, so 1e-6; the norm's backward is its closed form against autograd's chain of ops, and its forward reduces
+    the same 64 terms per row, both within a few FP32 roundings of values of order 1 (1e-5)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from polyrl.backends.true_on_policy import ROWS, _ops
+    _ops()
+    g = torch.Generator().manual_seed(0)
+    n = 2 * ROWS["cpu"] + 7
+    x = torch.randn(n, 64, generator=g, requires_grad=True)
+    w = torch.randn(48, 64, generator=g, requires_grad=True)
+    b = torch.randn(48, generator=g, requires_grad=True)
+    dy = torch.randn(n, 48, generator=g)
+    got = torch.autograd.grad(torch.ops.polyrl.fixed_rows_linear(x, w, b), (x, w, b), dy)
+    want = torch.autograd.grad(torch.nn.functional.linear(x, w, b), (x, w, b), dy)
+    for a, e in zip(got, want):
+        assert torch.allclose(a, e, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(torch.ops.polyrl.fixed_rows_linear(x, w, None), x @ w.t(), atol=1e-6, rtol=1e-6)
+
+    norm = Qwen2RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g) * 0.5 + 1)
+    xs = (torch.randn(n, 64, generator=g) * 3).requires_grad_(True)
+    dn = torch.randn(n, 64, generator=g)
+    y = torch.ops.polyrl.rms_rows(xs, norm.weight, norm.variance_epsilon)
+    assert torch.allclose(y, norm(xs), atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(y, (xs, norm.weight), dn)
+    want = torch.autograd.grad(norm(xs), (xs, norm.weight), dn)
+    for a, e in zip(got, want):
+        assert torch.allclose(a, e, atol=1e-5, rtol=1e-5), (a - e).abs().max()
+
+
 def test_gradients_flow_through_the_scoring_function(tiny_model):
     """The trainer differentiates the very function the engine runs without grad; the forward values agree, and the
     gradient of every parameter is the plain HF model's (the fixed-block Linear / norm / head have their own backward:
