@@ -229,6 +229,50 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+def memory_held(segments: list[dict]) -> dict[str, int]:
+    """Bytes the caching allocator holds, from torch.cuda.memory_snapshot()'s segments: reserved and allocated in all,
+    and the part of each in private pools (CUDA graphs' memory, which no other allocation can reuse)."""
+    out = dict.fromkeys(("reserved", "allocated", "pool_reserved", "pool_allocated"), 0)
+    for seg in segments:
+        private = tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        for key, size in (("reserved", seg["total_size"]), ("allocated", seg["allocated_size"])):
+            out[key] += size
+            if private:
+                out[f"pool_{key}"] += size
+    return out
+
+
+def _cuda_oom(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # not imported yet: not torch's error (and no import on other error paths)
+    return torch is not None and isinstance(e, torch.OutOfMemoryError)
+
+
+def _oom_line(command: str, e: BaseException) -> str:
+    """One line for a CUDA out-of-memory: where the run was, what was asked, how this process held the GPU (CUDA-graph
+    pools apart: the trainer cannot reuse their reserve), and the flags that shrink each part."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    asked = re.search(r"Tried to allocate [\d.]+ \w+", str(e))
+    rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+    held = ""
+    if torch.cuda.is_available():
+        gib = 2**30
+        d = torch.cuda.current_device()
+        m = memory_held([seg for seg in torch.cuda.memory_snapshot() if seg.get("device", d) == d])
+        free, total = torch.cuda.mem_get_info()
+        held = (f": this process held {m['allocated'] / gib:.1f} GiB allocated and "
+                f"{(m['reserved'] - m['allocated']) / gib:.1f} GiB reserved but free, of which CUDA-graph pools "
+                f"{m['pool_reserved'] / gib:.1f} GiB ({m['pool_allocated'] / gib:.1f} allocated); other processes "
+                f"{max(0, total - free - m['reserved']) / gib:.1f} GiB of {total / gib:.0f}")
+    trainer = "the trainer's micro-batches with --max-tokens-per-gpu N or --micro-batch-size N, --gradient-checkpointing"
+    engine = "the engine's KV cache with --rollout-mem-fraction"
+    shrink = {"train": f"{trainer}, --offload-train, or {engine}", "sft": trainer, "eval": engine}.get(command)
+    return (f"polyrl {command}: error: CUDA out of memory{rank}{_where(command)}"
+            f"{f' ({asked.group(0)})' if asked else ''}{held}{f'; to fit, shrink {shrink}' if shrink else ''}")
+
+
 def _port_line(command: str, cfg, e: BaseException | None) -> str:
     if command == "serve" and cfg is not None:
         return (f"polyrl serve: error: port {cfg.server.port} on {cfg.server.host} is already in use (30000, the default, "
@@ -322,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             return err(f"polyrl {args.command}: error: {e}", 1)
         if isinstance(e, (ConfigError, DataError, CheckpointError)):
             return err(f"polyrl {args.command}: error: {e}", 2)
+        if _cuda_oom(e):  # the allocator's own message and the traceback: POLYRL_LOG_LEVEL=DEBUG
+            logging.getLogger("polyrl").debug("CUDA out of memory", exc_info=e)
+            return err(_oom_line(args.command, e), 1, every_rank=True)
         if isinstance(e, ImportError) and "pip install" in str(e):  # optional dependency with an install hint
             return err(f"polyrl {args.command}: error: {e}", 2)
         if _address_in_use(e):

@@ -327,3 +327,34 @@ def test_the_wandb_run_config_has_no_secret(monkeypatch, tmp_path):
     logger_from_config(cfg, total_steps=1, enabled=True, title="t").close()
     assert seen["config"]["engines"]["api_key"] == seen["config"]["server"]["api_key"] == "<redacted>"
     assert "sk-secret" not in json.dumps(seen["config"])
+
+
+# ---- CUDA out of memory: one line with where, what was asked, how memory was held and what shrinks it ----
+
+def test_cuda_out_of_memory_is_one_line_naming_the_flags_that_shrink_memory(tiny_model, arith_data, tmp_path, capsys,
+                                                                             monkeypatch):
+    import torch
+    import polyrl.loop
+
+    def oom(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 180.00 MiB. GPU 0 has a total capacity of "
+                                     "79.18 GiB of which 4.56 MiB is free.")
+    monkeypatch.setattr(polyrl.loop, "train", oom)
+    assert main(_base(tiny_model, arith_data["train"], tmp_path / "run", "--rm-type", "arithmetic")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [l for l in err.splitlines() if "out of memory" in l]
+    assert line.startswith("polyrl train: error: CUDA out of memory while starting up")
+    assert "(Tried to allocate 180.00 MiB)" in line
+    assert all(f in line for f in ("--max-tokens-per-gpu", "--micro-batch-size", "--gradient-checkpointing",
+                                   "--offload-train", "--rollout-mem-fraction"))
+
+
+def test_memory_held_sets_cuda_graph_pools_apart():
+    from polyrl.cli import memory_held
+    segments = [{"total_size": 40 << 30, "allocated_size": 30 << 30, "segment_pool_id": (0, 0)},
+                {"total_size": 6 << 30, "allocated_size": 1 << 30, "segment_pool_id": (1, 4)},
+                {"total_size": 2 << 20, "allocated_size": 0, "segment_pool_id": (0, 0)},
+                {"total_size": 4 << 30, "allocated_size": 0, "segment_pool_id": [2, 0]}]  # a list, as JSON gives it
+    assert memory_held(segments) == {"reserved": (50 << 30) + (2 << 20), "allocated": 31 << 30,
+                                     "pool_reserved": 10 << 30, "pool_allocated": 1 << 30}
