@@ -171,7 +171,8 @@ def main(argv: list[str]) -> None:
     POLYRL_API_KEY when set (so the key is in this process's memory, not its command line)."""
     from sglang_router.launch_router import launch_router as run_router, parse_router_args
     key = os.environ.pop(API_KEY_ENV, None)
-    run_router(parse_router_args(list(argv) + (["--api-key", key] if key else [])))
+    # one token, --api-key=KEY: a random key may begin with "-", which argparse would read as the next flag
+    run_router(parse_router_args(list(argv) + ([f"--api-key={key}"] if key else [])))
 
 
 if __name__ == "__main__":

@@ -408,6 +408,20 @@ def test_polyrl_serve_cli_help_start_line_and_sigterm(tiny_model, tmp_path):
         assert p.stop(signal.SIGTERM) == 0 and time.monotonic() - t0 < 10
 
 
+def test_the_router_gets_a_key_that_begins_with_a_dash(monkeypatch):
+    """A launched run's random key (secrets.token_urlsafe) begins with "-" once in 64: the router's entry point hands it
+    to sglang-router's parser as one token, never as a flag of its own."""
+    pytest.importorskip("sglang_router")
+    import sglang_router.launch_router as lr
+    from polyrl.rollout import router
+    got = []
+    monkeypatch.setattr(lr, "launch_router", got.append)
+    monkeypatch.setenv(router.API_KEY_ENV, "-Ab3_secret")
+    router.main(["--worker-urls", "http://127.0.0.1:1", "--policy", "round_robin"])
+    (args,) = got
+    assert args.api_key == "-Ab3_secret" and router.API_KEY_ENV not in os.environ
+
+
 def test_behind_the_real_sglang_router(tiny_model, srv, tmp_path):
     pytest.importorskip("sglang_router")
     from polyrl.rollout.router import launch_router
