@@ -143,17 +143,16 @@ def test_update_weight_buffer_size_sets_the_buckets_of_each_push(base, tmp_path,
     weights.pop("lm_head.weight", None)  # tied to the embedding: sent once, under the embedding's name
     total = sum(t.numel() * t.element_size() for t in weights.values())
     largest = max(t.numel() * t.element_size() for t in weights.values())
-    pushes = {}
-    for size in (1 << 30, largest, 1):
+    # one run: the flag reaches every push of a real sync (buckets of the largest tensor's size: several tensors share
+    # one, none holds more than that size)
+    rollout(base, tmp_path, "bucketed", "--update-weight-buffer-size", str(largest), "--rollout-engine", "server",
+            train=True)
+    assert seen and all(b == largest and sum(s) == total for b, s in seen), seen  # every push, whole model
+    assert 1 < len(seen[-1][1]) < len(weights) and max(seen[-1][1]) <= largest
+    # the extremes on the same stream, without a run each: the whole tiny model in one bucket; one tensor per bucket
+    for size, count in ((1 << 30, 1), (1, len(weights))):
         seen.clear()
-        rollout(base, tmp_path, f"b{size}", "--update-weight-buffer-size", str(size), "--rollout-engine", "server",
-                train=True)
-        assert seen and all(b == size and sum(s) == total for b, s in seen), (size, seen)  # every push, whole model
-        pushes[size] = seen[-1][1]
-    assert len(pushes[1 << 30]) == 1  # the whole tiny model in one bucket
-    assert len(pushes[1]) == len(weights)  # one tensor per bucket
-    # buckets of the largest tensor's size: several tensors share one, none holds more than that size
-    assert 1 < len(pushes[largest]) < len(weights) and max(pushes[largest]) <= largest
+        assert sum(1 for _ in wsd.buckets(iter(weights.items()), size)) == count and sum(seen[0][1]) == total
 
 
 BOUNDED = '''

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from polyrl.capabilities import refuse_unhonoured
+from conftest import DEMO_SEED as SEED
 from polyrl.cli import main
 from polyrl.config import Config, ConfigError
 from polyrl.demo import sft_args, train_args
@@ -20,18 +21,13 @@ from polyrl.types import SamplingParams
 from polyrl.weight_sync import FP8Transport, InMemoryTransport
 from polyrl.weight_sync.quantize import dequantize_fp8_block, is_quantized_weight, quantize_fp8_block
 
-# the shortened demo of tests/test_demo.py: 10 SFT epochs leave a model right on about half of the held-out additions
-SFT_EPOCHS, GRPO_STEPS, SEED = 10, 20, 1
+# the shortened demo of tests/test_demo.py: GRPO steps from conftest's 10-epoch SFT
+GRPO_STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    run = tmp_path_factory.mktemp("fp8_demo")
-    paths = write_datasets(str(run / "data"), seed=SEED, digits=2, carry_bug_rate=0.6)
-    build_model(str(run / "base"), seed=SEED)
-    assert main(sft_args(str(run / "base"), paths, str(run / "sft"), str(run / "sft_run"), epochs=SFT_EPOCHS,
-                         seed=SEED)) == 0
-    return {"paths": paths, "sft": str(run / "sft"), "run": run}
+def demo(demo_sft):
+    return demo_sft  # conftest's shortened-demo SFT, shared with the other tests that start from it
 
 
 @pytest.mark.slow

@@ -6,30 +6,24 @@ from __future__ import annotations
 
 import json
 
+from conftest import DEMO_SEED
 from polyrl.cli import main
-from polyrl.demo import sft_args, train_args
-from polyrl.tasks.arithmetic import build_model, write_datasets
+from polyrl.demo import train_args
 
-# the demo's SFT (15 epochs: 62% held out; 4 epochs left 6.5%, too few correct samples for 10 RL steps to build on)
-SFT_EPOCHS, PPO_STEPS = 15, 10
+PPO_STEPS = 10
 
 
-def test_ppo_with_a_critic_raises_held_out_accuracy_on_the_demo_task(tmp_path):
+def test_ppo_with_a_critic_raises_held_out_accuracy_on_the_demo_task(demo_sft, tmp_path):
     """Greedy accuracy on the 200 held-out additions, before the first PPO step and after the 10th, in one run.
     Margin: a rise of >= 0.10 (20 problems). The two evals score the same 200 problems with greedy decoding, so no
     sampling noise enters them; what varies is the policy across machines (float sums in other orders, amplified by
-    RL). The by-hand run of the demo with gae (README) rose by 0.23 in 10 steps (0.62 -> 0.85, 92% at step 30), and
-    that 10-step gap is what carry-forgetting SFT leaves for RL: 0.10 is less than half of it. A PPO that does not
+    RL). From this 10-epoch SFT it rose by 0.335 (0.51 -> 0.845) on a 2-vCPU AMD EPYC; the by-hand run of the demo with
+    gae (README, 15 epochs) by 0.23 in 10 steps (0.62 -> 0.85): 0.10 is less than half of either. A PPO that does not
     learn (a critic that swallows the advantage, a sign error, whitening that zeroes it) stays within a few problems
     of the start or falls."""
-    build_model(str(tmp_path / "base"), seed=1)  # the demo's model: Qwen2-style, 4 layers, hidden 128
-    data = write_datasets(str(tmp_path / "data"), digits=2, seed=1, carry_bug_rate=0.6)
-    cpu = ["--device", "cpu"]
-    assert main(sft_args(str(tmp_path / "base"), data, str(tmp_path / "sft"), str(tmp_path / "sft_run"),
-                         epochs=SFT_EPOCHS, seed=1) + cpu) == 0
-    run = tmp_path / "ppo"
-    assert main(train_args(str(tmp_path / "sft"), data, str(run), steps=PPO_STEPS, seed=1, advantage_estimator="gae",
-                           eval_interval=PPO_STEPS) + cpu) == 0
+    run = tmp_path / "ppo"  # from conftest's shortened-demo SFT (the demo's model and data, 10 epochs)
+    assert main(train_args(demo_sft["sft"], demo_sft["paths"], str(run), steps=PPO_STEPS, seed=DEMO_SEED,
+                           advantage_estimator="gae", eval_interval=PPO_STEPS) + ["--device", "cpu"]) == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert set(acc) == {0, PPO_STEPS}
