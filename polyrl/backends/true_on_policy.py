@@ -308,9 +308,9 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():
         hit = torch.unique(top_k_index[(top_k_index >= 0) & (top_k_index < self.gate_up_proj.shape[0])]).tolist()
+    linear = torch.ops.polyrl.fixed_rows_linear
     for e in hit:
         tok, pos = torch.where(top_k_index == e)
-        linear = torch.ops.polyrl.fixed_rows_linear
         gate, up = linear(hidden_states[tok], self.gate_up_proj[e], None).chunk(2, dim=-1)
         h = linear(self.act_fn(gate) * up, self.down_proj[e], None)
         out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
