@@ -235,7 +235,8 @@ def isolated(a, argv: list[str] | None, shape: str, model_dir: str, row: str) ->
     """One row in a fresh process on this machine (one rank; the row's JSON comes back through a file)."""
     import subprocess
     import sys
-    if dist_world() > 1:
+    import torch.distributed as dist
+    if dist.get_world_size() > 1:
         raise ValueError("--isolate runs single-process rows; drop it under torchrun")
     keep, skip = [], False
     for x in (argv if argv is not None else sys.argv[1:]):  # this command less its rows, shapes, output and --isolate
@@ -249,11 +250,6 @@ def isolated(a, argv: list[str] | None, shape: str, model_dir: str, row: str) ->
                "--rows", row, "--out", f.name]
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(open(f.name).read().splitlines()[-1])
-
-
-def dist_world() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def main(argv=None) -> int:

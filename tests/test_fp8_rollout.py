@@ -14,9 +14,8 @@ from polyrl.capabilities import refuse_unhonoured
 from conftest import DEMO_SEED as SEED
 from polyrl.cli import main
 from polyrl.config import Config, ConfigError
-from polyrl.demo import sft_args, train_args
+from polyrl.demo import train_args
 from polyrl.rollout.embedded import EmbeddedEngine
-from polyrl.tasks.arithmetic import build_model, write_datasets
 from polyrl.types import SamplingParams
 from polyrl.weight_sync import FP8Transport, InMemoryTransport
 from polyrl.weight_sync.quantize import dequantize_fp8_block, is_quantized_weight, quantize_fp8_block
@@ -25,13 +24,8 @@ from polyrl.weight_sync.quantize import dequantize_fp8_block, is_quantized_weigh
 GRPO_STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def demo(demo_sft):
-    return demo_sft  # conftest's shortened-demo SFT, shared with the other tests that start from it
-
-
 @pytest.mark.slow
-def test_fp8_engine_greedy_tokens_against_the_fp32_engine(demo, record_property):
+def test_fp8_engine_greedy_tokens_against_the_fp32_engine(demo_sft, record_property):
     """The FP8 engine is the FP32 engine after an FP8 push of the same weights: its linear weights are exactly the
     quantize-dequantize of the trainer's, everything else is untouched, and the push moves about a quarter of the FP32
     bytes of the linears. Greedy tokens on the 200 held-out prompts are compared and the agreement recorded (FP8
@@ -39,9 +33,9 @@ def test_fp8_engine_greedy_tokens_against_the_fp32_engine(demo, record_property)
     Each weight moves by at most 2^-4 of its block's largest value, far less than what separates the SFT model's
     top token from the next on most of its 3-4 answer tokens; a scale applied to the wrong block, a transposed scale
     grid or a weight loaded without its scale leaves a model whose answers agree on almost nothing."""
-    ref = EmbeddedEngine(demo["sft"])
-    fp8 = EmbeddedEngine(demo["sft"])
-    w = dict(AutoModelForCausalLM.from_pretrained(demo["sft"], dtype=torch.float32).named_parameters())
+    ref = EmbeddedEngine(demo_sft["sft"])
+    fp8 = EmbeddedEngine(demo_sft["sft"])
+    w = dict(AutoModelForCausalLM.from_pretrained(demo_sft["sft"], dtype=torch.float32).named_parameters())
     moved = FP8Transport(InMemoryTransport(1 << 20), in_process=True).push(iter(w.items()), fp8, 1)
     linear = 0
     for name, t in w.items():
@@ -55,7 +49,7 @@ def test_fp8_engine_greedy_tokens_against_the_fp32_engine(demo, record_property)
     fp32_bytes = sum(t.numel() * 4 for t in w.values())
     assert moved < fp32_bytes - 2.9 * linear  # each linear element: 1 byte instead of 4, plus one float32 per block
 
-    prompts = [json.loads(line)["prompt"] for line in open(demo["paths"]["eval"])]
+    prompts = [json.loads(line)["prompt"] for line in open(demo_sft["paths"]["eval"])]
     ids = [ref.tokenizer(p)["input_ids"] for p in prompts]
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     a, b = ref.generate(ids, sp), fp8.generate(ids, sp)
@@ -71,7 +65,7 @@ def test_fp8_engine_greedy_tokens_against_the_fp32_engine(demo, record_property)
 
 
 @pytest.mark.slow
-def test_grpo_with_fp8_rollout_learns(demo, tmp_path):
+def test_grpo_with_fp8_rollout_learns(demo_sft, tmp_path):
     """The demo's GRPO with the engine sampling from FP8 weights (and --use-tis, the setting docs/low-precision.md
     recommends) still raises held-out accuracy. Margin: >= 0.12, the shortened demo's own bar at the same seed, SFT
     and steps (tests/test_demo.py; on a 2-vCPU AMD EPYC FP32 rollout rose 0.51 -> 0.83 and FP8 0.51 -> 0.85, and 0.12
@@ -81,7 +75,7 @@ def test_grpo_with_fp8_rollout_learns(demo, tmp_path):
     scrambled, stays near its start or falls. The rollout/train log-prob gap is logged each step and is not zero: the engine's model is the
     FP8-rounded one."""
     run = tmp_path / "grpo_fp8"
-    args = train_args(demo["sft"], demo["paths"], str(run), steps=GRPO_STEPS, seed=SEED)
+    args = train_args(demo_sft["sft"], demo_sft["paths"], str(run), steps=GRPO_STEPS, seed=SEED)
     assert main([*args, "--rollout-quantization", "fp8", "--use-tis"]) == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}

@@ -358,9 +358,10 @@ def compiles(lm: torch.nn.Module, device) -> bool:
         n.endswith("Experts") or (n.endswith("RMSNorm") and n not in _RMS_CLASSES) for n in prepared)
 
 
-def compile_layers(lm: torch.nn.Module) -> None:
-    """torch.compile each decoder layer of a prepare()d model (dynamic shapes, as the FSDP backend's default), with
-    Inductor rounding every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
+def compile_layers(lm: torch.nn.Module, device) -> bool:
+    """Where compiles(lm, device): torch.compile each decoder layer of a prepare()d model (dynamic shapes, as the FSDP
+    backend's default) and return True; the trainer and the engine's scorer both call this, so both decide alike.
+    Inductor rounds every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
     and fuses differently) and the scorer's inference graph agree bit for bit. The fixed-block GEMMs and the row
     RMSNorm stay their own kernels (custom ops, opaque to the compiler), attention its varlen call; Inductor fuses the
@@ -369,11 +370,14 @@ def compile_layers(lm: torch.nn.Module) -> None:
     Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
     training forward == eager for Qwen3, while without the setting two compiled Qwen2 graphs differed by 2e-3. The
     setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
+    if not compiles(lm, device):
+        return False
     import torch._inductor.config as inductor_config
 
     from polyrl.backends.fsdp.parallelize import apply_compile
     inductor_config.emulate_precision_casts = True
     apply_compile(lm)
+    return True
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -627,8 +631,7 @@ class EngineScorer:
                 fresh = type(mod)(config=mod.config).to(device)
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.lm.get_submodule(parent) if parent else self.lm, leaf, fresh)
-        if compiles(self.lm, device):  # as the trainer does (compiles() decides it the same way on both sides)
-            compile_layers(self.lm)
+        compile_layers(self.lm, device)  # as the trainer does
         self.weights, self.device, self._bound = weights, device, None
         from polyrl.backends.routing_replay import MoERouting
         self.routing = MoERouting.attach(self.lm)  # MoE: the routes of the scoring pass, for a request that asks (R3)

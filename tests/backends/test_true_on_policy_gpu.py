@@ -108,7 +108,7 @@ def test_half_b_shape_a_tokens_value_does_not_depend_on_its_pack(half_b, compile
     lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
     assert compiles(lm, "cuda")
     if compiled:
-        compile_layers(lm)
+        assert compile_layers(lm, "cuda")
     g = torch.Generator().manual_seed(0)
     vocab = lm.config.vocab_size
     seqs = [(torch.randint(0, vocab, (n,), generator=g).cuda(), p) for n, p in ((700, 40), (3000, 300), (90, 89), (1333, 1))]

@@ -290,10 +290,9 @@ class FSDPBackend:
         if self.mcfg.gradient_checkpointing and train:
             apply_ac(lm)
         if self.mcfg.true_on_policy and self.role == "actor" and not value:
-            # the engine's scorer compiles (or not) by the same rule, so both run the same kernels
-            from polyrl.backends.true_on_policy import compile_layers, compiles
-            if compiles(lm, self.device):
-                compile_layers(lm)
+            # the engine's scorer compiles (or not) by the same call, so both run the same kernels
+            from polyrl.backends.true_on_policy import compile_layers
+            compile_layers(lm, self.device)
         elif self.mcfg.compiled(self.device.type, getattr(config, "model_type", None)):
             apply_compile(lm)
         mtp = self.mcfg.mtp_detach_encoder if self.mcfg.enable_mtp_training and train and not value else None
@@ -344,7 +343,7 @@ class FSDPBackend:
         pass's (R2), else route freely (recording if asked, comparing with the rollout's routes when it has them)."""
         if self.routing is None or model is not self.model:
             return
-        m, lens = self.mcfg, [int(x.numel()) for x in mb.input_ids]
+        lens = [int(x.numel()) for x in mb.input_ids]
         if not real:  # the dummy forward of a rank without samples: route it, count nothing
             self.routing.begin(lens, self.layout, self.device, count=False)
             return
