@@ -93,8 +93,10 @@ def decode_kernel_breakdown(eng, b: int, ctx: int, steps: int = 5) -> list[dict]
             rows.append((t, e.key, e.count))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
+    calls = sum(r[2] for r in rows) / steps
     return [{"kernel": k[:90], "share": t / total, "us_per_step": t / steps, "calls_per_step": c / steps}
-            for t, k, c in rows[:14]] + [{"kernel": "TOTAL", "us_per_step": total / steps}]
+            for t, k, c in rows[:14]] + [{"kernel": "TOTAL", "us_per_step": total / steps, "calls_per_step": calls,
+                                          "calls_per_layer": calls / eng.spec.layers}]
 
 
 def main(argv=None) -> dict:
@@ -264,6 +266,8 @@ def main(argv=None) -> dict:
         print("decode step GPU time by kernel (eager, B=256, context 384):")
         for r in kb:
             print(f"  {r['us_per_step']:8.1f} us  {100 * r.get('share', 1):5.1f}%  x{r.get('calls_per_step', 0):4.0f}  {r['kernel']}")
+        print(f"  kernels per decode step {kb[-1]['calls_per_step']:.0f}, per layer {kb[-1]['calls_per_layer']:.1f} "
+              "(the LM head and sampler included)")
     write_json(a.out, res)
     return res
 

@@ -154,6 +154,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
             gc_pause[0] += time.perf_counter() - gc_since[0]
     gc.callbacks.append(on_gc)
     gc_times = []
+    probe_before = host_probe_ms()
     for step in range(a.warmup + a.steps):
         if step == a.warmup and "gcfreeze" in variant:  # what Megatron-LM's --manual-gc does: no collection mid-step
             gc.collect()
@@ -180,6 +181,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
             times.append(dt)
             flops.append(f)
             gc_times.append(gc_pause[0])
+    probe_after = host_probe_ms()
+    sm_mhz = gpu_sm_mhz() if cuda else None
     gc.callbacks.remove(on_gc)
     gc.enable()
     gc.unfreeze()
@@ -194,7 +197,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "step_times": [round(x, 4) for x in times],
-            "gc_s": [round(x, 4) for x in gc_times], "cpu_mhz": cpu_mhz(), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "gc_s": [round(x, 4) for x in gc_times], "cpu_mhz": cpu_mhz(),
+            "host_probe_ms": [probe_before, probe_after], "gpu_sm_mhz": sm_mhz, "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
@@ -210,6 +214,31 @@ def cpu_mhz() -> float | None:
     except OSError:
         return None
     return round(sum(mhz) / len(mhz)) if mhz else None
+
+
+def host_probe_ms() -> float:
+    """The best of 5 runs of a fixed host workload (Python calls and small CPU tensor ops, what launching a step's
+    kernels costs the host), in ms: when a host-bound step slows and this does too, the host is slower, not the step's
+    code. /proc/cpuinfo's clock cannot say so inside a VM (it reads the nominal clock)."""
+    import torch
+    x = torch.ones(8)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(2000):
+            x = (x * 1.0001).add_(1e-6)
+            sorted({j: str(j) for j in range(20)}.items())
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 2)
+
+
+def gpu_sm_mhz() -> int | None:
+    """The GPU's SM clock now (NVML through torch), or None where NVML is missing."""
+    import torch
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no pynvml / amdsmi
+        return None
 
 
 def print_profile(prof, step_s: float) -> None:
@@ -287,7 +316,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
-        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "host_probe_ms", "gpu_sm_mhz", "tokens_per_s",
+                "tflops_per_gpu", "mfu",
                 "peak_mem_gib", "peak_reserved_gib", "alloc_retries", "state_mem_gib", "state_bytes_per_param"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))

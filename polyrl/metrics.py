@@ -118,6 +118,55 @@ def phase_busy(trace: dict) -> list[tuple[str, float, float]]:
 
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# kernel classes by name, first match wins: what a profile needs to say whether a phase is GEMM-, attention- or
+# bandwidth-bound (cuBLAS's Hopper kernels are "nvjet"; polyrl's Triton kernels keep their function names)
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "_paged_decode", "_merge_kernel")),  # before gemm: flash's templates say Gemm
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "_fp8_linear", "_fp8_w8a8", "_fp8_grouped", "splitkreduce")),
+    ("sampler", ("_chunk_stats", "_pick_kernel", "_filter_pass")),
+    ("communication", ("nccl",)),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+)
+
+
+def kernel_class(name: str, cat: str = "kernel") -> str:
+    if cat != "kernel":
+        return "copy"
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "elementwise/reduce"  # Inductor's fused triton_* kernels, norms, activations, RoPE, casts
+
+
+def phase_kernels(trace: dict) -> dict[str, dict[str, tuple[float, int]]]:
+    """{phase: {kernel class: (device s, kernels)}} for each `phase/NAME` range of a chrome trace, a device event
+    charged to the phase whose range holds its start (graph replays' kernels included where CUPTI reports them)."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    phases = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len("phase/"):]) for e in ev
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase/"))
+    starts = [p[0] for p in phases]
+    out: dict[str, dict[str, list]] = {}
+    for e in ev:
+        if e.get("cat") not in _DEVICE_CATS:
+            continue
+        t = float(e["ts"])
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0 or phases[i][1] < t:
+            continue
+        s = out.setdefault(phases[i][2], {}).setdefault(kernel_class(e.get("name", ""), e["cat"]), [0.0, 0])
+        s[0] += float(e["dur"]) / 1e6
+        s[1] += 1
+    return {p: {c: (v[0], v[1]) for c, v in sorted(d.items(), key=lambda kv: -kv[1][0])} for p, d in out.items()}
+
+
+def kernel_table(trace: dict) -> str:
+    lines = []
+    for phase, classes in phase_kernels(trace).items():
+        total = sum(s for s, _ in classes.values()) or 1e-12
+        parts = ", ".join(f"{c} {s * 1e3:.1f} ms ({s / total:.0%}, {n} kernels)" for c, (s, n) in classes.items())
+        lines.append(f"  {phase:<12} {parts}")
+    return ("device time by kernel class:\n" + "\n".join(lines)) if lines else ""
 _CODE = ("polyrl/", "megatron/", "transformers/", "bench/", "tests/")
 
 
@@ -488,6 +537,7 @@ def step_profiler(run_dir: str, step: int, device, enabled: bool = True):
             trace = json.load(f)
         rows = phase_busy(trace)
         phases = "".join(f"\n  {n:<12} {w:8.3f} s wall, device busy {b:8.3f} s ({b / max(w, 1e-9):4.0%})" for n, w, b in rows)
-        phases = f"\nphases (device busy = GPU kernels and copies running inside the phase):{phases}\n{idle_table(trace)}"
+        phases = (f"\nphases (device busy = GPU kernels and copies running inside the phase):{phases}\n{kernel_table(trace)}"
+                  f"\n{idle_table(trace)}")
     print(f"\n--profile-step {step}: {wall:.3f} s wall, {busy:.3f} s of {where} time in ops "
           f"({busy / max(wall, 1e-9):.0%} of the wall time); trace: {path}{phases}\n{table}", flush=True)

@@ -3,7 +3,7 @@
 
 import os
 
-from polyrl.metrics import Timer, idle_gaps, idle_table, phase_busy
+from polyrl.metrics import Timer, idle_gaps, idle_table, kernel_class, kernel_table, phase_busy, phase_kernels
 
 
 def test_phase_busy_is_the_union_of_kernels_inside_each_phase():
@@ -23,6 +23,32 @@ def test_phase_busy_is_the_union_of_kernels_inside_each_phase():
     assert rows["rollout"] == (1e-3, (500 + 100 + 50) / 1e6)
     assert rows["train"] == (3e-3, (50 + 500) / 1e6)
     assert phase_busy({}) == []
+
+
+def test_kernel_classes_sum_each_phases_device_time_by_what_the_kernels_do():
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "phase/rollout", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "phase/train", "ts": 1000, "dur": 3000},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_128x256_64x4_1x2_h_bz_coopB_NNT", "ts": 10, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "_paged_decode_kernel", "ts": 60, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "_add_rmsnorm_kernel", "ts": 90, "dur": 2},
+        {"ph": "X", "cat": "kernel", "name": "_rope_store_kernel", "ts": 95, "dur": 3},
+        {"ph": "X", "cat": "kernel", "name": "_pick_kernel", "ts": 100, "dur": 4},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 200, "dur": 7},
+        {"ph": "X", "cat": "kernel", "name": "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "ts": 1100, "dur": 30},
+        {"ph": "X", "cat": "kernel", "name": "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<Gemm>>",
+         "ts": 1200,
+         "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::(anonymous namespace)::multi_tensor_apply_kernel", "ts": 3000,
+         "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "outside any phase", "ts": 5000, "dur": 50},
+    ]
+    got = {p: {c: (round(s * 1e6, 6), n) for c, (s, n) in d.items()} for p, d in phase_kernels({"traceEvents": ev}).items()}
+    assert got["rollout"] == {"gemm": (40, 1), "attention": (20, 1), "copy": (7, 1), "elementwise/reduce": (5, 2), "sampler": (4, 1)}
+    assert got["train"] == {"attention": (100, 1), "optimizer": (50, 1), "elementwise/reduce": (30, 1)}
+    assert list(got["rollout"]) == ["gemm", "attention", "copy", "elementwise/reduce", "sampler"]  # the most time first
+    assert "gemm 0.0 ms (53%, 1 kernels)" in kernel_table({"traceEvents": ev})
+    assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "communication" and kernel_table({}) == ""
 
 
 def test_idle_gaps_charge_each_device_wait_to_the_code_that_ended_it():
