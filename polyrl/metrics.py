@@ -121,7 +121,7 @@ _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # kernel classes by name, first match wins: what a profile needs to say whether a phase is GEMM-, attention- or
 # bandwidth-bound (cuBLAS's Hopper kernels are "nvjet"; polyrl's Triton kernels keep their function names)
 KERNEL_CLASSES = (
-    ("attention", ("flash", "fmha", "attention", "_paged_decode", "_merge_kernel")),  # before gemm: flash's templates say Gemm
+    ("attention", ("flash", "fmha", "attention", "_paged_decode", "_merge_kernel")),  # before gemm: flash kernels name cutlass types
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "_fp8_linear", "_fp8_w8a8", "_fp8_grouped", "splitkreduce")),
     ("sampler", ("_chunk_stats", "_pick_kernel", "_filter_pass")),
     ("communication", ("nccl",)),

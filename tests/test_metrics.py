@@ -36,7 +36,7 @@ def test_kernel_classes_sum_each_phases_device_time_by_what_the_kernels_do():
         {"ph": "X", "cat": "kernel", "name": "_pick_kernel", "ts": 100, "dur": 4},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 200, "dur": 7},
         {"ph": "X", "cat": "kernel", "name": "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "ts": 1100, "dur": 30},
-        {"ph": "X", "cat": "kernel", "name": "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<Gemm>>",
+        {"ph": "X", "cat": "kernel", "name": "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<cutlass::bfloat16_t>>",
          "ts": 1200,
          "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "void at::native::(anonymous namespace)::multi_tensor_apply_kernel", "ts": 3000,
