@@ -609,3 +609,31 @@ def test_graphed_packs_lay_out_the_same_inputs_as_the_token_loop():
         assert key == want_key
         for g, w, dtype in zip(got, want, (torch.long, torch.long, torch.int32, torch.long, torch.long)):
             assert g.dtype == dtype and g.tolist() == w
+
+
+def test_the_pack_built_on_the_host_is_the_one_built_sequence_by_sequence(monkeypatch):
+    """sequences_logprobs builds its pack's ids, positions, bounds, scored rows and targets with a few vector ops on the
+    host (one copy to the GPU, no sync): they equal the per-sequence construction, padding sequence included."""
+    import random
+
+    import polyrl.backends.true_on_policy as top
+    seen = []
+    monkeypatch.setattr(top, "_packed_logprobs", lambda lm, *a: seen.append(a[:6]) or (torch.zeros(a[5].numel()), None))
+    rng = random.Random(0)
+    for _ in range(100):
+        seqs = []
+        for _ in range(rng.randint(1, 9)):
+            n = rng.randint(2, 200)
+            seqs.append((torch.randint(0, 1000, (n,)), rng.randint(1, n)))
+        seen.clear()
+        top.sequences_logprobs(None, seqs, temperature=1.0)
+        lens = [int(x.numel()) for x, _ in seqs]
+        pad = top.packed_tokens(lens, torch.device("cpu")) - sum(lens)
+        seg = lens + ([pad] if pad else [])
+        starts = [sum(seg[:i]) for i in range(len(seg))]
+        want = (torch.cat([x for x, _ in seqs] + [torch.zeros(pad, dtype=torch.long)]),
+                torch.cat([torch.arange(n) for n in seg]), torch.tensor([0] + seg).cumsum(0).to(torch.int32), max(seg),
+                torch.cat([torch.arange(s + p - 1, s + n - 1) for s, n, (_, p) in zip(starts, lens, seqs)]),
+                torch.cat([x[p:] for x, p in seqs]))
+        for got, exp in zip(seen[0], want):
+            assert got == exp if isinstance(exp, int) else (got.dtype == exp.dtype and torch.equal(got, exp))

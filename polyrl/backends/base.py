@@ -10,6 +10,14 @@ import torch
 
 from polyrl.types import TrainBatch
 
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors to `device` without a host sync: pinned (the caching host allocator reuses the pages) and
+    non-blocking, so the copies queue behind the GPU work already launched. On CPU: the tensors themselves."""
+    if torch.device(device).type != "cuda":
+        return list(tensors)
+    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+
+
 # name -> "module:Class"; imported only when chosen, so megatron-core stays optional.
 BACKENDS = {
     "fsdp": "polyrl.backends.fsdp.backend:FSDPBackend",

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.backends import varlen
+from polyrl.backends.base import to_device
 from polyrl.backends.logprobs import chunked_logprobs
 
 # intra-op threads of every process in this mode: GEMM results can depend on the thread count (a 64x8192 @ 8192x512
@@ -452,20 +453,35 @@ def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Te
 
 
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i) -> log-probs [sum of L_i - P_i]
-    (fp32) of the response tokens under softmax(logits / temperature) (temperature 0, greedy: 1), and their entropy
-    | None. One packed forward; each token's value is the one it gets alone or in any other pack. Differentiable."""
-    device = sequences[0][0].device
+                       with_entropy: bool = False, device: torch.device | str | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm: a prepare()d HF causal LM on `device` (default: the ids' device); sequences: (ids [L_i] prompt + response,
+    P_i) -> log-probs [sum of L_i - P_i] (fp32) of the response tokens under softmax(logits / temperature) (temperature
+    0, greedy: 1), and their entropy | None. One packed forward; each token's value is the one it gets alone or in any
+    other pack. Differentiable. The pack's positions, bounds and rows are built on the host with a few vector ops and
+    cross with the ids (when those are on the host) in one pinned, asynchronous copy: no launch per sequence, no host
+    sync, so the forward queues behind the GPU's earlier work."""
+    device = torch.device(device) if device is not None else sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
+    prompts = torch.tensor([p for _, p in sequences], dtype=torch.long)
     pad = packed_tokens(lens, device) - sum(lens)
-    ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
     seg = lens + ([pad] if pad else [])
-    pos = torch.cat([torch.arange(n, device=device) for n in seg])
-    cu = torch.tensor([0] + seg, device=device).cumsum(0).to(torch.int32)
-    starts = cu[:-1].tolist()
-    rows = torch.cat([torch.arange(st + p - 1, st + n - 1, device=device) for st, n, (_, p) in zip(starts, lens, sequences)])
-    targets = torch.cat([x[p:] for x, p in sequences])
+    seg_t = torch.tensor(seg, dtype=torch.long)
+    starts = torch.cumsum(seg_t, 0) - seg_t
+    pos = torch.arange(int(seg_t.sum())) - torch.repeat_interleave(starts, seg_t)
+    cu = torch.cat([seg_t.new_zeros(1), torch.cumsum(seg_t, 0)]).to(torch.int32)
+    # sequence i's scored rows are starts_i + P_i - 1 ... starts_i + L_i - 2 (each predicts the next token)
+    resp = torch.tensor(lens, dtype=torch.long) - prompts
+    first = torch.cumsum(resp, 0) - resp
+    rows = torch.repeat_interleave(starts[:len(lens)] + prompts - 1 - first, resp) + torch.arange(int(resp.sum()))
+    on_host = all(x.device.type == "cpu" for x, _ in sequences)
+    parts = [x if on_host else x.to(device) for x, _ in sequences]
+    ids = torch.cat(parts + ([parts[0].new_zeros(pad)] if pad else []))
+    if on_host:
+        ids, pos, cu, rows = to_device([ids, pos, cu, rows], device)
+    else:
+        pos, cu, rows = to_device([pos, cu, rows], device)
+    targets = ids[rows + 1]
     n = targets.numel()
     logp, ent = _packed_logprobs(lm, ids, pos, cu, max(seg), rows, targets, temperature, with_entropy)
     return logp[:n], (ent[:n] if ent is not None else None)
@@ -576,13 +592,12 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
                 lp = graphs([s.prompt_ids + s.response_ids for s in group], [len(s.prompt_ids) for s in group],
                             temperature)
             else:
-                seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long).to(device, non_blocking=True),
-                         len(s.prompt_ids)) for s in group]
+                seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long), len(s.prompt_ids)) for s in group]
                 if routing is not None:
                     routing.begin_at(*pack_positions([len(x) for x, _ in seqs], device), device, record=True,
                                      count=False)
                 try:
-                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+                    lp = sequences_logprobs(lm, seqs, temperature=temperature, device=device)[0].cpu()
                     if routing is not None:
                         for s, routes in zip(group, routing.recorded(drop_last=True)):
                             s.routed_experts = routes

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from polyrl import hf_families
 from polyrl.algorithms.losses import merge_metric
-from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.base import LossFn, plan_micro_batches, to_device
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.mtp import mtp_logprobs, mtp_loss, mtp_token_counts, mtp_token_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
@@ -66,7 +66,8 @@ class PolicyModel(nn.Module):
         laid-out micro-batch (the other tensors are then None). idle_vision: run the vision tower on a dummy image
         (multimodal.idle_vision_term), for a rank without images while other ranks have some."""
         if sequences is not None:
-            return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy)
+            return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy,
+                                      device=self.lm.get_output_embeddings().weight.device)
         idle = multimodal.idle_vision_term(self.lm) if idle_vision else None
         full = decoder_hidden(self.lm, input_ids, position_ids, attention_mask, attn_kwargs)
         hidden = full.reshape(-1, full.shape[-1]).index_select(0, gather_idx)
@@ -152,12 +153,6 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
     return ids[None], pos[None], mask, gather_idx, targets, seq_ids, varlen
 
 
-def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Host tensors to `device` without a host sync: pinned (the caching host allocator reuses the pages) and
-    non-blocking, so the copies queue behind the GPU work already launched. On CPU: the tensors themselves."""
-    if torch.device(device).type != "cuda":
-        return list(tensors)
-    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
 
 
 def _lr_lambda(o: OptimizerConfig, total_steps: int):
@@ -444,12 +439,11 @@ class FSDPBackend:
             routes, replay = self._routes(mb) if idx else (None, False)
             self.routing.begin_at(*pack_positions([int(x.numel()) for x, _ in seqs], self.device), self.device,
                                   routes=routes if replay else None, replay=replay, count=bool(idx))
-        logp, ent = model(None, None, None, None, None, temperature, with_entropy,
-                          sequences=[(ids.to(self.device), p) for ids, p in seqs])
+        logp, ent = model(None, None, None, None, None, temperature, with_entropy, sequences=seqs)  # host ids: one copy
         lens = mb.response_lens
         n = sum(lens)
         tail = 0.0 * logp[n:].sum() if logp.numel() > n else None
-        seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(self.device)
+        seq, = to_device([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))], self.device)
         return mb, logp[:n], ent[:n] if ent is not None else None, seq, tail
 
     @torch.no_grad()
