@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.algorithms.losses import merge_metric
-from polyrl.backends.base import LossFn, plan_micro_batches
+from polyrl.backends.base import LossFn, plan_micro_batches, to_device
 from polyrl.backends.megatron import compat
 from polyrl.backends.parallel_dims import ParallelDims
 from polyrl.config import BatchConfig, MegatronConfig, ModelConfig, OptimizerConfig
@@ -366,7 +366,7 @@ class MegatronBackend:
             else:  # nothing for this rank: a 2-token dummy keeps the collectives in step; its loss is x0
                 mb = TrainBatch([torch.zeros(2, dtype=torch.long)], [1], {k_: [torch.zeros(1)] for k_ in glob.token_fields})
             pb = thd.pack_thd(mb.input_ids, mb.prompt_lens, cp_size=cp, cp_rank=cp_rank, sp_size=sp, device=self.device)
-            fields = {k_: torch.cat(v).to(self.device) for k_, v in mb.token_fields.items()}
+            fields = dict(zip(mb.token_fields, to_device([torch.cat(v) for v in mb.token_fields.values()], self.device)))
             fields["seq_ids"] = pb.seq_ids
             rp = None
             if self.routing is not None:

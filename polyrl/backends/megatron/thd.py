@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from polyrl.backends import varlen
+from polyrl.backends.base import to_device
 
 # ---------------------------------------------------------------------------------------------
 # Packing
@@ -152,14 +153,18 @@ def pack_thd(input_ids: list[Tensor], prompt_lens: list[int], *, cp_size: int = 
         cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         max_q, max_k = max(q_lens), max(k_lens)
         kv_index = torch.cat(kv)
-    plan = AttnPlan(cu_q=cu_q.to(device), cu_k=cu_k.to(device), max_q=int(max_q), max_k=int(max_k),
-                    kv_index=kv_index.to(device), q_seq=seq_g[local_index].to(device), q_pos=pos_g[local_index].to(device),
-                    k_seq=seq_g[k_global].to(device), k_pos=pos_g[k_global].to(device), kv_all=cp_size == 1)
+    # built on the host, crossing in pinned asynchronous copies: a blocking copy per tensor would wait each time for
+    # the GPU's queue to drain
+    (cu_q, cu_k, kv_index, q_seq, q_pos, k_seq, k_pos, input_ids_l, position_ids_l, cu_seqlens, logp_index, logp_slot,
+     targets, seq_ids_t) = to_device(
+        [cu_q, cu_k, kv_index, seq_g[local_index], pos_g[local_index], seq_g[k_global], pos_g[k_global],
+         ids_g[local_index], pos_g[local_index], torch.tensor(offs, dtype=torch.int32), logp_index, logp_slot, targets,
+         torch.cat(seq_ids) if seq_ids else torch.zeros(0, dtype=torch.long)], device)
+    plan = AttnPlan(cu_q=cu_q, cu_k=cu_k, max_q=int(max_q), max_k=int(max_k), kv_index=kv_index, q_seq=q_seq,
+                    q_pos=q_pos, k_seq=k_seq, k_pos=k_pos, kv_all=cp_size == 1)
     return PackedBatch(
-        input_ids=ids_g[local_index].to(device), position_ids=pos_g[local_index].to(device),
-        cu_seqlens=torch.tensor(offs, dtype=torch.int32, device=device), max_seqlen=max(lens), plan=plan,
-        logp_index=logp_index.to(device), logp_slot=logp_slot.to(device), targets=targets.to(device),
-        num_response=r, seq_ids=(torch.cat(seq_ids) if seq_ids else torch.zeros(0, dtype=torch.long)).to(device),
+        input_ids=input_ids_l, position_ids=position_ids_l, cu_seqlens=cu_seqlens, max_seqlen=max(lens), plan=plan,
+        logp_index=logp_index, logp_slot=logp_slot, targets=targets, num_response=r, seq_ids=seq_ids_t,
         response_lens=rlens, token_index=local_index)
 
 
