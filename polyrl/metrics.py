@@ -152,7 +152,9 @@ def phase_kernels(trace: dict) -> dict[str, dict[str, tuple[float, int]]]:
             continue
         t = float(e["ts"])
         i = bisect.bisect_right(starts, t) - 1
-        if i < 0 or phases[i][1] < t:
+        while i >= 0 and phases[i][1] < t:  # past the latest phase's end: an earlier one may still enclose t
+            i -= 1
+        if i < 0:
             continue
         s = out.setdefault(phases[i][2], {}).setdefault(kernel_class(e.get("name", ""), e["cat"]), [0.0, 0])
         s[0] += float(e["dur"]) / 1e6

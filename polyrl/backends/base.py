@@ -10,6 +10,7 @@ import torch
 
 from polyrl.types import TrainBatch
 
+
 def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Host tensors to `device` without a host sync: pinned (the caching host allocator reuses the pages) and
     non-blocking, so the copies queue behind the GPU work already launched. On CPU: the tensors themselves."""

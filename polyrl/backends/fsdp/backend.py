@@ -153,8 +153,6 @@ def pack(input_ids: list[torch.Tensor], prompt_lens: list[int], attn_impl: str, 
     return ids[None], pos[None], mask, gather_idx, targets, seq_ids, varlen
 
 
-
-
 def _lr_lambda(o: OptimizerConfig, total_steps: int):
     decay = o.lr_decay_steps or max(total_steps - o.lr_warmup_steps, 1)
     floor = o.min_lr / o.lr if o.lr > 0 else 0.0
