@@ -443,8 +443,8 @@ class LogConfig:
     eval_interval: int = opt(0, "evaluate on --eval-prompt-data every N steps (0 = off)")
     quiet: bool = opt(False, "no live console view")
     profile_step: int = opt(0, "profile this step (1-based; 0 = off) with torch.profiler: print where its time goes "
-                               "(top ops by device and host time; on GPU each phase's wall time and how much of it the "
-                               "GPU was busy) and write a Chrome trace to RUN_DIR/profile_stepN.json")
+                               "(top ops by device and host time; on GPU each phase's wall time, how much of it the "
+                               "GPU was busy and its GPU time by kernel class) and write a Chrome trace to RUN_DIR/profile_stepN.json")
     use_wandb: bool = opt(False, "log the metrics.jsonl keys to Weights & Biases too (rank 0; pip install 'polyrl[wandb]'); "
                                  "its files go to RUN_DIR/wandb")
     wandb_project: str = opt("polyrl", "W&B project")
