@@ -61,14 +61,12 @@ class PolicyModel(nn.Module):
         self.mtp_detach = mtp_detach
 
     def forward(self, input_ids, position_ids, attention_mask, gather_idx, targets, temperature: float = 1.0,
-                with_entropy: bool = False, sequences: list | None = None, sequences_device=None, idle_vision: bool = False,
-                **attn_kwargs):
-        """sequences (--true-on-policy): [(ids [L_i], P_i)] (on the host) each scored alone by the engine's function, in
-        place of the laid-out micro-batch (the other tensors are then None), on sequences_device. idle_vision: run the vision tower on a dummy image
+                with_entropy: bool = False, sequences: list | None = None, idle_vision: bool = False, **attn_kwargs):
+        """sequences (--true-on-policy): [(ids [L_i], P_i)] each scored alone by the engine's function, in place of the
+        laid-out micro-batch (the other tensors are then None). idle_vision: run the vision tower on a dummy image
         (multimodal.idle_vision_term), for a rank without images while other ranks have some."""
         if sequences is not None:
-            return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy,
-                                      device=sequences_device)
+            return sequences_logprobs(self.lm, sequences, temperature=temperature, with_entropy=with_entropy)
         idle = multimodal.idle_vision_term(self.lm) if idle_vision else None
         full = decoder_hidden(self.lm, input_ids, position_ids, attention_mask, attn_kwargs)
         hidden = full.reshape(-1, full.shape[-1]).index_select(0, gather_idx)
@@ -438,8 +436,10 @@ class FSDPBackend:
             routes, replay = self._routes(mb) if idx else (None, False)
             self.routing.begin_at(*pack_positions([int(x.numel()) for x, _ in seqs], self.device), self.device,
                                   routes=routes if replay else None, replay=replay, count=bool(idx))
-        logp, ent = model(None, None, None, None, None, temperature, with_entropy, sequences=seqs,
-                          sequences_device=self.device)  # host ids: one copy for the whole pack
+        # the micro-batch's ids cross in one pinned copy (FSDP's root forward would move host tensors one by one)
+        ids = to_device([torch.cat([x for x, _ in seqs])], self.device)[0].split([int(x.numel()) for x, _ in seqs])
+        logp, ent = model(None, None, None, None, None, temperature, with_entropy,
+                          sequences=[(x, p) for x, (_, p) in zip(ids, seqs)])
         lens = mb.response_lens
         n = sum(lens)
         tail = 0.0 * logp[n:].sum() if logp.numel() > n else None
