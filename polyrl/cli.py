@@ -133,10 +133,13 @@ def _on_signal(signum, frame) -> None:
     """SIGINT and SIGTERM end the command with one line (main's handler): the first raises KeyboardInterrupt where the
     main thread is; a second one while that unwinds exits at once (cleanup that hangs must not hold the terminal)."""
     import signal
+
+    from polyrl.metrics import PROGRESS
     name = signal.Signals(signum).name
     if _received:
         os._exit(_SIGNALS[_received[0]][0])
     _received.append(name)
+    PROGRESS["signal"] = name  # the loops stop at the end of the step even if this KeyboardInterrupt is swallowed
     raise KeyboardInterrupt(name)
 
 
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.rollout.http_engine import EngineDeadError
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     from polyrl.weight_sync.distributed import WeightSyncError
-    PROGRESS.update(step=None, phase=None)
+    PROGRESS.update(step=None, phase=None, signal=None)
     _received.clear()
     old_handlers = _install_signal_handlers()
     cfg, failed = None, False
@@ -389,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         import signal
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
+        PROGRESS["signal"] = None  # a later run in this process (tests, notebooks) starts unsignalled
         import torch.distributed as dist
         if dist.is_initialized():
             # no rank tears the group down while another still has traffic in flight; after an error or a signal the

@@ -20,9 +20,18 @@ CONSOLE_KEYS = [
 TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "other", "step")
 SHOW_WHEN_NONZERO = ("reward/errors", "reward/timeouts")  # console keys that say nothing when 0
 
-# Where the run is, for the line an interrupt prints: the last step whose metrics were logged and the phase running now.
-PROGRESS: dict = {"step": None, "phase": None}
+# Where the run is, for the line an interrupt prints: the last step whose metrics were logged, the phase running now and
+# the signal main's handler received (SIGINT / SIGTERM), if any.
+PROGRESS: dict = {"step": None, "phase": None, "signal": None}
 _OPEN_LOGGERS: list = []
+
+
+def stop_if_signalled() -> None:
+    """Raise KeyboardInterrupt if main's handler received a signal: the training loops call this after each step. The
+    KeyboardInterrupt the handler raises where the main thread is can be lost on its way (raised inside a library's
+    catch-all, or in a finalizer, where Python prints and drops it), and the run must stop all the same."""
+    if PROGRESS["signal"]:
+        raise KeyboardInterrupt(PROGRESS["signal"])
 
 
 def set_phase(name: str | None) -> None:

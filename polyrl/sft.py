@@ -14,7 +14,7 @@ from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
 from polyrl.multimodal import VisionProcessor, build_image_sft_example, parse_multimodal_keys
-from polyrl.metrics import Timer, logger_from_config, notice
+from polyrl.metrics import Timer, logger_from_config, notice, stop_if_signalled
 from polyrl.types import TrainBatch
 
 
@@ -70,6 +70,7 @@ def sft(cfg: Config) -> dict:
         if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
             save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "config": dataclasses.asdict(cfg)},
                             keep=cfg.checkpoint.max_ckpt_to_keep)
+        stop_if_signalled()
     logger.close()
     if cfg.checkpoint.save_hf:
         backend.save_hf(cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)

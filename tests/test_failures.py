@@ -257,6 +257,35 @@ def test_sigterm_ends_with_one_line_saying_nothing_was_saved(tiny_model, arith_d
     assert line.startswith("polyrl train: interrupted by SIGTERM") and "nothing was saved (no --save)" in line
 
 
+def test_a_sigint_whose_keyboardinterrupt_is_swallowed_still_stops_the_run_after_its_step(tiny_model, arith_data, tmp_path,
+                                                                                         capsys, monkeypatch):
+    """A signal's KeyboardInterrupt is raised wherever the main thread is; code that catches everything there (a
+    library's catch-all, a finalizer, where Python prints and drops it) loses it. The run must still stop at the end
+    of that step with the one line and 130: here the signal arrives inside such a catch-all during step 2."""
+    from polyrl.step import book as book_mod
+    calls = []
+    stats = book_mod.Book.engine_stats
+
+    def swallowing(self):
+        calls.append(1)
+        if len(calls) == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode, inside this try
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+        return stats(self)
+    monkeypatch.setattr(book_mod.Book, "engine_stats", swallowing)
+    run = tmp_path / "run"
+    assert main([*_base(tiny_model, arith_data["train"], run, "--rm-type", "arithmetic", "--num-rollout", "5")]) == 130
+    assert [r["step"] for r in _rows(run)] == [1, 2]  # step 2 finished (logged), step 3 never started
+    err = capsys.readouterr().err
+    (line,) = [l for l in err.splitlines() if "interrupted" in l]
+    assert line.startswith("polyrl train: interrupted by Ctrl-C (SIGINT)") and "Traceback" not in err
+    from polyrl.metrics import PROGRESS
+    assert PROGRESS["signal"] is None  # reset for the next run in this process
+
+
 # ---- a port in use: one line naming it, before the model loads ----
 
 def test_serve_on_a_port_in_use_names_port_and_flag_before_loading(tiny_model, capsys, monkeypatch):

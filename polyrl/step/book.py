@@ -10,7 +10,7 @@ from typing import Callable
 from polyrl.checkpoint import save_checkpoint
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
-from polyrl.metrics import MetricsLogger, Timer, combine_rank_stats
+from polyrl.metrics import MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
 from polyrl.types import Sample
@@ -66,6 +66,7 @@ class Book:
         ck = cfg.checkpoint
         if self.save is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
             self.save(step + 1, data_state)
+        stop_if_signalled()
 
     def engine_stats(self) -> dict[str, float]:
         """The engines' counters since the last step, over all ranks (each rank's engine counts its own requests)."""
