@@ -126,7 +126,6 @@ def run_export(cfg) -> None:
 
 # signal -> (exit status, how the one line names it)
 _SIGNALS = {"SIGINT": (130, "Ctrl-C (SIGINT)"), "SIGTERM": (143, "SIGTERM")}
-_received: list[str] = []  # the signals this main() received
 
 
 def _on_signal(signum, frame) -> None:
@@ -136,10 +135,9 @@ def _on_signal(signum, frame) -> None:
 
     from polyrl.metrics import PROGRESS
     name = signal.Signals(signum).name
-    if _received:
-        os._exit(_SIGNALS[_received[0]][0])
-    _received.append(name)
-    PROGRESS["signal"] = name  # the loops stop at the end of the step even if this KeyboardInterrupt is swallowed
+    if PROGRESS["signal"]:
+        os._exit(_SIGNALS[PROGRESS["signal"]][0])
+    PROGRESS["signal"] = name  # the loops also stop at the end of the step should this KeyboardInterrupt be swallowed
     raise KeyboardInterrupt(name)
 
 
@@ -310,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     from polyrl.weight_sync.distributed import WeightSyncError
     PROGRESS.update(step=None, phase=None, signal=None)
-    _received.clear()
     old_handlers = _install_signal_handlers()
     cfg, failed = None, False
 
@@ -360,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             out = {}
     except BaseException as e:  # noqa: BLE001 - every way out below is one line, or the original exception
         failed = True
-        if _received or isinstance(e, KeyboardInterrupt):
+        if PROGRESS["signal"] or isinstance(e, KeyboardInterrupt):
             # a signal may surface as another exception (DCP wraps it in a CheckpointException during a save)
             stop_consoles()
-            code, how = _SIGNALS.get(_received[0] if _received else "SIGINT")
+            code, how = _SIGNALS[PROGRESS["signal"] or "SIGINT"]
             return err(_interrupt_line(args.command, cfg, how), code)
         if isinstance(e, (EngineDeadError, WeightSyncError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
             return err(f"polyrl {args.command}: error: {e}", 1)

@@ -178,6 +178,8 @@ def kernel_table(trace: dict) -> str:
         parts = ", ".join(f"{c} {s * 1e3:.1f} ms ({s / total:.0%}, {n} kernels)" for c, (s, n) in classes.items())
         lines.append(f"  {phase:<12} {parts}")
     return ("device time by kernel class:\n" + "\n".join(lines)) if lines else ""
+
+
 _CODE = ("polyrl/", "megatron/", "transformers/", "bench/", "tests/")
 
 

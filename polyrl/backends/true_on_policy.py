@@ -452,16 +452,21 @@ def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Te
     return [torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, device)
 
 
+def sequences_to_device(sequences: list[tuple[torch.Tensor, int]], device) -> list[tuple[torch.Tensor, int]]:
+    """(host ids [L_i], P_i) -> the same with the ids on `device`, all of them in one pinned copy (one per sequence
+    would be a launch each, and a host sync each when the memory is pageable)."""
+    ids = to_device([torch.cat([x for x, _ in sequences])], device)[0].split([int(x.numel()) for x, _ in sequences])
+    return [(x, p) for x, (_, p) in zip(ids, sequences)]
+
+
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
-                       with_entropy: bool = False, device: torch.device | str | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm: a prepare()d HF causal LM on `device` (default: the ids' device); sequences: (ids [L_i] prompt + response,
-    P_i) -> log-probs [sum of L_i - P_i] (fp32) of the response tokens under softmax(logits / temperature) (temperature
-    0, greedy: 1), and their entropy | None. One packed forward; each token's value is the one it gets alone or in any
-    other pack. Differentiable. The pack's positions, bounds and rows are built on the host with a few vector ops and
-    cross with the ids (when those are on the host) in one pinned, asynchronous copy: no launch per sequence, no host
-    sync, so the forward queues behind the GPU's earlier work."""
-    device = torch.device(device) if device is not None else sequences[0][0].device
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i), on lm's device
+    (sequences_to_device) -> log-probs [sum of L_i - P_i] (fp32) of the response tokens under softmax(logits /
+    temperature) (temperature 0, greedy: 1), and their entropy | None. One packed forward; each token's value is the
+    one it gets alone or in any other pack. Differentiable. The pack's positions, bounds and rows are built on the host
+    with a few vector ops and cross in pinned copies: no launch per sequence, no host sync."""
+    device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
     prompts = torch.tensor([p for _, p in sequences], dtype=torch.long)
     pad = packed_tokens(lens, device) - sum(lens)
@@ -474,13 +479,8 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     resp = torch.tensor(lens, dtype=torch.long) - prompts
     first = torch.cumsum(resp, 0) - resp
     rows = torch.repeat_interleave(starts[:len(lens)] + prompts - 1 - first, resp) + torch.arange(int(resp.sum()))
-    on_host = all(x.device.type == "cpu" for x, _ in sequences)
-    parts = [x if on_host else x.to(device) for x, _ in sequences]
-    ids = torch.cat(parts + ([parts[0].new_zeros(pad)] if pad else []))
-    if on_host:
-        ids, pos, cu, rows = to_device([ids, pos, cu, rows], device)
-    else:
-        pos, cu, rows = to_device([pos, cu, rows], device)
+    ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
+    pos, cu, rows = to_device([pos, cu, rows], device)
     targets = ids[rows + 1]
     n = targets.numel()
     logp, ent = _packed_logprobs(lm, ids, pos, cu, max(seg), rows, targets, temperature, with_entropy)
@@ -592,12 +592,13 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
                 lp = graphs([s.prompt_ids + s.response_ids for s in group], [len(s.prompt_ids) for s in group],
                             temperature)
             else:
-                seqs = [(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long), len(s.prompt_ids)) for s in group]
+                seqs = sequences_to_device([(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long),
+                                             len(s.prompt_ids)) for s in group], device)
                 if routing is not None:
                     routing.begin_at(*pack_positions([len(x) for x, _ in seqs], device), device, record=True,
                                      count=False)
                 try:
-                    lp = sequences_logprobs(lm, seqs, temperature=temperature, device=device)[0].cpu()
+                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
                     if routing is not None:
                         for s, routes in zip(group, routing.recorded(drop_last=True)):
                             s.routed_experts = routes

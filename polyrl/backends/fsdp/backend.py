@@ -27,7 +27,7 @@ from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl import multimodal
 from polyrl.backends.parallel_dims import ParallelDims
-from polyrl.backends.true_on_policy import pack_positions, pin_threads, sequences_logprobs
+from polyrl.backends.true_on_policy import pack_positions, pin_threads, sequences_logprobs, sequences_to_device
 from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -436,10 +436,9 @@ class FSDPBackend:
             routes, replay = self._routes(mb) if idx else (None, False)
             self.routing.begin_at(*pack_positions([int(x.numel()) for x, _ in seqs], self.device), self.device,
                                   routes=routes if replay else None, replay=replay, count=bool(idx))
-        # the micro-batch's ids cross in one pinned copy (FSDP's root forward would move host tensors one by one)
-        ids = to_device([torch.cat([x for x, _ in seqs])], self.device)[0].split([int(x.numel()) for x, _ in seqs])
+        # on the device already: FSDP's root forward would move host tensors one blocking copy at a time
         logp, ent = model(None, None, None, None, None, temperature, with_entropy,
-                          sequences=[(x, p) for x, (_, p) in zip(ids, seqs)])
+                          sequences=sequences_to_device(seqs, self.device))
         lens = mb.response_lens
         n = sum(lens)
         tail = 0.0 * logp[n:].sum() if logp.numel() > n else None
