@@ -14,8 +14,9 @@ today is worse than the last figure by more than that metric's noise band (see M
 more, else "same". Exit status: 0, or 1 when a metric is slower or a stage failed, 2 on a usage or device error.
 
 The baseline names its device; a run on another device kind is refused (both names are printed): start that kind's
-own file with --baseline NEW.json --update. --update records today's figures (device, date, command, commit) after
-a run in which every stage it ran succeeded.
+own file with --baseline NEW.json --update. Without --baseline the visible GPU's shipped file is used
+(bench/regress_baseline_h200.json on an H200, else bench/regress_baseline.json, an H100's). --update records today's
+figures (device, date, command, commit) after a run in which every stage it ran succeeded.
 
   PYTHONPATH=. python3 bench/regress.py                  # all three: meant to take under 6 minutes on one H100
   PYTHONPATH=. python3 bench/regress.py --only rollout   # an engine change: the rollout figure alone
@@ -42,6 +43,9 @@ sys.path.insert(0, BENCH)
 from common import markdown_table, median, write_json  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(BENCH, "regress_baseline.json")
+# each device kind's own shipped baseline (the default file is the H100's); a kind not named here starts one with
+# --baseline NEW.json --update
+DEVICE_BASELINES = {"NVIDIA H200": os.path.join(BENCH, "regress_baseline_h200.json")}
 GRPO_WARMUP, GRPO_STEPS, GRPO_MIN_MEASURED = 2, 6, 3
 
 
@@ -78,8 +82,9 @@ STAGE_TIMEOUT_S = {"rollout": 150, "train": 150, "grpo": 180}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bench/regress.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", default=DEFAULT_BASELINE,
-                   help="the last recorded figures (default: bench/regress_baseline.json)")
+    p.add_argument("--baseline", default=None,
+                   help="the last recorded figures (default: the visible GPU's shipped file: "
+                        "bench/regress_baseline_h200.json on an H200, else bench/regress_baseline.json, an H100's)")
     p.add_argument("--update", action="store_true",
                    help="after the run, write today's figures into --baseline (same device kind, or a new file)")
     p.add_argument("--only", default=",".join(STAGE_OF), metavar="STAGES",
@@ -220,6 +225,11 @@ def updated_baseline(baseline: dict | None, device: str, today: dict[str, float]
     return out
 
 
+def baseline_path(given: str | None, device: str | None) -> str:
+    """--baseline if given, else the shipped file of the device kind (the H100's when the kind has none)."""
+    return given or DEVICE_BASELINES.get(device or "", DEFAULT_BASELINE)
+
+
 def load_baseline(path: str) -> dict | None:
     if not os.path.isfile(path):
         return None
@@ -316,6 +326,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     # What produced the figures: --update, --out, --workdir and --baseline do not change them
     command = "PYTHONPATH=. python3 bench/regress.py" + ("" if a.stages == list(STAGE_OF) else f" --only {','.join(a.stages)}")
+    device = None if a.dry_run else gpu_name()  # a dry run queries no GPU (nor imports torch)
+    a.baseline = baseline_path(a.baseline, device)
     try:
         baseline = load_baseline(a.baseline)
     except ValueError as e:
@@ -326,7 +338,6 @@ def main(argv=None) -> int:
         print(json.dumps({"stages": {s: shown(stage_command(s, work)) for s in a.stages},
                           "limits_s": {s: STAGE_TIMEOUT_S[s] for s in a.stages}, "baseline": baseline}, indent=1))
         return 0
-    device = gpu_name()
     if device is None:
         print("regress: error: no CUDA GPU is visible; this benchmark runs on one GPU", file=sys.stderr)
         return 2

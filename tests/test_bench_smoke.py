@@ -143,6 +143,12 @@ def test_regress_help_and_dry_run_without_torch():
     for key, rec in base["metrics"].items():
         assert rec["setting"] == rg.METRICS[key].setting and rec["value"] > 0
         assert rec["source"].startswith("bench/RESULTS.md") or rec["source"].startswith("measured by")
+    # without --baseline each device kind gets its own shipped file, the H100's where a kind has none
+    for device, path in rg.DEVICE_BASELINES.items():
+        assert rg.baseline_path(None, device) == path and rg.load_baseline(path)["device"] == device
+        assert set(rg.load_baseline(path)["metrics"]) == set(rg.METRICS)
+    assert rg.baseline_path(None, "OTHER GPU") == rg.DEFAULT_BASELINE
+    assert rg.baseline_path("/x.json", "NVIDIA H200") == "/x.json"
 
 
 def test_regress_verdicts_follow_each_metrics_direction_and_band():
