@@ -58,9 +58,16 @@ def parse_args(argv=None):
                    "once): no row inherits an earlier row's leftovers (megatron-core's reference cycles, compiled "
                    "code, allocator state), as a user's run, which builds one backend, does not")
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # --isolate's rows: the model already written
+    p.add_argument("--busy", action="store_true",
+                   help="CUDA: record each measured step's device time by kernel class (a CUDA-only profiler around "
+                        "the step, no host-side tracing): a step that slows while its device time stays waited on "
+                        "the host; one whose kernels slow did not")
     p.add_argument("--profile", nargs="*", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="print the top CUDA kernels of one measured step of every row, or of the rows named")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.busy and a.device != "cuda":
+        p.error("--busy reads CUDA kernel times; it has nothing to record with --device cpu")
+    return a
 
 
 def make_model(shape: str, path: str) -> None:
@@ -153,7 +160,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         else:
             gc_pause[0] += time.perf_counter() - gc_since[0]
     gc.callbacks.append(on_gc)
-    gc_times = []
+    gc_times, busy = [], []
     probe_before = host_probe_ms()
     for step in range(a.warmup + a.steps):
         if step == a.warmup and "gcfreeze" in variant:  # what Megatron-LM's --manual-gc does: no collection mid-step
@@ -168,6 +175,10 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                           with_stack=True)
             prof.__enter__()
+        device_only = None
+        if a.busy and prof is None and step >= a.warmup:
+            device_only = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            device_only.__enter__()
         sync()
         t0 = time.perf_counter()
         be.train_step(batch, loss_fn, with_entropy=True)
@@ -176,12 +187,16 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         if prof is not None:
             prof.__exit__(None, None, None)
             print_profile(prof, dt)
+        if device_only is not None:
+            device_only.__exit__(None, None, None)
+            busy.append(device_time(device_only))
         f = 6 * n_params * sum(lens) + 6 * geo["layers"] * geo["heads"] * geo["head_dim"] * sum(l * l for l in lens)
         if step >= a.warmup:
             times.append(dt)
             flops.append(f)
             gc_times.append(gc_pause[0])
     probe_after = host_probe_ms()
+    by_class = {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4) for c in sorted({c for b in busy for c in b})}
     sm_mhz = gpu_sm_mhz() if cuda else None
     gc.callbacks.remove(on_gc)
     gc.enable()
@@ -198,13 +213,23 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "step_times": [round(x, 4) for x in times],
             "gc_s": [round(x, 4) for x in gc_times], "cpu_mhz": cpu_mhz(),
-            "host_probe_ms": [probe_before, probe_after], "gpu_sm_mhz": sm_mhz, "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "host_probe_ms": [probe_before, probe_after], "gpu_sm_mhz": sm_mhz,
+            **({"device_s": round(statistics.median(sum(b.values()) for b in busy), 4),
+                "device_s_steps": [round(sum(b.values()), 4) for b in busy], "device_s_by_class": by_class} if busy else {}), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
             "state_mem_gib": round(state / 2**30, 1) if cuda else None,
             "state_bytes_per_param": round(state / total_params(model_dir), 2) if cuda else None, "device": name}
+
+
+def device_time(prof) -> dict[str, float]:
+    """{kernel class: device s} of one profiled step (polyrl.metrics.device_classes over its chrome trace)."""
+    from polyrl.metrics import device_classes
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return {c: s for c, (s, _) in device_classes(json.load(open(f.name))).items()}
 
 
 def cpu_mhz() -> float | None:
@@ -316,7 +341,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
-        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s", "host_probe_ms", "gpu_sm_mhz", "tokens_per_s",
+        cols = ["shape", "backend", "variant", "gpus", "tokens_per_gpu", "step_s"] + (["device_s"] if a.busy else []) + [
+                "host_probe_ms", "gpu_sm_mhz", "tokens_per_s",
                 "tflops_per_gpu", "mfu",
                 "peak_mem_gib", "peak_reserved_gib", "alloc_retries", "state_mem_gib", "state_bytes_per_param"]
         print("| " + " | ".join(cols) + " |")

@@ -148,6 +148,26 @@ def kernel_class(name: str, cat: str = "kernel") -> str:
     return "elementwise/reduce"  # Inductor's fused triton_* kernels, norms, activations, RoPE, casts
 
 
+def _by_class(events) -> dict[str, tuple[float, int]]:
+    """{kernel class: (device s, kernels)} of device events, the most time first."""
+    out: dict[str, list] = {}
+    for e in events:
+        s = out.setdefault(kernel_class(e.get("name", ""), e["cat"]), [0.0, 0])
+        s[0] += float(e["dur"]) / 1e6
+        s[1] += 1
+    return {c: (v[0], v[1]) for c, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
+
+
+def _device_events(trace: dict) -> list[dict]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and e.get("cat") in _DEVICE_CATS]
+
+
+def device_classes(trace: dict) -> dict[str, tuple[float, int]]:
+    """{kernel class: (device s, kernels)} over every kernel, copy and memset of a chrome trace (a CUDA-only profile of
+    one step has no phase ranges): a step whose device time stays while its wall time grows waited on the host."""
+    return _by_class(_device_events(trace))
+
+
 def phase_kernels(trace: dict) -> dict[str, dict[str, tuple[float, int]]]:
     """{phase: {kernel class: (device s, kernels)}} for each `phase/NAME` range of a chrome trace, a device event
     charged to the phase whose range holds its start (graph replays' kernels included where CUPTI reports them)."""
@@ -155,20 +175,15 @@ def phase_kernels(trace: dict) -> dict[str, dict[str, tuple[float, int]]]:
     phases = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len("phase/"):]) for e in ev
                     if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase/"))
     starts = [p[0] for p in phases]
-    out: dict[str, dict[str, list]] = {}
-    for e in ev:
-        if e.get("cat") not in _DEVICE_CATS:
-            continue
+    out: dict[str, list[dict]] = {}
+    for e in _device_events(trace):
         t = float(e["ts"])
         i = bisect.bisect_right(starts, t) - 1
         while i >= 0 and phases[i][1] < t:  # past the latest phase's end: an earlier one may still enclose t
             i -= 1
-        if i < 0:
-            continue
-        s = out.setdefault(phases[i][2], {}).setdefault(kernel_class(e.get("name", ""), e["cat"]), [0.0, 0])
-        s[0] += float(e["dur"]) / 1e6
-        s[1] += 1
-    return {p: {c: (v[0], v[1]) for c, v in sorted(d.items(), key=lambda kv: -kv[1][0])} for p, d in out.items()}
+        if i >= 0:
+            out.setdefault(phases[i][2], []).append(e)
+    return {p: _by_class(events) for p, events in out.items()}
 
 
 def kernel_table(trace: dict) -> str:

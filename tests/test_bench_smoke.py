@@ -93,6 +93,10 @@ def test_gpu_engine_bench_help_without_torch(script):
 def test_train_throughput_parse_args():
     a = load("train_throughput.py").parse_args(["--model-shape", "tiny", "--tokens", "512", "1024", "--variants", "base,compile"])
     assert a.model_shape == ["tiny"] and a.tokens == [512, 1024] and a.variants.split(",") == ["base", "compile"]
+    assert load("train_throughput.py").parse_args(["--busy"]).busy  # CUDA (the default device)
+    with pytest.raises(SystemExit) as e:  # nothing to record on the CPU: refused, not ignored
+        load("train_throughput.py").parse_args(["--busy", "--device", "cpu"])
+    assert e.value.code == 2
 
 
 def test_compare_trl_budgets_and_trl_steps():

@@ -3,7 +3,8 @@
 
 import os
 
-from polyrl.metrics import Timer, idle_gaps, idle_table, kernel_class, kernel_table, phase_busy, phase_kernels
+from polyrl.metrics import (Timer, device_classes, idle_gaps, idle_table, kernel_class, kernel_table, phase_busy,
+                            phase_kernels)
 
 
 def test_phase_busy_is_the_union_of_kernels_inside_each_phase():
@@ -52,6 +53,11 @@ def test_kernel_classes_sum_each_phases_device_time_by_what_the_kernels_do():
     assert "reward" not in got
     assert "gemm 0.0 ms (52%, 1 kernels)" in kernel_table({"traceEvents": ev})
     assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "communication" and kernel_table({}) == ""
+    # a whole trace (a CUDA-only profile of one step: no phase ranges): every device event, phases or not
+    whole = {c: (round(s * 1e6, 6), n) for c, (s, n) in device_classes({"traceEvents": ev}).items()}
+    assert whole == {"attention": (120, 2), "elementwise/reduce": (86, 5), "optimizer": (50, 1), "gemm": (40, 1),
+                     "copy": (7, 1), "sampler": (4, 1)}
+    assert device_classes({}) == {}
 
 
 def test_idle_gaps_charge_each_device_wait_to_the_code_that_ended_it():
