@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--busy", action="store_true",
                    help="CUDA: record each measured step's device time by kernel class (a CUDA-only profiler around "
                         "the step, no host-side tracing): a step that slows while its device time stays waited on "
-                        "the host; one whose kernels slow did not")
+                        "the host; one whose kernels slow did not (CUPTI adds a little host time per launch: compare "
+                        "rows that all use --busy)")
     p.add_argument("--profile", nargs="*", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="print the top CUDA kernels of one measured step of every row, or of the rows named")
     a = p.parse_args(argv)
