@@ -1,5 +1,5 @@
 import sys
 
-from polyrl.cli import main
+from polyrl.cli import cli
 
-sys.exit(main())
+sys.exit(cli())

@@ -126,6 +126,9 @@ def run_export(cfg) -> None:
 
 # signal -> (exit status, how the one line names it)
 _SIGNALS = {"SIGINT": (130, "Ctrl-C (SIGINT)"), "SIGTERM": (143, "SIGTERM")}
+# the exceptions that signals ended commands with, kept so that what their frames hold (work cut off mid-way) is never
+# finalized: `cli` then ends the process without finalizers
+_INTERRUPTED: list[BaseException] = []
 
 
 def _on_signal(signum, frame) -> None:
@@ -361,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             # a signal may surface as another exception (DCP wraps it in a CheckpointException during a save)
             stop_consoles()
             code, how = _SIGNALS[PROGRESS["signal"] or "SIGINT"]
+            # a torch.save cut off mid-write leaves a C++ zip writer in these frames whose destructor writes to the
+            # file DCP has closed by now: a std::terminate (SIGABRT) if it ever runs
+            _INTERRUPTED.append(e)
             return err(_interrupt_line(args.command, cfg, how), code)
         if isinstance(e, (EngineDeadError, WeightSyncError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
             return err(f"polyrl {args.command}: error: {e}", 1)
@@ -400,5 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The `polyrl` command (and `python -m polyrl`): main, and after a command that a signal ended, the process ends
+    at once with its status, without finalizers or atexit handlers: the interrupted work's objects are not torn down
+    (main keeps them), and launched servers die with the process (PR_SET_PDEATHSIG)."""
+    before = len(_INTERRUPTED)
+    code = main()
+    if len(_INTERRUPTED) > before:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -286,6 +286,38 @@ def test_a_sigint_whose_keyboardinterrupt_is_swallowed_still_stops_the_run_after
     assert PROGRESS["signal"] is None  # reset for the next run in this process
 
 
+def test_a_signal_ends_the_command_without_finalizing_the_work_it_cut_off(tiny_model, arith_data, tmp_path):
+    """The `polyrl` command ended by SIGINT mid-work: the one line and 130, and nothing the interrupted frames hold is
+    finalized. (A torch.save cut off mid-write leaves a C++ zip writer whose destructor writes to the file DCP has
+    closed by then: a std::terminate, exit -6, seen once in `make test`.) The work here is a stand-in for the train
+    loop that records whether it was finalized."""
+    mark = tmp_path / "finalized"
+    argv = _base(tiny_model, arith_data["train"], tmp_path / "run", "--rm-type", "arithmetic")
+    code = f"""
+import os, signal, sys, time
+import polyrl.loop
+
+class CutOff:
+    def __del__(self):
+        open({str(mark)!r}, "w").write("finalized")
+
+def train(cfg):
+    work = CutOff()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+
+polyrl.loop.train = train
+from polyrl.cli import cli
+sys.argv = ["polyrl", *{argv!r}]
+sys.exit(cli())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr[-3000:]
+    (line,) = [l for l in out.stderr.splitlines() if "interrupted" in l]
+    assert line.startswith("polyrl train: interrupted by Ctrl-C (SIGINT)") and "Traceback" not in out.stderr
+    assert not mark.exists()  # never torn down: the process ended at once
+
+
 # ---- a port in use: one line naming it, before the model loads ----
 
 def test_serve_on_a_port_in_use_names_port_and_flag_before_loading(tiny_model, capsys, monkeypatch):
