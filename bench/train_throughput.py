@@ -225,12 +225,17 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
             "state_bytes_per_param": round(state / total_params(model_dir), 2) if cuda else None, "device": name}
 
 
+def chrome_trace(prof) -> dict:
+    """A finished torch.profiler's chrome trace, as polyrl.metrics' readers take it."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return json.load(open(f.name))
+
+
 def device_time(prof) -> dict[str, float]:
     """{kernel class: device s} of one profiled step (polyrl.metrics.device_classes over its chrome trace)."""
     from polyrl.metrics import device_classes
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        return {c: s for c, (s, _) in device_classes(json.load(open(f.name))).items()}
+    return {c: s for c, (s, _) in device_classes(chrome_trace(prof)).items()}
 
 
 def cpu_mhz() -> float | None:
@@ -278,12 +283,8 @@ def print_profile(prof, step_s: float) -> None:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
     print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60,
                                                        max_src_column_width=110), flush=True)
-    import tempfile
-
     from polyrl.metrics import idle_table
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:  # where the GPU waited, by the code that ended each wait
-        prof.export_chrome_trace(f.name)
-        print(idle_table(json.load(open(f.name)), top=20), flush=True)
+    print(idle_table(chrome_trace(prof), top=20), flush=True)  # where the GPU waited, by the code that ended each wait
 
 
 def isolated(a, argv: list[str] | None, shape: str, model_dir: str, row: str) -> dict:

@@ -104,12 +104,18 @@ class Timer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _device_events(trace: dict) -> list[dict]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and e.get("cat") in _DEVICE_CATS]
+
+
 def phase_busy(trace: dict) -> list[tuple[str, float, float]]:
     """(phase, wall s, device-busy s) for each `phase/NAME` range of a chrome trace: the union of the GPU kernels' and
     copies' intervals inside the range. Busy well under wall means the phase waits on the host (Python, launches)."""
     ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in _device_events(trace))
     merged: list[list[float]] = []
     for a, b in gpu:
         if merged and a <= merged[-1][1]:
@@ -126,7 +132,6 @@ def phase_busy(trace: dict) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda r: -r[1])
 
 
-_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # kernel classes by name, first match wins: what a profile needs to say whether a phase is GEMM-, attention- or
 # bandwidth-bound (cuBLAS's Hopper kernels are "nvjet"; polyrl's Triton kernels keep their function names)
 KERNEL_CLASSES = (
@@ -156,10 +161,6 @@ def _by_class(events) -> dict[str, tuple[float, int]]:
         s[0] += float(e["dur"]) / 1e6
         s[1] += 1
     return {c: (v[0], v[1]) for c, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
-
-
-def _device_events(trace: dict) -> list[dict]:
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and e.get("cat") in _DEVICE_CATS]
 
 
 def device_classes(trace: dict) -> dict[str, tuple[float, int]]:

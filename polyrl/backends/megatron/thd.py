@@ -155,15 +155,15 @@ def pack_thd(input_ids: list[Tensor], prompt_lens: list[int], *, cp_size: int = 
         kv_index = torch.cat(kv)
     # built on the host, crossing in pinned asynchronous copies: a blocking copy per tensor would wait each time for
     # the GPU's queue to drain
-    (cu_q, cu_k, kv_index, q_seq, q_pos, k_seq, k_pos, input_ids_l, position_ids_l, cu_seqlens, logp_index, logp_slot,
-     targets, seq_ids_t) = to_device(
+    (cu_q, cu_k, kv_index, q_seq, q_pos, k_seq, k_pos, input_ids_l, cu_seqlens, logp_index, logp_slot, targets,
+     seq_ids_t) = to_device(
         [cu_q, cu_k, kv_index, seq_g[local_index], pos_g[local_index], seq_g[k_global], pos_g[k_global],
-         ids_g[local_index], pos_g[local_index], torch.tensor(offs, dtype=torch.int32), logp_index, logp_slot, targets,
+         ids_g[local_index], torch.tensor(offs, dtype=torch.int32), logp_index, logp_slot, targets,
          torch.cat(seq_ids) if seq_ids else torch.zeros(0, dtype=torch.long)], device)
     plan = AttnPlan(cu_q=cu_q, cu_k=cu_k, max_q=int(max_q), max_k=int(max_k), kv_index=kv_index, q_seq=q_seq,
                     q_pos=q_pos, k_seq=k_seq, k_pos=k_pos, kv_all=cp_size == 1)
     return PackedBatch(
-        input_ids=input_ids_l, position_ids=position_ids_l, cu_seqlens=cu_seqlens, max_seqlen=max(lens), plan=plan,
+        input_ids=input_ids_l, position_ids=q_pos, cu_seqlens=cu_seqlens, max_seqlen=max(lens), plan=plan,
         logp_index=logp_index, logp_slot=logp_slot, targets=targets, num_response=r, seq_ids=seq_ids_t,
         response_lens=rlens, token_index=local_index)
 
