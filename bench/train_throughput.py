@@ -197,7 +197,12 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
             flops.append(f)
             gc_times.append(gc_pause[0])
     probe_after = host_probe_ms()
-    by_class = {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4) for c in sorted({c for b in busy for c in b})}
+    device_row = {}
+    if busy:  # --busy: each measured step's device time, in all and by kernel class (medians over the steps)
+        steps_s = [round(sum(b.values()), 4) for b in busy]
+        device_row = {"device_s": round(statistics.median(steps_s), 4), "device_s_steps": steps_s,
+                  "device_s_by_class": {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4)
+                                        for c in sorted({c for b in busy for c in b})}}
     sm_mhz = gpu_sm_mhz() if cuda else None
     gc.callbacks.remove(on_gc)
     gc.enable()
@@ -214,9 +219,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     return {"shape": shape, "backend": backend, "variant": variant, "gpus": world, "tokens_per_gpu": tokens,
             "step_s": round(t, 4), "step_times": [round(x, 4) for x in times],
             "gc_s": [round(x, 4) for x in gc_times], "cpu_mhz": cpu_mhz(),
-            "host_probe_ms": [probe_before, probe_after], "gpu_sm_mhz": sm_mhz,
-            **({"device_s": round(statistics.median(sum(b.values()) for b in busy), 4),
-                "device_s_steps": [round(sum(b.values()), 4) for b in busy], "device_s_by_class": by_class} if busy else {}), "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
+            "host_probe_ms": [probe_before, probe_after], "gpu_sm_mhz": sm_mhz, **device_row,
+            "tokens_per_s": round(tokens * world / t), "tflops_per_gpu": round(f / t / 1e12, 1),
             "mfu": round(f / t / peak, 4), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             # the allocator's reserve and its cudaMalloc retries (a retry frees every cached block and synchronises)
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
