@@ -201,8 +201,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     if busy:  # --busy: each measured step's device time, in all and by kernel class (medians over the steps)
         steps_s = [round(sum(b.values()), 4) for b in busy]
         device_row = {"device_s": round(statistics.median(steps_s), 4), "device_s_steps": steps_s,
-                  "device_s_by_class": {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4)
-                                        for c in sorted({c for b in busy for c in b})}}
+                      "device_s_by_class": {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4)
+                                            for c in sorted({c for b in busy for c in b})}}
     sm_mhz = gpu_sm_mhz() if cuda else None
     gc.callbacks.remove(on_gc)
     gc.enable()
