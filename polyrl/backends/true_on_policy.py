@@ -452,6 +452,22 @@ def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Te
     return [torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, device)
 
 
+def pack_index(seg: list[int], prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences of seg[i] tokens packed into one row, the first len(prompts) of them scored (prompt lengths `prompts`),
+    the rest padding -> each token's position [sum of seg], the int32 sequence bounds [len(seg) + 1] and the rows whose
+    next token is scored [sum of the responses]: sequence i's rows start_i + P_i - 1 ... start_i + L_i - 2. Vector ops
+    on the host, for the eager pack and the graphed one alike."""
+    seg_t = torch.tensor(seg, dtype=torch.long)
+    bounds = torch.cat([seg_t.new_zeros(1), torch.cumsum(seg_t, 0)])
+    starts = bounds[:-1]
+    pos = torch.arange(int(bounds[-1])) - torch.repeat_interleave(starts, seg_t)
+    p = torch.tensor(prompts, dtype=torch.long)
+    resp = seg_t[:len(prompts)] - p
+    first = torch.cumsum(resp, 0) - resp
+    rows = torch.repeat_interleave(starts[:len(prompts)] + p - 1 - first, resp) + torch.arange(int(resp.sum()))
+    return pos, bounds.to(torch.int32), rows
+
+
 def sequences_to_device(sequences: list[tuple[torch.Tensor, int]], device) -> list[tuple[torch.Tensor, int]]:
     """(host ids [L_i], P_i) -> the same with the ids on `device`, all of them in one pinned copy (one per sequence
     would be a launch each, and a host sync each when the memory is pageable)."""
@@ -468,19 +484,10 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     with a few vector ops and cross in pinned copies: no launch per sequence, no host sync."""
     device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
-    prompts = torch.tensor([p for _, p in sequences], dtype=torch.long)
     pad = packed_tokens(lens, device) - sum(lens)
     seg = lens + ([pad] if pad else [])
-    seg_t = torch.tensor(seg, dtype=torch.long)
-    starts = torch.cumsum(seg_t, 0) - seg_t
-    pos = torch.arange(int(seg_t.sum())) - torch.repeat_interleave(starts, seg_t)
-    cu = torch.cat([seg_t.new_zeros(1), torch.cumsum(seg_t, 0)]).to(torch.int32)
-    # sequence i's scored rows are starts_i + P_i - 1 ... starts_i + L_i - 2 (each predicts the next token)
-    resp = torch.tensor(lens, dtype=torch.long) - prompts
-    first = torch.cumsum(resp, 0) - resp
-    rows = torch.repeat_interleave(starts[:len(lens)] + prompts - 1 - first, resp) + torch.arange(int(resp.sum()))
     ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
-    pos, cu, rows = to_device([pos, cu, rows], device)
+    pos, cu, rows = to_device(list(pack_index(seg, [p for _, p in sequences])), device)
     targets = ids[rows + 1]
     n = targets.numel()
     logp, ent = _packed_logprobs(lm, ids, pos, cu, max(seg), rows, targets, temperature, with_entropy)
@@ -509,21 +516,15 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int]) -> tuple[tuple[int, 
     # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
     # sequences takes the next power of two); the empty slots only add programs that exit at once
     slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
-    starts = np.concatenate([[0], np.cumsum(seg)]).astype(np.int64)
-    ids = np.zeros(T, dtype=np.int64)
-    ids[:total] = np.fromiter((t for x in seqs for t in x), dtype=np.int64, count=total)
-    pos = np.arange(T, dtype=np.int64) - np.repeat(starts[:-1], seg)
-    cu = np.full(slots + 1, T, dtype=np.int32)
-    cu[:len(starts)] = starts
-    # a sequence at st of n tokens with a prompt of p scores rows st + p - 1 .. st + n - 2, each predicting the next
-    first = starts[:len(lens)] + np.asarray(prompts, dtype=np.int64) - 1
-    count = np.asarray(lens, dtype=np.int64) - np.asarray(prompts, dtype=np.int64)
-    want = np.repeat(first - np.concatenate([[0], np.cumsum(count)[:-1]]), count) + np.arange(int(count.sum()))
-    rows = np.zeros(T, dtype=np.int64)
-    rows[:want.size] = want
-    targets = np.zeros(T, dtype=np.int64)
-    targets[:want.size] = ids[want + 1]
-    return (T, slots, bound), tuple(torch.from_numpy(a) for a in (ids, pos, cu, rows, targets))
+    ids = torch.zeros(T, dtype=torch.long)
+    ids[:total] = torch.from_numpy(np.fromiter((t for x in seqs for t in x), dtype=np.int64, count=total))
+    pos, bounds, want = pack_index(seg, prompts)
+    cu = torch.full((slots + 1,), T, dtype=torch.int32)
+    cu[:bounds.numel()] = bounds
+    rows, targets = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
+    rows[:want.numel()] = want
+    targets[:want.numel()] = ids[want + 1]
+    return (T, slots, bound), (ids, pos, cu, rows, targets)
 
 
 class GraphedScoring:
