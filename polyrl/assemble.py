@@ -119,7 +119,8 @@ def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> Promp
 def setup_command(cfg: Config) -> tuple[str, Dist]:
     """The process group, seeds and threads of a command: (device, this rank's Dist)."""
     c = cfg.cluster
-    return setup(c.device, c.dist_backend, c.seed, c.distributed_timeout_minutes)
+    return setup(c.device, c.dist_backend, c.seed, c.distributed_timeout_minutes,
+                 cpu_optimizer=cfg.model.fsdp_cpu_offload or cfg.megatron.optimizer_cpu_offload)
 
 
 @dataclass

@@ -156,11 +156,26 @@ def cpu_threads(world_size: int) -> int:
     return int(raw)
 
 
-def setup(device: str, backend: str, seed: int, timeout_minutes: float) -> tuple[str, Dist]:
-    """The process group, seeds and CPU threads of a command; returns (device, this rank's Dist)."""
+def host_threads(device: str, world_size: int, cpu_optimizer: bool = False) -> int:
+    """Intra-op threads of a process. A CPU rank computes on them: cpu_threads. A GPU process's host work is small
+    tensors (a micro-batch's packing, the engine's inputs, rewards): one thread, as torchrun and Ray give each process,
+    unless its optimizer steps on the CPU (--fsdp-cpu-offload, --optimizer-cpu-offload): then the cores split over this
+    host's ranks. Torch's default of a thread per core lets OpenMP's barrier wait on a thread the OS has parked beside
+    the process's own busy threads: the Megatron backend packed an 8k-token micro-batch in 78 ms instead of 1.9 ms
+    that way, and its train step took 0.32-0.35 s instead of 0.21-0.23 s (bench/RESULTS.md#host-threads-2026-11-28).
+    POLYRL_CPU_THREADS overrides either."""
+    if device == "cpu" or os.environ.get("POLYRL_CPU_THREADS"):
+        return cpu_threads(world_size)
+    if cpu_optimizer:
+        return cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return 1
+
+
+def setup(device: str, backend: str, seed: int, timeout_minutes: float,
+          cpu_optimizer: bool = False) -> tuple[str, Dist]:
+    """The process group, seeds and CPU threads (host_threads) of a command; returns (device, this rank's Dist)."""
     device = resolve_device(device)
     init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
-    if device == "cpu":
-        torch.set_num_threads(cpu_threads(dist.get_world_size()))
+    torch.set_num_threads(host_threads(device, dist.get_world_size(), cpu_optimizer))
     return device, Dist(dist.get_rank(), dist.get_world_size())

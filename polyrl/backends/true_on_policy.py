@@ -42,7 +42,8 @@ THREADS = 1
 
 
 def pin_threads(device: torch.device | str = "cpu") -> None:
-    """One intra-op thread on CPU (GPU kernels do not read it; pinning there would only slow the host's work)."""
+    """One intra-op thread on CPU, whatever the command's thread policy (a GPU process has one already:
+    polyrl.dist.host_threads)."""
     if torch.device(device).type == "cpu":
         torch.set_num_threads(THREADS)
 
