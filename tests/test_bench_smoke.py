@@ -286,3 +286,13 @@ def test_true_on_policy_step_runs_both_modes_on_cpu(tmp_path):
     assert r["default"]["train_rollout_logprob_abs_diff_max"] >= 0.0
     assert r["true_on_policy"]["steps_measured"] == r["default"]["steps_measured"] == 1
     assert "step ratio (true-on-policy / default)" in res.stdout and "CPU" in res.stdout
+
+
+def test_pack_host_prints_a_row_per_thread_count_on_cpu():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "pack_host.py"), "--device", "cpu", "--tokens", "512",
+                          "--threads", "2", "1", "--repeats", "2"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    rows = [l for l in out.stdout.splitlines() if l.startswith("| ") and l[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["2", "1"]
+    assert all(float(r.split("|")[2]) > 0 for r in rows)
