@@ -160,9 +160,8 @@ def host_threads(device: str, world_size: int, cpu_optimizer: bool = False) -> i
     """Intra-op threads of a process. A CPU rank computes on them: cpu_threads. A GPU process's host work is small
     tensors (a micro-batch's packing, the engine's inputs, rewards): one thread, as torchrun and Ray give each process,
     unless its optimizer steps on the CPU (--fsdp-cpu-offload, --optimizer-cpu-offload): then the cores split over this
-    host's ranks. Torch's default of a thread per core lets OpenMP's barrier wait on a thread the OS has parked beside
-    the process's own busy threads: the Megatron backend packed an 8k-token micro-batch in 78 ms instead of 1.9 ms
-    that way, and its train step took 0.32-0.35 s instead of 0.21-0.23 s (bench/RESULTS.md#host-threads-2026-11-28).
+    host's ranks. Why: at torch's default of a thread per core, OpenMP's barriers wait on threads the OS has parked
+    beside the process's own busy ones, and the train step becomes host-bound (bench/RESULTS.md#host-threads-2026-11-28).
     POLYRL_CPU_THREADS overrides either."""
     if device == "cpu" or os.environ.get("POLYRL_CPU_THREADS"):
         return cpu_threads(world_size)
