@@ -407,16 +407,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    """The `polyrl` command (and `python -m polyrl`): main, and after a command that a signal ended, the process ends
-    at once with its status, without finalizers or atexit handlers: the interrupted work's objects are not torn down
-    (main keeps them), and launched servers die with the process (PR_SET_PDEATHSIG)."""
+    """The `polyrl` command (and `python -m polyrl`): main, then the process ends with its status without finalizing
+    the interpreter. After a command that a signal ended, at once, without atexit handlers either: the interrupted
+    work's objects are not torn down (main keeps them), and launched servers die with the process (PR_SET_PDEATHSIG).
+    After any other, once the atexit handlers (logging, multiprocessing, weakref finalizers) have run: a gloo worker
+    thread can drop a finished collective's tensors after the run is over, and doing so needs the GIL, which a
+    finalizing interpreter answers by ending the thread, aborting the process ("terminate called without an active
+    exception", exit -6) though every rank had finished."""
     before = len(_INTERRUPTED)
     code = main()
-    if len(_INTERRUPTED) > before:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if len(_INTERRUPTED) == before:
+        import atexit
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
-    return code
+    os._exit(code)
 
 
 if __name__ == "__main__":

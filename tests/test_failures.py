@@ -318,6 +318,41 @@ sys.exit(cli())
     assert not mark.exists()  # never torn down: the process ended at once
 
 
+def test_a_finished_command_runs_its_atexit_handlers_and_ends_without_finalizing(tiny_model, arith_data, tmp_path):
+    """The `polyrl` command after a normal end: exit 0, the atexit handlers ran (logging's, multiprocessing's, weakref
+    finalizers'), and the interpreter was not finalized: a gloo worker thread that drops a finished collective's tensors
+    late needs the GIL, and a finalizing interpreter ends that thread, aborting a run that had finished (exit -6,
+    "terminate called without an active exception", seen in `make test` in 2-rank CPU runs; core dump: the thread was in
+    ProcessGroupGloo::runLoop destroying an AsyncAllgatherWork). The train loop here is a stand-in that leaves an object
+    only finalization would tear down."""
+    left, handler = tmp_path / "finalized", tmp_path / "atexit_ran"
+    argv = _base(tiny_model, arith_data["train"], tmp_path / "run", "--rm-type", "arithmetic")
+    code = f"""
+import atexit, sys
+import polyrl.loop
+
+class Left:
+    def __del__(self, _open=open):  # open bound now: finalization may have cleared the builtins by then
+        _open({str(left)!r}, "w").write("finalized")
+
+kept = []
+
+def train(cfg):
+    atexit.register(lambda: open({str(handler)!r}, "w").write("ran"))
+    kept.append(Left())
+    return {{}}
+
+polyrl.loop.train = train
+from polyrl.cli import cli
+sys.argv = ["polyrl", *{argv!r}]
+sys.exit(cli())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert handler.read_text() == "ran"
+    assert not left.exists()
+
+
 # ---- a port in use: one line naming it, before the model loads ----
 
 def test_serve_on_a_port_in_use_names_port_and_flag_before_loading(tiny_model, capsys, monkeypatch):

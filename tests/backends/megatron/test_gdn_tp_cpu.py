@@ -90,6 +90,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.barrier()  # no rank tears gloo down while another still has traffic in flight
     finally:
         dist.destroy_process_group()
+    # no interpreter finalization (as polyrl.cli.cli): a gloo worker thread still dropping a finished collective's
+    # tensors would take the GIL from a finalizing interpreter and abort this rank (exit -6, seen under load)
+    os._exit(0)
 
 
 def _compare(rank: int, path: str) -> None:
