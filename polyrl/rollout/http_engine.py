@@ -94,6 +94,7 @@ class Server:
     log_tail: list[str] = field(default_factory=list)
     born: int = 0  # the engine's membership when this process started: restarted after a push began if larger
     inflight: set = field(default_factory=set)  # asyncio tasks of its /generate requests (cancelled when it goes down)
+    log_start: int = 0  # the log's size when this process started (the log is appended to across restarts)
 
     @property
     def name(self) -> str:
@@ -102,6 +103,7 @@ class Server:
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         # 0600: a server may print its settings (SGLang prints its ServerArgs, key included) into its log
         with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
             # spawn: tied to the trainer (killed with it, also by kill -9), even when a restart thread starts it
@@ -125,6 +127,14 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def said(self) -> str:
+        """What this process wrote to its log."""
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_start)
+            return f.read().decode(errors="replace")
 
     def tail(self, n: int = 15) -> str:
         if not self.log_path or not os.path.exists(self.log_path):
@@ -304,6 +314,8 @@ class HTTPEngine:
             urls: list = [None, None, None]  # (server urls, colocated, key): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
+                # up before the other ranks learn the urls: one that lost its port is started again on another
+                self.servers = [self._up(s, cfg, device, log_dir) for s in self.servers]
                 urls = [[s.url for s in self.servers], self.shares_devices, self.api_key]
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list(urls, src=0)
@@ -339,19 +351,38 @@ class HTTPEngine:
         gpus, self.shares_devices = [list(g) for g in plan.engine_devices], plan.shared
         if any(gpus):
             log.warning("rollout engines on GPUs %s (%s)", gpus, "shared with the trainer" if plan.shared else "their own")
-        servers = []
-        for k in range(n):
-            port = free_port()
-            key_file, key_env = launch_secret(cfg, self.kind, self.api_key, os.path.join(log_dir, f"engine{k}.sglang.yaml"))
-            s = Server(k, f"http://127.0.0.1:{port}", cmd=server_command(cfg, self.kind, port, device, sglang_config=key_file),
-                       env={**env, **key_env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[k]))} if gpus[k] else {})},
-                       log_path=os.path.join(log_dir, f"engine{k}.log"))
-            s.start()
-            servers.append(s)
-            if key_file:
-                self._secret_files.append(key_file)
-        self.servers = servers
-        return servers
+        self._launch_env = (env, gpus)
+        self.servers = [self._start_one(k, cfg, device, log_dir) for k in range(n)]
+        return self.servers
+
+    def _start_one(self, k: int, cfg: Config, device: str, log_dir: str) -> Server:
+        """Engine k's server process, on a port free now."""
+        env, gpus = self._launch_env
+        port = free_port()
+        key_file, key_env = launch_secret(cfg, self.kind, self.api_key, os.path.join(log_dir, f"engine{k}.sglang.yaml"))
+        s = Server(k, f"http://127.0.0.1:{port}", cmd=server_command(cfg, self.kind, port, device, sglang_config=key_file),
+                   env={**env, **key_env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[k]))} if gpus[k] else {})},
+                   log_path=os.path.join(log_dir, f"engine{k}.log"))
+        s.start()
+        if key_file and key_file not in self._secret_files:
+            self._secret_files.append(key_file)
+        return s
+
+    def _up(self, s: Server, cfg: Config, device: str, log_dir: str, attempts: int = 3) -> Server:
+        """A launched server once it answers /health. The port free_port() found can be taken by another process before
+        the server binds it (SGLang binds after loading the model): a server that exits saying so is started again on
+        another port, `attempts` times in all; any other exit, or the timeout, is the EngineDeadError as before."""
+        attempt = 1
+        while True:
+            try:
+                self._wait_healthy(s, cfg.engines.rollout_engine_startup_timeout)
+                return s
+            except EngineDeadError:
+                if attempt == attempts or not s.exited() or "already in use" not in s.said():
+                    raise
+            log.warning("%s: its port was taken before it could bind it; starting it again on another port", s.name)
+            s = self._start_one(s.index, cfg, device, log_dir)
+            attempt += 1
 
     def _wait_healthy(self, s: Server, timeout: float) -> None:
         wait_healthy(s, self.http, timeout)

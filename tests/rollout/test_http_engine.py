@@ -315,3 +315,35 @@ def test_sglang_launch_with_fp8_rollout_starts_on_a_block_fp8_copy(tiny_model, a
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the server samples from FP8-rounded weights, the trainer scores with its own: a gap, but a bounded one
     assert len(rows) == 2 and all(0 < r["train_rollout_logprob_abs_diff"] < 0.5 for r in rows), rows
+
+
+def test_a_launched_server_that_lost_its_port_starts_again_on_another(tiny_model, arith_data, tmp_path, monkeypatch,
+                                                                       caplog):
+    """The port free_port() picks can be taken by another process before the launched server binds it (seen in `make
+    test`: a `polyrl serve` exited "port ... is already in use"). Here the first port handed out is held by a listening
+    socket: that server exits saying so, the engine starts it again on the next port, and the run completes; its log
+    keeps both starts."""
+    import socket
+
+    from polyrl.cli import main
+    from polyrl.dist import free_port as real_free_port
+    from polyrl.rollout import http_engine
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = [held.getsockname()[1]]
+    monkeypatch.setattr(http_engine, "free_port", lambda: ports.pop(0) if ports else real_free_port())
+    args = ["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
+            "--quiet", "--device", "cpu", "--run-dir", str(tmp_path / "run"), "--rollout-engine", "server",
+            "--rollout-num-engines", "1", "--debug-rollout-only"]
+    try:
+        with caplog.at_level("WARNING", logger="polyrl.rollout.http_engine"):
+            assert main(args) == 0
+    finally:
+        held.close()
+    assert not ports  # the held port was handed out
+    assert any("port was taken" in r.getMessage() for r in caplog.records)
+    log = (tmp_path / "run" / "engines" / "engine0.log").read_text()
+    assert "already in use" in log and "listening on" in log
