@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.config import Config
-from polyrl.dist import free_port, rank as trainer_rank
+from polyrl.dist import free_port, group_timeout_minutes, rank as trainer_rank
 from polyrl.placement import num_engines, plan_here
 from polyrl.rollout.base import wake_tags
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
@@ -314,8 +314,13 @@ class HTTPEngine:
             urls: list = [None, None, None]  # (server urls, colocated, key): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
-                # up before the other ranks learn the urls: one that lost its port is started again on another
-                self.servers = [self._up(s, cfg, device, log_dir) for s in self.servers]
+                # up before the other ranks learn the urls (one that lost its port is started again on another),
+                # within half the time the others wait in the broadcast for them
+                budget = cfg.engines.rollout_engine_startup_timeout
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    budget = min(budget, 30 * group_timeout_minutes())
+                deadline = time.monotonic() + budget
+                self.servers = [self._up(s, cfg, device, log_dir, deadline) for s in self.servers]
                 urls = [[s.url for s in self.servers], self.shares_devices, self.api_key]
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list(urls, src=0)
@@ -368,16 +373,21 @@ class HTTPEngine:
             self._secret_files.append(key_file)
         return s
 
-    def _up(self, s: Server, cfg: Config, device: str, log_dir: str, attempts: int = 3) -> Server:
-        """A launched server once it answers /health. The port free_port() found can be taken by another process before
-        the server binds it (SGLang binds after loading the model): a server that exits saying so is started again on
-        another port, `attempts` times in all; any other exit, or the timeout, is the EngineDeadError as before."""
+    def _up(self, s: Server, cfg: Config, device: str, log_dir: str, deadline: float, attempts: int = 3) -> Server:
+        """A launched server once it answers /health, or still starting at `deadline` (every rank then waits for it
+        with the whole startup timeout). The port free_port() found can be taken by another process before the server
+        binds it (SGLang binds after loading the model): a server that exits saying so is started again on another port,
+        `attempts` starts in all; any other exit, or the startup timeout, is the EngineDeadError as before."""
+        startup = cfg.engines.rollout_engine_startup_timeout
         attempt = 1
         while True:
+            wait = max(0.0, min(startup, deadline - time.monotonic()))
             try:
-                self._wait_healthy(s, cfg.engines.rollout_engine_startup_timeout)
+                self._wait_healthy(s, wait)
                 return s
             except EngineDeadError:
+                if not s.exited() and wait < startup:
+                    return s
                 if attempt == attempts or not s.exited() or "already in use" not in s.said():
                     raise
             log.warning("%s: its port was taken before it could bind it; starting it again on another port", s.name)
