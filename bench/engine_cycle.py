@@ -42,8 +42,8 @@ def main(argv=None) -> None:
     from polyrl.types import SamplingParams
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    from polyrl.dist import host_threads
-    torch.set_num_threads(host_threads("cuda", 1))  # as polyrl train and serve set them
+    from polyrl.dist import set_host_threads
+    set_host_threads("cuda", 1)  # as polyrl train and serve set them
     mdir = tempfile.mkdtemp(prefix="engine_cycle_")
     build_model_dir(mdir, a.shape, seed=0)
     eng = GPUEngine(mdir, dtype=torch.bfloat16, mem_fraction=0.4, ignore_eos=True, profile=True)

@@ -511,8 +511,8 @@ def main(argv=None) -> dict:
     a = parse_args(argv)
     import torch
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    from polyrl.dist import host_threads
-    torch.set_num_threads(host_threads("cuda", 1))  # as polyrl train and serve set them
+    from polyrl.dist import set_host_threads
+    set_host_threads("cuda", 1)  # as polyrl train and serve set them
     if a.sweep:
         return sweep(a)
     from polyrl.rollout.gpu import triton_ops

@@ -126,14 +126,14 @@ def bench_backend(backend: str, shape: str, model_dir: str, info: dict, a: argpa
 def bench_shape(shape: str, a: argparse.Namespace, work: str) -> list[dict]:
     import torch
 
-    from polyrl.dist import host_threads, init_distributed
+    from polyrl.dist import init_distributed, set_host_threads
 
     model_dir = os.path.join(work, shape)
     with torch.device("cuda"):
         info = build_model_dir(model_dir, shape)
     torch.cuda.empty_cache()
     init_distributed("cuda")
-    torch.set_num_threads(host_threads("cuda", 1))  # as polyrl train sets them
+    set_host_threads("cuda", 1)  # as polyrl train sets them
     rows = []
     try:
         for b in a.backend_list:

@@ -108,8 +108,8 @@ def main(argv=None) -> dict:
     from polyrl.types import SamplingParams
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    from polyrl.dist import host_threads
-    torch.set_num_threads(host_threads("cuda", 1))  # as polyrl train and serve set them
+    from polyrl.dist import set_host_threads
+    set_host_threads("cuda", 1)  # as polyrl train and serve set them
     dev = torch.cuda.get_device_name()
     res: dict = {"device": dev, "torch": torch.__version__, "args": vars(a), "date": time.strftime("%Y-%m-%d")}
     mdir = a.model_dir or tempfile.mkdtemp(prefix="rollout_bench_")

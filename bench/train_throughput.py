@@ -317,9 +317,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from polyrl.dist import host_threads, init_distributed
+    from polyrl.dist import init_distributed, set_host_threads
     init_distributed(a.device)
-    torch.set_num_threads(host_threads(a.device, dist.get_world_size()))  # as polyrl train sets them
+    set_host_threads(a.device, dist.get_world_size())  # as polyrl train sets them
     rows = []
     box = [tempfile.mkdtemp(prefix="polyrl_bench_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # every rank reads the model rank 0 wrote

@@ -170,11 +170,18 @@ def host_threads(device: str, world_size: int, cpu_optimizer: bool = False) -> i
     return 1
 
 
+def set_host_threads(device: str, world_size: int, cpu_optimizer: bool = False) -> int:
+    """torch's intra-op threads set to host_threads (what every polyrl command, server and GPU bench uses); returns it."""
+    n = host_threads(device, world_size, cpu_optimizer)
+    torch.set_num_threads(n)
+    return n
+
+
 def setup(device: str, backend: str, seed: int, timeout_minutes: float,
           cpu_optimizer: bool = False) -> tuple[str, Dist]:
     """The process group, seeds and CPU threads (host_threads) of a command; returns (device, this rank's Dist)."""
     device = resolve_device(device)
     init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
-    torch.set_num_threads(host_threads(device, dist.get_world_size(), cpu_optimizer))
+    set_host_threads(device, dist.get_world_size(), cpu_optimizer)
     return device, Dist(dist.get_rank(), dist.get_world_size())

@@ -386,9 +386,11 @@ class HTTPEngine:
                 self._wait_healthy(s, wait)
                 return s
             except EngineDeadError:
-                if not s.exited() and wait < startup:
-                    return s
-                if attempt == attempts or not s.exited() or "already in use" not in s.said():
+                if not s.exited():  # still starting: every rank waits for it next, unless its whole timeout is spent
+                    if wait < startup:
+                        return s
+                    raise
+                if attempt == attempts or "already in use" not in s.said():
                     raise
             log.warning("%s: its port was taken before it could bind it; starting it again on another port", s.name)
             s = self._start_one(s.index, cfg, device, log_dir)

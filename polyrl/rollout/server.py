@@ -960,7 +960,7 @@ def resolve_api_key(s: ServerConfig) -> str | None:
 
 def serve(cfg: Config) -> int:
     """`polyrl serve`: load the engine, listen, print one line with the address, serve until SIGTERM / SIGINT."""
-    from polyrl.dist import host_threads, resolve_device
+    from polyrl.dist import resolve_device, set_host_threads
     from polyrl.rollout.embedded import engine_from_config
 
     s = cfg.server
@@ -973,7 +973,7 @@ def serve(cfg: Config) -> int:
         log.warning("polyrl serve: --allow-unauthenticated-host: listening on %s WITHOUT an API key; anyone who can "
                     "reach it can generate (weight, memory and control endpoints are refused)", s.host)
     device = resolve_device(cfg.cluster.device)
-    torch.set_num_threads(host_threads(device, 1))
+    set_host_threads(device, 1)
     engine = engine_from_config(cfg, device)
     server = EngineServer(engine, s, model_path=cfg.model.hf_checkpoint, seed=cfg.cluster.seed, device=device)
 
