@@ -296,3 +296,13 @@ def test_pack_host_prints_a_row_per_thread_count_on_cpu():
     rows = [l for l in out.stdout.splitlines() if l.startswith("| ") and l[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["2", "1"]
     assert all(float(r.split("|")[2]) > 0 for r in rows)
+
+
+def test_block_gemm_prints_a_row_per_linear_on_cpu():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "block_gemm.py"), "--device", "cpu", "--blocks", "2",
+                          "--max-count", "2", "--repeats", "1", "--rows", "8"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    rows = [l.split("|")[1].strip() for l in out.stdout.splitlines() if l.startswith("| ") and "_proj" in l]
+    assert rows == ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"]

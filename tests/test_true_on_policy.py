@@ -637,3 +637,42 @@ def test_the_pack_built_on_the_host_is_the_one_built_sequence_by_sequence(monkey
                 torch.cat([x[p:] for x, p in seqs]))
         for got, exp in zip(seen[0], want):
             assert got == exp if isinstance(exp, int) else (got.dtype == exp.dtype and torch.equal(got, exp))
+
+
+def test_batched_blocks_use_only_counts_whose_blocks_equal_one_block_alone():
+    """The CUDA path of the fixed-block linear (BlockBatches: several blocks per batched GEMM) run on CPU tensors: each
+    count of blocks per launch is checked once against one block per launch and used only if bit-identical; a count
+    whose launch gives other bits (a stand-in for a kernel cuBLAS would pick for that count) is never used, the pack
+    is cut into checked counts, and the result is still the one-block-per-launch arithmetic bit for bit."""
+    from polyrl.backends.true_on_policy import BlockBatches
+
+    class Skewed(BlockBatches):  # a launch of 3 blocks reduces in another order: its bits differ
+        def _launch(self, x, weight, bias, out, rows):
+            super()._launch(x, weight, bias, out, rows)
+            if x.shape[0] == 3 * rows:
+                out.add_(1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    rows = 4
+    x = torch.randn(7 * rows, 16, generator=g)
+    w, b = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    want = torch.empty(7 * rows, 8)
+    for xb, ob in zip(x.split(rows), want.split(rows)):
+        BlockBatches()._launch(xb, w, b, ob, rows)
+    bb = Skewed(cap=3)
+    got = torch.empty_like(want)
+    bb.run(x, w, b, got, rows)
+    assert torch.equal(got, want)
+    key = next(iter(bb.bad))
+    assert bb.bad[key] == {3} and 3 not in bb.good[key] and bb.good[key] <= {1, 2}
+    checks = bb.checks
+    bb.run(x, w, b, got, rows)  # counts are checked once per weight shape
+    assert bb.checks == checks and torch.equal(got, want)
+    # a count whose check would need more memory than allowed is not used: one block per launch
+    small = BlockBatches(cap=8, check_bytes=rows * 16 * 4)
+    small.run(x, w, None, got, rows)
+    assert small.checks == 0 and not small.good
+    ref = torch.empty_like(want)
+    for xb, ob in zip(x.split(rows), ref.split(rows)):
+        BlockBatches()._launch(xb, w, None, ob, rows)
+    assert torch.equal(got, ref)

@@ -98,17 +98,90 @@ def fixed_rows(fn, x: torch.Tensor):
 
 
 def _blocks_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b on fixed blocks of ROWS rows, each written into the output in place (no cat)."""
+    """x W^T + b on fixed blocks of ROWS rows (the last zero-padded): on CPU a GEMM per block written into the output
+    in place; on CUDA batched GEMMs whose batch is the blocks (BATCHED.run), one launch for several blocks."""
     rows, n = _rows(x), x.shape[0]
     xp = _padded(x, rows)
     out = xp.new_empty(xp.shape[0], weight.shape[0])
-    wt = weight.t()
-    for c, o in zip(xp.split(rows), out.split(rows)):
-        if bias is None:
-            torch.mm(c, wt, out=o)
-        else:
-            torch.addmm(bias, c, wt, out=o)
+    if x.is_cuda:
+        BATCHED.run(xp, weight, bias, out, rows)
+    else:
+        wt = weight.t()
+        for c, o in zip(xp.split(rows), out.split(rows)):
+            if bias is None:
+                torch.mm(c, wt, out=o)
+            else:
+                torch.addmm(bias, c, wt, out=o)
     return out[:n] if out.shape[0] != n else out
+
+
+class BlockBatches:
+    """The fixed-block GEMMs as batched GEMMs: blocks of `rows` rows are the batch, the weight (and bias) broadcast
+    with a zero batch stride, so a pack of B blocks costs a launch per `cap` blocks instead of one per block (the
+    host's launches, not the GPU, bounded the mode's training forward). A block's value must not depend on how many
+    blocks share the launch, and cuBLAS picks its kernel by the batch count too (split-K for a small count would
+    change the reduction order). So every count is checked before use, once per (weight shape, dtype, bias) and
+    process: `count` blocks of random data through one launch against the same blocks one per launch (count 1, the
+    arithmetic every path reduces to), bit for bit. A count that differs is never used again; a pack is cut greedily
+    into the largest checked counts, and counts are never checked while a CUDA graph is being captured (the engine's
+    scoring graphs run an eager warm-up first, which checks them). The random data comes from a generator of its
+    own: the run's random streams are untouched."""
+
+    def __init__(self, cap: int = 8, check_bytes: int = 1 << 29):
+        self.cap = cap  # blocks per launch at most: 16k rows already fill a GPU
+        self.check_bytes = check_bytes  # a count whose random input would exceed this is not checked (memory)
+        self.good: dict[tuple, set[int]] = {}
+        self.bad: dict[tuple, set[int]] = {}
+        self.checks = 0
+
+    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                rows: int) -> None:
+        c = x.shape[0] // rows
+        x3, o3 = x.view(c, rows, x.shape[1]), out.view(c, rows, out.shape[1])
+        w3 = weight.t().unsqueeze(0).expand(c, *weight.t().shape)
+        if bias is None:
+            torch.bmm(x3, w3, out=o3)
+        else:
+            torch.baddbmm(bias.view(1, 1, -1).expand(c, rows, -1), x3, w3, out=o3)
+
+    def _check(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+        """Whether `count` blocks in one launch give each block's single-launch bits (recorded in good / bad)."""
+        k, dev = weight.shape[1], weight.device
+        gen = torch.Generator(dev).manual_seed(count)
+        x = torch.randn(count * rows, k, device=dev, dtype=weight.dtype, generator=gen)
+        together, alone = (x.new_empty(count * rows, weight.shape[0]) for _ in range(2))
+        self._launch(x, weight, bias, together, rows)
+        for xb, ob in zip(x.split(rows), alone.split(rows)):
+            self._launch(xb, weight, bias, ob, rows)
+        ok = bool(torch.equal(together, alone))
+        (self.good if ok else self.bad).setdefault(key, set()).add(count)
+        self.checks += 1
+        return ok
+
+    def _usable(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+        if count == 1 or count in self.good.get(key, ()):
+            return True
+        if (count in self.bad.get(key, ()) or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+                or count * rows * weight.shape[1] * weight.element_size() > self.check_bytes):
+            return False
+        return self._check(key, count, weight, bias, rows)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            rows: int) -> None:
+        """out [B x rows, N] = x [B x rows, K] W^T + b, in launches of the largest usable counts."""
+        if x.data_ptr() % 16 or not x.is_contiguous():  # the kernel cuBLAS picks can depend on the alignment
+            x = x.clone(memory_format=torch.contiguous_format)
+        key = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, bias is not None, weight.device)
+        blocks, done = x.shape[0] // rows, 0
+        while done < blocks:
+            count = next(c for c in range(min(self.cap, blocks - done), 0, -1)
+                         if self._usable(key, c, weight, bias, rows))
+            span = slice(done * rows, (done + count) * rows)
+            self._launch(x[span], weight, bias, out[span], rows)
+            done += count
+
+
+BATCHED = BlockBatches()
 
 
 def _rms_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -469,6 +542,14 @@ def pack_index(seg: list[int], prompts: list[int]) -> tuple[torch.Tensor, torch.
     return pos, bounds.to(torch.int32), rows
 
 
+def dummies(pad: int, longest: int) -> list[int]:
+    """The lengths of the dummy sequences that fill `pad` tokens of a pack, none longer than `longest`: attention's
+    cost grows with the square of a sequence's length, and one dummy of up to ROWS - 1 tokens cost ~9% of a GRPO
+    pack's attention (a real token's value does not depend on how the padding is cut: it attends to its own
+    sequence)."""
+    return [longest] * (pad // longest) + ([pad % longest] if pad % longest else [])
+
+
 def sequences_to_device(sequences: list[tuple[torch.Tensor, int]], device) -> list[tuple[torch.Tensor, int]]:
     """(host ids [L_i], P_i) -> the same with the ids on `device`, all of them in one pinned copy (one per sequence
     would be a launch each, and a host sync each when the memory is pageable)."""
@@ -486,7 +567,7 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
     pad = packed_tokens(lens, device) - sum(lens)
-    seg = lens + ([pad] if pad else [])
+    seg = lens + dummies(pad, max(max(lens), MIN_BOUND))
     ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
     pos, cu, rows = to_device(list(pack_index(seg, [p for _, p in sequences])), device)
     targets = ids[rows + 1]
@@ -497,7 +578,7 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
 
 # graphed scoring packs are padded to a whole number of this many tokens (a multiple of ROWS["cuda"]): few pack sizes,
 # so that a few CUDA graphs serve a run
-GRAPH_ROWS = 4096
+GRAPH_ROWS = 2048
 # sequence slots per graphed pack: one per SLOT_TOKENS tokens; the attention bound: at least MIN_BOUND tokens
 SLOT_TOKENS, MIN_BOUND = 32, 256
 
@@ -512,8 +593,7 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int]) -> tuple[tuple[int, 
     total = sum(lens)
     T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
     bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
-    pad = T - total  # dummy sequences of at most `bound` tokens: the padding never decides the bound
-    seg = lens + [bound] * (pad // bound) + ([pad % bound] if pad % bound else [])
+    seg = lens + dummies(T - total, bound)  # dummy sequences no longer than `bound`: they never decide the bound
     # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
     # sequences takes the next power of two); the empty slots only add programs that exit at once
     slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
@@ -556,14 +636,16 @@ class GraphedScoring:
 
     def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
         """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
-        log-probs [sum of responses] on the CPU."""
+        log-probs [sum of responses] on the device, a copy queued after the replay (no host sync: the next pack's
+        inputs are built on the host while this one runs; a copy of them into the graph's input buffers waits for
+        the replay before)."""
         (T, slots, bound), host = graph_inputs(seqs, prompts)
         (ids, pos, cu, rows, targets), logp, graph = self.sets.get(
             (T, slots, bound, temperature), lambda: self._capture(T, slots, bound, temperature))
         for buf, t in zip((ids, pos, cu, rows, targets), host):
             buf.copy_(t, non_blocking=True)
         graph.replay()
-        return logp[:sum(len(x) - p for x, p in zip(seqs, prompts))].cpu()
+        return logp[:sum(len(x) - p for x, p in zip(seqs, prompts))].clone()
 
     def _capture(self, T: int, slots: int, bound: int, temperature: float) -> tuple:
         from polyrl.rollout.gpu.graphs import capture
@@ -582,10 +664,11 @@ class GraphedScoring:
 
 def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device,
                   graphs: GraphedScoring | None = None, routing=None) -> list[torch.Tensor]:
-    """The engine's side: each sample's response log-probs [R_i] (on the CPU), packed PACK_TOKENS at a time (through
-    `graphs`, CUDA graphs of the same arithmetic, when given). routing: lm's MoERouting, to set each sample's
-    routed_experts to the routes of this pass (what the trainer's forward computes too, so R3 replays its own routes)."""
-    out: list[torch.Tensor] = []
+    """The engine's side: each sample's response log-probs [R_i] (on the CPU, one copy for all packs at the end),
+    packed PACK_TOKENS at a time (through `graphs`, CUDA graphs of the same arithmetic, when given). routing: lm's
+    MoERouting, to set each sample's routed_experts to the routes of this pass (what the trainer's forward computes
+    too, so R3 replays its own routes)."""
+    parts: list[torch.Tensor] = []
     group: list = []
 
     def flush():
@@ -600,14 +683,14 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
                     routing.begin_at(*pack_positions([len(x) for x, _ in seqs], device), device, record=True,
                                      count=False)
                 try:
-                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0].cpu()
+                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0]
                     if routing is not None:
                         for s, routes in zip(group, routing.recorded(drop_last=True)):
                             s.routed_experts = routes
                 finally:
                     if routing is not None:
                         routing.end()
-            out.extend(lp.split([len(s.response_ids) for s in group]))
+            parts.append(lp)
             group.clear()
 
     used = 0
@@ -619,7 +702,29 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
         group.append(s)
         used += n
     flush()
-    return out
+    if not parts:
+        return []
+    return list(torch.cat(parts).cpu().split([len(s.response_ids) for s in samples]))
+
+
+def report(samples: list, logps: list[torch.Tensor]) -> float:
+    """Each sample's rollout_logprobs replaced by its scored log-probs (logps, from score_samples); returns the
+    largest |sampler's log-prob - scored one| over their tokens (rollout/sampler_logprob_abs_diff_max), computed
+    over all samples at once."""
+    lens = [int(x.numel()) for x in logps]
+    decoded = [x for s in samples for x in s.rollout_logprobs]
+    if len(decoded) != sum(lens):
+        raise ValueError(f"--true-on-policy: the sampler reported {len(decoded)} log-probs for {sum(lens)} scored "
+                         f"response tokens")
+    if not decoded:
+        return 0.0
+    scored = torch.cat(logps)
+    worst = float((scored - torch.tensor(decoded, dtype=torch.float32)).abs().max())
+    flat, start = scored.tolist(), 0
+    for s, n in zip(samples, lens):
+        s.rollout_logprobs = flat[start:start + n]
+        start += n
+    return worst
 
 
 def check_sampling(sp, vocab: int) -> None:
@@ -691,10 +796,8 @@ class EngineScorer:
         temperature = 0.0 if sp.greedy else sp.temperature
         todo = [s for s in samples if s.response_ids]
         routing = self.routing if sp.return_routed_experts else None  # R3: this pass's routes, not the decode's
-        for s, logp in zip(todo, score_samples(self.lm, todo, temperature, self.device, self.graphs, routing)):
-            decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-            self.sampler_diff = max(self.sampler_diff or 0.0, float((logp - decoded).abs().max()))
-            s.rollout_logprobs = logp.tolist()
+        worst = report(todo, score_samples(self.lm, todo, temperature, self.device, self.graphs, routing))
+        self.sampler_diff = max(self.sampler_diff or 0.0, worst)
         self.score_s += time.perf_counter() - t
         return samples
 

@@ -246,15 +246,12 @@ class EmbeddedEngine(InProcessEngine):
     @torch.no_grad()
     def _score(self, samples: list[Sample], sp: SamplingParams) -> list[Sample]:
         """--true-on-policy: each sample's rollout log-probs from the scoring function the trainer runs."""
-        from polyrl.backends.true_on_policy import score_samples
+        from polyrl.backends.true_on_policy import report, score_samples
         todo = [s for s in samples if s.response_ids]
         routing = self.routing if sp.return_routed_experts else None  # R3: the routes of this pass, not the decode's
-        for s, logp in zip(todo, score_samples(self.model, todo, 0.0 if sp.greedy else sp.temperature, self.device,
-                                               routing=routing)):
-            decoded = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-            worst = float((logp - decoded).abs().max())
-            self._sampler_diff = max(self._sampler_diff or 0.0, worst)
-            s.rollout_logprobs = logp.tolist()
+        worst = report(todo, score_samples(self.model, todo, 0.0 if sp.greedy else sp.temperature, self.device,
+                                           routing=routing))
+        self._sampler_diff = max(self._sampler_diff or 0.0, worst)
         return samples
 
     def stats(self) -> dict[str, float]:
