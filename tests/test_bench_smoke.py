@@ -306,3 +306,16 @@ def test_block_gemm_prints_a_row_per_linear_on_cpu():
     assert out.returncode == 0, out.stderr
     rows = [l.split("|")[1].strip() for l in out.stdout.splitlines() if l.startswith("| ") and "_proj" in l]
     assert rows == ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"]
+
+
+def test_score_pass_classes_kernels_and_refuses_a_cpu_machine():
+    sys.path.insert(0, BENCH)
+    import score_pass
+    assert [score_pass.kernel_class(n) for n in ("nvjet_sm90_tst_96x128_64x7", "pytorch_flash::flash_fwd_kernel",
+                                                  "rms_rows_kernel", "_row_stats_kernel", "triton_poi_fused_add_0",
+                                                  "Memcpy DtoD", "vectorized_gather_kernel")] == [
+        "gemm", "attention", "rms", "head", "fused", "copy", "other"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "score_pass.py")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
