@@ -9,7 +9,8 @@ sequence to a whole number of blocks), and every operation that reduces over a d
 does not depend on the pack. Linear layers run on fixed blocks of ROWS rows, so each GEMM has one shape whatever the
 micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one kernel, so a
 token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py checks this
-bit for bit). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
+bit for bit). On CUDA several blocks share a batched launch, at batch counts checked to give each block's bits
+(BlockBatches). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
 its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
