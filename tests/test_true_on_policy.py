@@ -676,3 +676,21 @@ def test_batched_blocks_use_only_counts_whose_blocks_equal_one_block_alone():
     for xb, ob in zip(x.split(rows), ref.split(rows)):
         BlockBatches()._launch(xb, w, None, ob, rows)
     assert torch.equal(got, ref)
+
+
+def test_report_replaces_each_samples_logprobs_and_returns_the_samplers_largest_distance():
+    """report (the engines' side of the sampler distance): every sample gets its own scored values, the distance is
+    the largest over all tokens of all samples, and a sample whose sampler log-probs do not match its scored tokens
+    is named, not misaligned with its neighbours."""
+    import types
+
+    from polyrl.backends.true_on_policy import report
+    a = types.SimpleNamespace(rollout_logprobs=[-1.0, -2.0])
+    b = types.SimpleNamespace(rollout_logprobs=[-0.5])
+    worst = report([a, b], [torch.tensor([-1.0, -2.25]), torch.tensor([-0.125])])
+    assert worst == 0.375 and a.rollout_logprobs == [-1.0, -2.25] and b.rollout_logprobs == [-0.125]
+    assert report([], []) == 0.0
+    c, d = types.SimpleNamespace(rollout_logprobs=[-1.0, -1.0]), types.SimpleNamespace(rollout_logprobs=[-1.0])
+    with pytest.raises(ValueError, match="sample 0's sampler reported 2 log-probs for 1"):
+        report([c, d], [torch.tensor([-1.0]), torch.tensor([-1.0, -1.0])])
+    assert c.rollout_logprobs == [-1.0, -1.0]  # nothing replaced

@@ -713,10 +713,11 @@ def report(samples: list, logps: list[torch.Tensor]) -> float:
     largest |sampler's log-prob - scored one| over their tokens (rollout/sampler_logprob_abs_diff_max), computed
     over all samples at once."""
     lens = [int(x.numel()) for x in logps]
+    bad = next((i for i, (s, n) in enumerate(zip(samples, lens)) if len(s.rollout_logprobs) != n), None)
+    if bad is not None:
+        raise ValueError(f"--true-on-policy: sample {bad}'s sampler reported {len(samples[bad].rollout_logprobs)} "
+                         f"log-probs for {lens[bad]} scored response tokens")
     decoded = [x for s in samples for x in s.rollout_logprobs]
-    if len(decoded) != sum(lens):
-        raise ValueError(f"--true-on-policy: the sampler reported {len(decoded)} log-probs for {sum(lens)} scored "
-                         f"response tokens")
     if not decoded:
         return 0.0
     scored = torch.cat(logps)
