@@ -319,3 +319,13 @@ def test_score_pass_classes_kernels_and_refuses_a_cpu_machine():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "score_pass.py")], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_prefix_attention_refuses_a_machine_without_the_varlen_kernel():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_attention.py"), "--prompt-lens", "3"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_attention.py"), "--help"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "bottom right" in out.stdout
