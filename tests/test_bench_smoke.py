@@ -314,7 +314,7 @@ def test_score_pass_classes_kernels_and_refuses_a_cpu_machine():
     assert [score_pass.kernel_class(n) for n in ("nvjet_sm90_tst_96x128_64x7", "pytorch_flash::flash_fwd_kernel",
                                                   "rms_rows_kernel", "_row_stats_kernel", "triton_poi_fused_add_0",
                                                   "Memcpy DtoD", "vectorized_gather_kernel")] == [
-        "gemm", "attention", "rms", "head", "fused", "copy", "other"]
+        "gemm", "attention", "rms", "head", "elementwise/reduce", "copy", "elementwise/reduce"]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH), "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, os.path.join(BENCH, "score_pass.py")], capture_output=True, text=True,
                          timeout=120, env=env)

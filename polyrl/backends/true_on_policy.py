@@ -9,7 +9,7 @@ sequence to a whole number of blocks), and every operation that reduces over a d
 does not depend on the pack. Linear layers run on fixed blocks of ROWS rows, so each GEMM has one shape whatever the
 micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one kernel, so a
 token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py checks this
-bit for bit). On CUDA several blocks share a batched launch, at batch counts checked to give each block's bits
+bit for bit). Several blocks share a batched launch, at batch counts checked to give each block's bits
 (BlockBatches). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
 its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
@@ -99,28 +99,20 @@ def fixed_rows(fn, x: torch.Tensor):
 
 
 def _blocks_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b on fixed blocks of ROWS rows (the last zero-padded): on CPU a GEMM per block written into the output
-    in place; on CUDA batched GEMMs whose batch is the blocks (BATCHED.run), one launch for several blocks."""
+    """x W^T + b on fixed blocks of ROWS rows (the last zero-padded): batched GEMMs whose batch is the blocks
+    (BATCHED.run), written into the output in place."""
     rows, n = _rows(x), x.shape[0]
     xp = _padded(x, rows)
     out = xp.new_empty(xp.shape[0], weight.shape[0])
-    if x.is_cuda:
-        BATCHED.run(xp, weight, bias, out, rows)
-    else:
-        wt = weight.t()
-        for c, o in zip(xp.split(rows), out.split(rows)):
-            if bias is None:
-                torch.mm(c, wt, out=o)
-            else:
-                torch.addmm(bias, c, wt, out=o)
+    BATCHED.run(xp, weight, bias, out, rows)
     return out[:n] if out.shape[0] != n else out
 
 
 class BlockBatches:
     """The fixed-block GEMMs as batched GEMMs: blocks of `rows` rows are the batch, the weight (and bias) broadcast
     with a zero batch stride, so a pack of B blocks costs a launch per `cap` blocks instead of one per block (the
-    host's launches, not the GPU, bounded the mode's training forward). A block's value must not depend on how many
-    blocks share the launch, and cuBLAS picks its kernel by the batch count too (split-K for a small count would
+    host's launches, not the GPU, bounded the mode's training forward on CUDA). A block's value must not depend on how
+    many blocks share the launch, and cuBLAS / MKL pick their kernel by the batch count too (split-K for a small count would
     change the reduction order). So every count is checked before use, once per (weight shape, dtype, bias) and
     process: `count` blocks of random data through one launch against the same blocks one per launch (count 1, the
     arithmetic every path reduces to), bit for bit. A count that differs is never used again; a pack is cut greedily
