@@ -2,7 +2,8 @@
 GraphedScoring), on a model shape with random weights: a GRPO step's samples (prompts x samples of `--prompt`
 + `--response` random tokens), wall time per pass and its GPU time by kernel class from one profiled pass, at each
 graphed pack granularity (`--graph-rows`) and pack size (`--pack-tokens`) given. The pass's floor is its matmuls:
-the last column is the pass's model FLOPs (2 x matmul parameters per body token, the LM head's on response tokens)
+the last column is the pass's model FLOPs (2 x matmul parameters per body token of every sample, a shared prompt counted
+once per sample; the LM head's on response tokens)
 over its wall time, as a share of `--peak-tflops`.
 
     python3 bench/score_pass.py --shape qwen2.5-0.5b --graph-rows 4096 2048 --pack-tokens 16384 40960
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import statistics
 import sys
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--response", type=int, default=256, help="response tokens per sample")
     p.add_argument("--graph-rows", type=int, nargs="+", default=None, help="GRAPH_ROWS values (default: the mode's)")
     p.add_argument("--pack-tokens", type=int, nargs="+", default=None, help="PACK_TOKENS values (default: the mode's)")
+    p.add_argument("--share", type=int, nargs="+", default=[1], help="SHARE_PROMPTS values: 1, a group's prompt rows "
+                   "computed once; 0, once per sample")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak (H100 / H200 SXM: 989)")
     return p.parse_args(argv)
@@ -66,42 +70,43 @@ def main(argv=None) -> int:
     top.prepare(lm)
     top.compile_layers(lm, dev)
     g = torch.Generator().manual_seed(0)
-    samples = [types.SimpleNamespace(prompt_ids=torch.randint(0, cfg.vocab_size, (a.prompt,), generator=g).tolist(),
-                                     response_ids=torch.randint(0, cfg.vocab_size, (a.response,), generator=g).tolist())
-               for _ in range(a.prompts * a.samples)]
+    prompts = [torch.randint(0, cfg.vocab_size, (a.prompt,), generator=g).tolist() for _ in range(a.prompts)]
+    samples = [types.SimpleNamespace(prompt_ids=p, response_ids=torch.randint(0, cfg.vocab_size, (a.response,),
+                                                                              generator=g).tolist())
+               for p in prompts for _ in range(a.samples)]  # a GRPO step: each prompt's samples one after another
     head = cfg.vocab_size * cfg.hidden_size
     body = sum(p.numel() for n, p in lm.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
     flops = 2 * body * len(samples) * (a.prompt + a.response) + 2 * head * len(samples) * a.response
     print(f"{a.shape}, {len(samples)} samples of {a.prompt} + {a.response} tokens, {torch.cuda.get_device_name()}",
           flush=True)
     cols = ("gemm", "attention", "elementwise/reduce", "head", "rms")
-    print("| GRAPH_ROWS | PACK_TOKENS | wall ms (median) | GPU ms | " + " | ".join(cols) + " | other | "
-          "model FLOP/s of peak |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    for rows in a.graph_rows or [top.GRAPH_ROWS]:
-        for pack in a.pack_tokens or [top.PACK_TOKENS]:
-            top.GRAPH_ROWS, top.PACK_TOKENS = rows, pack
-            graphs = top.GraphedScoring(lm, dev)
-            with torch.no_grad():
-                for _ in range(3):  # captures, then warm replays
-                    top.score_samples(lm, samples, 1.0, dev, graphs)
-                times = []
-                for _ in range(a.repeats):
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    top.score_samples(lm, samples, 1.0, dev, graphs)
-                    times.append(time.perf_counter() - t)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    top.score_samples(lm, samples, 1.0, dev, graphs)
-                    torch.cuda.synchronize()
-            by: collections.Counter = collections.Counter()
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    by[kernel_class(e.name)] += e.device_time_total / 1e3
-            wall = statistics.median(times)
-            cells = " | ".join(f"{by[c]:.1f}" for c in cols)
-            other = sum(by.values()) - sum(by[c] for c in cols)
-            print(f"| {rows} | {pack} | {wall * 1e3:.1f} | {sum(by.values()):.1f} | {cells} | {other:.1f} | "
-                  f"{flops / wall / (a.peak_tflops * 1e12):.1%} |", flush=True)
+    print("| shared prompts | GRAPH_ROWS | PACK_TOKENS | wall ms (median) | GPU ms | " + " | ".join(cols) + " | other | "
+          "model FLOP/s of peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for rows, pack, share in itertools.product(a.graph_rows or [top.GRAPH_ROWS], a.pack_tokens or [top.PACK_TOKENS],
+                                               a.share):
+        top.GRAPH_ROWS, top.PACK_TOKENS, top.SHARE_PROMPTS = rows, pack, bool(share)
+        graphs = top.GraphedScoring(lm, dev)
+        with torch.no_grad():
+            for _ in range(3):  # captures, then warm replays
+                top.score_samples(lm, samples, 1.0, dev, graphs)
+            times = []
+            for _ in range(a.repeats):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                top.score_samples(lm, samples, 1.0, dev, graphs)
+                times.append(time.perf_counter() - t)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                top.score_samples(lm, samples, 1.0, dev, graphs)
+                torch.cuda.synchronize()
+        by: collections.Counter = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                by[kernel_class(e.name)] += e.device_time_total / 1e3
+        wall = statistics.median(times)
+        cells = " | ".join(f"{by[c]:.1f}" for c in cols)
+        other = sum(by.values()) - sum(by[c] for c in cols)
+        print(f"| {'yes' if share else 'no'} | {rows} | {pack} | {wall * 1e3:.1f} | {sum(by.values()):.1f} | {cells} | "
+              f"{other:.1f} | {flops / wall / (a.peak_tflops * 1e12):.1%} |", flush=True)
     return 0
 
 

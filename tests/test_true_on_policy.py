@@ -606,9 +606,125 @@ def test_graphed_packs_lay_out_the_same_inputs_as_the_token_loop():
     for seqs, prompts in cases:
         key, got = top.graph_inputs(seqs, prompts)
         want_key, want = by_loop(seqs, prompts)
-        assert key == want_key
+        assert key == (want_key[0], None, *want_key[1:])
         for g, w, dtype in zip(got, want, (torch.long, torch.long, torch.int32, torch.long, torch.long)):
             assert g.dtype == dtype and g.tolist() == w
+
+
+def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
+    """pack_layout / graph_inputs with shared prompts (a GRPO group's prompt rows once: the other sequences bring only
+    their responses) against the plain loop over every token: each pack row's token and position, the scored rows
+    (a sharing sequence's first response token is predicted by the shared prompt's last row) and targets, the
+    gather of every sequence whole from the pack rows and the scatter back (integers: exact)."""
+    import random
+
+    from polyrl.backends import true_on_policy as top
+
+    rng = random.Random(0)
+    for _ in range(40):
+        prompts_tok = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 300))] for _ in range(rng.randint(1, 4))]
+        seqs, prompts = [], []
+        for _ in range(rng.randint(1, 12)):
+            pt = rng.choice(prompts_tok)
+            seqs.append(pt + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 400))])
+            prompts.append(len(pt))
+        shares = top.prompt_shares([x[:p] for x, p in zip(seqs, prompts)])
+        (T, G, slots, bound), got = top.graph_inputs(seqs, prompts, shares)
+        # the loop: a sequence that shares keeps its response rows only; its prompt is the first sequence's rows
+        row_of, ids, pos = {}, [], []
+        for i, (x, p) in enumerate(zip(seqs, prompts)):
+            for t in range(len(x)):
+                if shares[i] is not None and t < p:
+                    row_of[i, t] = row_of[shares[i], t]
+                else:
+                    row_of[i, t] = len(ids)
+                    ids.append(x[t])
+                    pos.append(t)
+        real = len(ids)
+        assert T == -(-real // top.GRAPH_ROWS) * top.GRAPH_ROWS
+        dummy = top.dummies(T - real, bound)
+        for n in dummy:
+            pos += list(range(n))
+        rows = [row_of[i, t] for i, (x, p) in enumerate(zip(seqs, prompts)) for t in range(p - 1, len(x) - 1)]
+        targets = [t for x, p in zip(seqs, prompts) for t in x[p:]]
+        assert got[0].tolist() == ids + [0] * (T - real) and got[1].tolist() == pos
+        assert got[3].tolist() == rows + [0] * (T - len(rows)) and got[4].tolist() == targets + [0] * (T - len(rows))
+        if all(j is None for j in shares):
+            assert G is None and len(got) == 5
+            continue
+        whole = [row_of[i, t] for i, x in enumerate(seqs) for t in range(len(x))] + list(range(real, T))
+        assert G == -(-len(whole) // top.GRAPH_ROWS) * top.GRAPH_ROWS
+        gather, scatter = got[5].tolist(), got[6].tolist()
+        assert gather[:len(whole)] == whole
+        assert [gather[j] for j in scatter] == list(range(T))  # every row's output comes back from a position of its own
+        lens = [len(x) for x in seqs] + dummy
+        bounds = [sum(lens[:k]) for k in range(len(lens) + 1)]
+        cu = got[2].tolist()
+        assert cu[:len(bounds)] == bounds and cu[-1] == G  # then the spare positions, as dummies of at most `bound`
+        assert all(0 <= b - a <= bound for a, b in zip(cu[len(bounds) - 1:], cu[len(bounds):]))
+        assert sorted(scatter[:real]) == sorted(bounds[i] + t for i, x in enumerate(seqs) for t in range(len(x))
+                                               if shares[i] is None or t >= prompts[i])
+        own = [len(x) - (p if j is not None else 0) for x, p, j in zip(seqs, prompts, shares)] + dummy
+        cu_q = got[7].tolist()  # the queries: each sequence's own rows, one segment each (the spare ones empty)
+        assert cu_q[:len(own) + 1] == [sum(own[:k]) for k in range(len(own) + 1)] and set(cu_q[len(own):]) == {T}
+
+
+def test_a_shared_prompt_scored_once_gives_each_sequence_its_own_bits_on_cpu(tiny_model):
+    """The engine's pack with a GRPO group's prompt rows computed once (sequences_logprobs(shares=...)) on the CPU:
+    every token's log-prob is its bits alone when the group's sequences have one length. Across lengths CPU SDPA
+    tiles a sequence's keys by its length, so a prompt row computed in a longer sequence can move by FP32 rounding
+    (which is why the engine shares prompt rows only where attention is the varlen kernel, on CUDA, checked bit for
+    bit in tests/backends/test_true_on_policy_gpu.py); a wrong row, position or target would move a log-prob by
+    far more than the 1e-5 allowed there (rounding of a 2-layer FP32 model: ~1e-7)."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import prepare, prompt_shares, sequences_logprobs
+    torch.set_num_threads(1)
+    lm = prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
+    g = torch.Generator().manual_seed(0)
+    for lengths, tol in (((9, 9, 9, 9), 0.0), ((5, 9, 4, 70, 1), 1e-5)):
+        seqs = []
+        for plen in (7, 1):
+            prompt = torch.randint(1, 14, (plen,), generator=g)
+            seqs += [(torch.cat([prompt, torch.randint(1, 14, (n,), generator=g)]), plen) for n in lengths]
+        shares = prompt_shares([x[:p].tolist() for x, p in seqs])
+        assert sum(j is not None for j in shares) == 2 * (len(lengths) - 1)
+        with torch.no_grad():
+            alone = torch.cat([sequences_logprobs(lm, [q], temperature=0.8)[0] for q in seqs])
+            got = sequences_logprobs(lm, seqs, temperature=0.8, shares=shares)[0]
+        assert got.shape == alone.shape and float((got - alone).abs().max()) <= tol
+
+
+def test_the_engines_packs_count_a_shared_prompt_once(tiny_model, monkeypatch):
+    """score_samples with shared prompts (forced on the CPU, groups of one length, where CPU attention keeps the bits:
+    see above): a pack holds PACK_TOKENS rows, a prompt already in it costing none, so a group's later samples fill
+    it with their responses only; a group cut by a pack's end brings its prompt again into the next. Every sample's
+    log-probs are the bits of the unshared packs."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+    import polyrl.backends.true_on_policy as top
+    torch.set_num_threads(1)
+    lm = top.prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for plen in (7, 3, 12):
+        prompt = torch.randint(1, 14, (plen,), generator=g).tolist()
+        samples += [types.SimpleNamespace(prompt_ids=prompt, response_ids=torch.randint(1, 14, (9,), generator=g).tolist())
+                    for _ in range(5)]
+    monkeypatch.setattr(top, "PACK_TOKENS", 60)
+    packs = []
+    real = top.sequences_logprobs
+    monkeypatch.setattr(top, "sequences_logprobs", lambda lm, seqs, **kw: packs.append((len(seqs), kw.get("shares")))
+                        or real(lm, seqs, **kw))
+    with torch.no_grad():
+        want = top.score_samples(lm, samples, 0.8, "cpu")
+        assert [n for n, _ in packs] == [3, 4, 4, 2, 2]  # samples of 16, 12, 21 tokens whole, up to 60 a pack
+        packs.clear()
+        monkeypatch.setattr(top, "shares_prompts", lambda lm, device: True)
+        got = top.score_samples(lm, samples, 0.8, "cpu")
+    # a prompt once: 7 + 5 x 9 = 52 rows (the next prompt's 12 would pass 60), 3 + 5 x 9 = 48, 12 + 5 x 9 = 57
+    assert packs == [(5, [None, 0, 0, 0, 0]), (5, [None, 0, 0, 0, 0]), (5, [None, 0, 0, 0, 0])]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(samples)
 
 
 def test_the_pack_built_on_the_host_is_the_one_built_sequence_by_sequence(monkeypatch):

@@ -449,27 +449,39 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Per-sequence causal SDPA over a packed row (cu_seq_lens_q in kwargs); any other call (generation with a KV
-    cache and a padding mask) is HF's SDPA path."""
+    """Per-sequence causal SDPA over a packed row (cu_seq_lens_q in kwargs: the sequences' bounds); any other call
+    (generation with a KV cache and a padding mask) is HF's SDPA path. polyrl_gather (a pack whose sequences share
+    their prompt's rows, pack_layout): each sequence's keys and values are gathered whole from the pack rows, so that
+    every token reduces over exactly the keys it has in the trainer's pack."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or not _active():
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    gather = kwargs.get("polyrl_gather")
     if varlen.usable(query.device, query.dtype):
         # one FlashAttention varlen call over the pack: each (sequence, head, query block) is its own program that
         # reduces over that sequence's keys in a fixed order, so a token's value does not depend on the pack
         # (tests/backends/test_true_on_policy_gpu.py checks it bit for bit)
         n = kwargs["max_length_q"]
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        return varlen.causal(q, k, v, cu, cu, n, n, scale=scaling)[None], None
+        if gather is None:
+            return varlen.causal(q, k, v, cu, cu, n, n, scale=scaling)[None], None
+        # shared prompt rows: a sequence's queries are its own rows (polyrl_cu_q), its keys the whole sequence, the
+        # causal mask aligned at the end; a key block past a query row is fully masked for it and adds exact zeros,
+        # so the row keeps the bits of the whole sequence's call (bench/prefix_attention.py, and the GPU tests)
+        k, v = k.index_select(0, gather), v.index_select(0, gather)
+        return varlen.causal(q, k, v, kwargs["polyrl_cu_q"], cu, n, n, scale=scaling)[None], None
+    if gather is not None:  # CPU: the queries gathered whole too, the output taken back to the pack rows
+        query, key, value = (t.index_select(2, gather) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]
     bounds = cu.tolist()
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):  # contiguous copies: the kernel's choice must not see the pack offset
         q, k, v = (t[:, :, s:e].contiguous() for t in (query, key, value))
         outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    out = torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+    return (out if gather is None else out.index_select(1, kwargs["polyrl_scatter"])), None
 
 
 def _mask(*args, **kwargs):
@@ -487,9 +499,10 @@ def register_attention() -> str:
 
 
 def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targets, temperature: float,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, gather=None, scatter=None, cu_q=None):
     """The scoring arithmetic over one pack (ids / pos [T], T a whole number of ROWS; cu the int32 sequence bounds;
-    rows [N] the pack rows whose next token is targets [N]): log-probs [N rounded up to HEAD_ROWS] and entropy | None.
+    rows [N] the pack rows whose next token is targets [N]; gather / scatter / cu_q: None, or the layout of a pack
+    whose sequences share prompt rows, pack_layout): log-probs [N rounded up to HEAD_ROWS] and entropy | None.
     sequences_logprobs and the engine's CUDA graphs (GraphedScoring) both run exactly this."""
     base = getattr(lm, lm.base_model_prefix)
     head = lm.get_output_embeddings()
@@ -497,7 +510,9 @@ def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targ
         raise ValueError("--true-on-policy: an LM head with a bias is not supported by the log-prob head")
     with invariant():
         hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
-                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
+                      **({} if gather is None else {"polyrl_gather": gather, "polyrl_scatter": scatter,
+                                                    "polyrl_cu_q": cu_q})
                       ).last_hidden_state[0].index_select(0, rows)
     # the head in chunks of exactly HEAD_ROWS rows (zero rows pad the last): the GEMM and the row statistics then have
     # one shape whatever the pack, and no [T, V] logits are kept for the backward
@@ -519,20 +534,56 @@ def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Te
     return [torch.arange(s, s + n) for s, n in zip(starts, lens)], packed_tokens(lens, device)
 
 
-def pack_index(seg: list[int], prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequences of seg[i] tokens packed into one row, the first len(prompts) of them scored (prompt lengths `prompts`),
-    the rest padding -> each token's position [sum of seg], the int32 sequence bounds [len(seg) + 1] and the rows whose
-    next token is scored [sum of the responses]: sequence i's rows start_i + P_i - 1 ... start_i + L_i - 2. Vector ops
-    on the host, for the eager pack and the graphed one alike."""
-    seg_t = torch.tensor(seg, dtype=torch.long)
-    bounds = torch.cat([seg_t.new_zeros(1), torch.cumsum(seg_t, 0)])
-    starts = bounds[:-1]
-    pos = torch.arange(int(bounds[-1])) - torch.repeat_interleave(starts, seg_t)
-    p = torch.tensor(prompts, dtype=torch.long)
-    resp = seg_t[:len(prompts)] - p
-    first = torch.cumsum(resp, 0) - resp
-    rows = torch.repeat_interleave(starts[:len(prompts)] + p - 1 - first, resp) + torch.arange(int(resp.sum()))
-    return pos, bounds.to(torch.int32), rows
+def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | None = None,
+                dummy: list[int] = ()) -> tuple[torch.Tensor, ...]:
+    """The layout of a scoring pack of sequences of lens[i] tokens (prompt lengths `prompts`) and dummy sequences of
+    `dummy` tokens after them, as a few vector ops on the host (for the eager pack and the graphed one alike) ->
+    (each pack row's position, the int32 bounds of the sequences whole, the pack rows whose next token is scored
+    [sum of the responses], gather | None, scatter | None, cu_q | None).
+
+    shares[i] = j (an earlier sequence with the same prompt, itself sharing nothing) puts only sequence i's response
+    rows in the pack: its prompt is j's rows, computed once (a GRPO group's prompt, once instead of n times). Every
+    operation but attention works row by row on fixed blocks, so a row's value does not depend on which sequences
+    use it; attention then runs over each sequence whole, its rows gathered from the pack (`gather` [sum of lens and
+    dummies]: the pack row of each position of each sequence), and its output goes back to the pack rows (`scatter`
+    [pack rows]: where each row is in that layout), or on CUDA the queries stay the pack rows, each sequence's own rows
+    one segment (`cu_q`, int32 bounds) against its whole keys. Without sharing the pack is the sequences one after the
+    other and gather / scatter / cu_q are None."""
+    n = len(lens)
+    L = torch.tensor(list(lens) + list(dummy), dtype=torch.long)
+    P = torch.tensor(prompts, dtype=torch.long)
+    idx = torch.arange(L.numel())
+    src = idx.clone()
+    if shares is not None:
+        src[:n] = torch.tensor([i if j is None else j for i, j in enumerate(shares)], dtype=torch.long)
+    pre = torch.zeros_like(L)  # each sequence's first rows that are another's (its shared prompt)
+    pre[:n] = torch.where(src[:n] != idx[:n], P, 0)
+    own = L - pre
+    start = torch.cumsum(own, 0) - own  # where each sequence's own rows begin in the pack
+    T = int(own.sum())
+    pos = torch.arange(T) - torch.repeat_interleave(start - pre, own)
+    bounds = torch.cat([L.new_zeros(1), torch.cumsum(L, 0)])
+    # response token t of sequence i is predicted by its position q = P_i - 1 + t: a row of its own, or (q < pre_i,
+    # the first response token of a sharing sequence) the last row of the prompt it shares
+    R = L[:n] - P
+    q = torch.repeat_interleave(P - 1, R) + torch.arange(int(R.sum())) - torch.repeat_interleave(torch.cumsum(R, 0) - R, R)
+    pre_r = torch.repeat_interleave(pre[:n], R)
+    rows = torch.where(q < pre_r, torch.repeat_interleave(start[src[:n]], R) + q,
+                       torch.repeat_interleave(start[:n], R) + q - pre_r)
+    if not bool((pre > 0).any()):
+        return pos, bounds.to(torch.int32), rows, None, None, None
+    p = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], L)  # each position in its sequence
+    pre_g = torch.repeat_interleave(pre, L)
+    gather = torch.where(p < pre_g, torch.repeat_interleave(start[src], L) + p, torch.repeat_interleave(start, L) + p - pre_g)
+    scatter = torch.arange(T) + torch.repeat_interleave(bounds[:-1] + pre - start, own)
+    cu_q = torch.cat([own.new_zeros(1), torch.cumsum(own, 0)]).to(torch.int32)
+    return pos, bounds.to(torch.int32), rows, gather, scatter, cu_q
+
+
+def prompt_shares(prompts: list[list[int]]) -> list[int | None]:
+    """For each sequence, the first earlier one with the same prompt tokens (None: the first of its prompt)."""
+    first: dict[tuple, int] = {}
+    return [None if first.setdefault(tuple(p), i) == i else first[tuple(p)] for i, p in enumerate(prompts)]
 
 
 def dummies(pad: int, longest: int) -> list[int]:
@@ -551,21 +602,29 @@ def sequences_to_device(sequences: list[tuple[torch.Tensor, int]], device) -> li
 
 
 def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, int]], *, temperature: float,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_entropy: bool = False, shares: list[int | None] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm: a prepare()d HF causal LM; sequences: (ids [L_i] prompt + response, P_i), on lm's device
     (sequences_to_device) -> log-probs [sum of L_i - P_i] (fp32) of the response tokens under softmax(logits /
     temperature) (temperature 0, greedy: 1), and their entropy | None. One packed forward; each token's value is the
-    one it gets alone or in any other pack. Differentiable. The pack's positions, bounds and rows are built on the host
-    with a few vector ops and cross in pinned copies: no launch per sequence, no host sync."""
+    one it gets alone or in any other pack. Differentiable. shares: prompt_shares of the sequences (the engine's
+    scoring: a shared prompt's rows computed once; pack_layout). The pack's positions, bounds and rows are built on
+    the host with a few vector ops and cross in pinned copies: no launch per sequence, no host sync."""
     device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
-    pad = packed_tokens(lens, device) - sum(lens)
-    seg = lens + dummies(pad, max(max(lens), MIN_BOUND))
-    ids = torch.cat([x for x, _ in sequences] + ([sequences[0][0].new_zeros(pad)] if pad else []))
-    pos, cu, rows = to_device(list(pack_index(seg, [p for _, p in sequences])), device)
-    targets = ids[rows + 1]
+    if shares is not None and all(j is None for j in shares):
+        shares = None
+    own = [x if shares is None or shares[i] is None else x[p:] for i, (x, p) in enumerate(sequences)]
+    n_own = sum(int(x.numel()) for x in own)
+    pad = packed_tokens([n_own], device) - n_own
+    dummy = dummies(pad, max(max(lens), MIN_BOUND))
+    ids = torch.cat(own + ([sequences[0][0].new_zeros(pad)] if pad else []))
+    pos, cu, rows, *shared = pack_layout(lens, [p for _, p in sequences], shares, dummy)
+    pos, cu, rows, *shared = to_device([pos, cu, rows] + ([] if shares is None else shared), device)
+    targets = ids[rows + 1] if shares is None else torch.cat([x[p:] for x, p in sequences])
     n = targets.numel()
-    logp, ent = _packed_logprobs(lm, ids, pos, cu, max(seg), rows, targets, temperature, with_entropy)
+    logp, ent = _packed_logprobs(lm, ids, pos, cu, max(lens + dummy), rows, targets, temperature, with_entropy,
+                                 *shared)
     return logp[:n], (ent[:n] if ent is not None else None)
 
 
@@ -574,31 +633,50 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
 GRAPH_ROWS = 2048
 # sequence slots per graphed pack: one per SLOT_TOKENS tokens; the attention bound: at least MIN_BOUND tokens
 SLOT_TOKENS, MIN_BOUND = 32, 256
+# the engine's scoring computes a prompt shared by several samples once, where that is exact (score_samples)
+SHARE_PROMPTS = True
 
 
-def graph_inputs(seqs: list[list[int]], prompts: list[int]) -> tuple[tuple[int, int, int], tuple[torch.Tensor, ...]]:
-    """A graphed pack's key (tokens T, sequence slots, longest-sequence bound) and its inputs on the host: ids and
-    positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is scored and those targets [T]
-    (zero past the real ones). Built with array operations: a Python loop over every token of a step's packs was the
-    graphed pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
+def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | None] | None = None
+                 ) -> tuple[tuple[int, int | None, int, int], tuple[torch.Tensor, ...]]:
+    """A graphed pack's key (pack rows T, gathered positions G or None, sequence slots, longest-sequence bound) and
+    its inputs on the host: ids and positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is
+    scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G],
+    scatter [T] and the int32 bounds of each sequence's own rows [slots + 1]. Built with array operations: a Python loop over every token of a step's packs was the graphed
+    pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
+    if shares is not None and all(j is None for j in shares):
+        shares = None
     lens = [len(x) for x in seqs]
-    total = sum(lens)
+    own = [x if shares is None or shares[i] is None else x[p:] for i, (x, p) in enumerate(zip(seqs, prompts))]
+    total = sum(len(x) for x in own)
     T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
     bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
-    seg = lens + dummies(T - total, bound)  # dummy sequences no longer than `bound`: they never decide the bound
+    dummy = dummies(T - total, bound)  # dummy sequences no longer than `bound`: they never decide the bound
+    G = None
+    if shares is not None:  # the whole sequences' layout padded too, by dummies that no pack row reads back
+        whole = sum(lens) + sum(dummy)
+        G = -(-whole // GRAPH_ROWS) * GRAPH_ROWS
+        spare = dummies(G - whole, bound)
+    segments = len(lens) + len(dummy) + (len(spare) if G else 0)
     # one slot count per pack size, so that a step's sampled lengths do not make new graphs (a pack of many short
     # sequences takes the next power of two); the empty slots only add programs that exit at once
-    slots = max(T // SLOT_TOKENS, 1 << (len(seg) - 1).bit_length())
+    slots = max((G or T) // SLOT_TOKENS, 1 << (segments - 1).bit_length())
     ids = torch.zeros(T, dtype=torch.long)
-    ids[:total] = torch.from_numpy(np.fromiter((t for x in seqs for t in x), dtype=np.int64, count=total))
-    pos, bounds, want = pack_index(seg, prompts)
-    cu = torch.full((slots + 1,), T, dtype=torch.int32)
+    ids[:total] = torch.from_numpy(np.fromiter((t for x in own for t in x), dtype=np.int64, count=total))
+    pos, bounds, want, gather, scatter, own_bounds = pack_layout(lens, prompts, shares, dummy)
+    cu = torch.full((slots + 1,), G or T, dtype=torch.int32)
+    if G:  # the spare positions: sequences with keys and no queries
+        bounds = torch.cat([bounds, bounds[-1] + torch.cumsum(torch.tensor(spare, dtype=torch.int32), 0)])
+        gather = torch.cat([gather, gather.new_zeros(G - gather.numel())])
+        cu_q = torch.full((slots + 1,), T, dtype=torch.int32)
+        cu_q[:own_bounds.numel()] = own_bounds
     cu[:bounds.numel()] = bounds
     rows, targets = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
-    rows[:want.numel()] = want
-    targets[:want.numel()] = ids[want + 1]
-    return (T, slots, bound), (ids, pos, cu, rows, targets)
+    n = want.numel()
+    rows[:n] = want
+    targets[:n] = torch.from_numpy(np.fromiter((t for x, p in zip(seqs, prompts) for t in x[p:]), dtype=np.int64, count=n))
+    return (T, G, slots, bound), (ids, pos, cu, rows, targets) + ((gather, scatter, cu_q) if G else ())
 
 
 class GraphedScoring:
@@ -627,32 +705,42 @@ class GraphedScoring:
     def captures(self) -> int:
         return self.sets.captures
 
-    def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float) -> torch.Tensor:
-        """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths -> the response tokens'
-        log-probs [sum of responses] on the device, a copy queued after the replay (no host sync: the next pack's
-        inputs are built on the host while this one runs; a copy of them into the graph's input buffers waits for
-        the replay before)."""
-        (T, slots, bound), host = graph_inputs(seqs, prompts)
-        (ids, pos, cu, rows, targets), logp, graph = self.sets.get(
-            (T, slots, bound, temperature), lambda: self._capture(T, slots, bound, temperature))
-        for buf, t in zip((ids, pos, cu, rows, targets), host):
+    def __call__(self, seqs: list[list[int]], prompts: list[int], temperature: float,
+                 shares: list[int | None] | None = None) -> torch.Tensor:
+        """seqs: each sequence's token ids (prompt + response), prompts: their prompt lengths, shares: prompt_shares
+        (a shared prompt's rows computed once) -> the response tokens' log-probs [sum of responses] on the device, a
+        copy queued after the replay (no host sync: the next pack's inputs are built on the host while this one runs;
+        a copy of them into the graph's input buffers waits for the replay before)."""
+        (T, G, slots, bound), host = graph_inputs(seqs, prompts, shares)
+        bufs, logp, graph = self.sets.get((T, G, slots, bound, temperature),
+                                          lambda: self._capture(T, G, slots, bound, temperature))
+        for buf, t in zip(bufs, host):
             buf.copy_(t, non_blocking=True)
         graph.replay()
         return logp[:sum(len(x) - p for x, p in zip(seqs, prompts))].clone()
 
-    def _capture(self, T: int, slots: int, bound: int, temperature: float) -> tuple:
+    def _capture(self, T: int, G: int | None, slots: int, bound: int, temperature: float) -> tuple:
         from polyrl.rollout.gpu.graphs import capture
         d = self.device
         # until the first replay's inputs are copied in: sequences of `bound` tokens (T <= slots x bound holds for
-        # every pack of this key, so the warm-up and the capture see a valid pack)
+        # every pack of this key, so the warm-up and the capture see a valid pack), unshared
         ids, rows, targets = (torch.zeros(T, dtype=torch.long, device=d) for _ in range(3))
         pos = torch.arange(T, device=d) % bound
-        cu = (torch.arange(slots + 1, device=d) * bound).clamp(max=T).to(torch.int32)
+        cu = (torch.arange(slots + 1, device=d) * bound).clamp(max=G or T).to(torch.int32)
+        shared = (torch.arange(G, device=d) % T, torch.arange(T, device=d),
+                  (torch.arange(slots + 1, device=d) * bound).clamp(max=T).to(torch.int32)) if G else ()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature),
-                                   pool=self.pool, device=d)
-        return (ids, pos, cu, rows, targets), logp, graph
+        graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature,
+                                                            False, *shared), pool=self.pool, device=d)
+        return (ids, pos, cu, rows, targets, *shared), logp, graph
+
+
+def shares_prompts(lm: torch.nn.Module, device) -> bool:
+    """Whether the engine's scoring computes a prompt shared by several samples once (SHARE_PROMPTS, and attention is
+    the varlen kernel: a prompt row's output does not depend on the length of the sequence after it, since a key
+    block past the row is fully masked for it and adds exact zeros; CPU SDPA tiles a sequence's keys by its length)."""
+    return SHARE_PROMPTS and varlen.usable(torch.device(device), next(lm.parameters()).dtype)
 
 
 def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device,
@@ -663,12 +751,14 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
     too, so R3 replays its own routes)."""
     parts: list[torch.Tensor] = []
     group: list = []
+    share = routing is None and shares_prompts(lm, device)  # MoE routes are recorded per sequence's rows
 
     def flush():
         if group:
+            shares = prompt_shares([s.prompt_ids for s in group]) if share else None
             if graphs is not None:
                 lp = graphs([s.prompt_ids + s.response_ids for s in group], [len(s.prompt_ids) for s in group],
-                            temperature)
+                            temperature, shares)
             else:
                 seqs = sequences_to_device([(torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long),
                                              len(s.prompt_ids)) for s in group], device)
@@ -676,7 +766,7 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
                     routing.begin_at(*pack_positions([len(x) for x, _ in seqs], device), device, record=True,
                                      count=False)
                 try:
-                    lp = sequences_logprobs(lm, seqs, temperature=temperature)[0]
+                    lp = sequences_logprobs(lm, seqs, temperature=temperature, shares=shares)[0]
                     if routing is not None:
                         for s, routes in zip(group, routing.recorded(drop_last=True)):
                             s.routed_experts = routes
@@ -686,12 +776,16 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
             parts.append(lp)
             group.clear()
 
-    used = 0
+    used, seen = 0, set()  # a pack holds PACK_TOKENS rows: a prompt already in it costs none
     for s in samples:
-        n = len(s.prompt_ids) + len(s.response_ids)
+        key = tuple(s.prompt_ids) if share else None
+        n = len(s.response_ids) + (0 if key in seen else len(s.prompt_ids))
         if group and used + n > PACK_TOKENS:
             flush()
-            used = 0
+            used, seen = 0, set()
+            n = len(s.prompt_ids) + len(s.response_ids)
+        if share:
+            seen.add(key)
         group.append(s)
         used += n
     flush()

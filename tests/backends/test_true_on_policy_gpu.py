@@ -166,6 +166,40 @@ def test_half_b_shape_graphed_scoring_equals_the_eager_pass(half_b):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_half_b_shape_a_shared_prompt_scored_once_keeps_every_tokens_bits(half_b, compiled):
+    """The engine's scoring with a GRPO group's prompt rows computed once (pack_layout's shares: the other sequences
+    of the group bring only their responses, attention runs over each sequence whole from the gathered rows) gives
+    every response token the bits it gets alone, eager and replayed from CUDA graphs: the prompt rows' values do not
+    depend on the length of the sequence they were computed in (the varlen kernel's key blocks past a row are fully
+    masked for it). Prompts of 1, 40, 65 and 300 tokens, responses of 1 to 900 tokens, groups cut by other prompts."""
+    from transformers import AutoModelForCausalLM
+    from polyrl.backends.true_on_policy import (GraphedScoring, compile_layers, prepare, prompt_shares,
+                                                sequences_logprobs)
+    lm = prepare(AutoModelForCausalLM.from_pretrained(half_b, dtype=torch.bfloat16).cuda().eval())
+    if compiled:
+        assert compile_layers(lm, "cuda")
+    graphs = GraphedScoring(lm, torch.device("cuda"))
+    g = torch.Generator().manual_seed(2)
+    vocab = lm.config.vocab_size
+    seqs = []
+    for plen, responses in ((40, (256, 3, 900, 256)), (1, (1, 77)), (300, (12, 600)), (65, (130, 129, 1, 64))):
+        prompt = torch.randint(0, vocab, (plen,), generator=g).tolist()
+        seqs += [(prompt + torch.randint(0, vocab, (r,), generator=g).tolist(), plen) for r in responses]
+    seqs.insert(3, seqs.pop(9))  # a group cut by another prompt's sequence: its later members still share
+    shares = prompt_shares([x[:p] for x, p in seqs])
+    assert sum(j is not None for j in shares) == 8
+    with torch.no_grad():
+        alone = torch.cat([sequences_logprobs(lm, [(torch.tensor(x).cuda(), p)], temperature=0.9)[0] for x, p in seqs])
+        eager = sequences_logprobs(lm, [(torch.tensor(x).cuda(), p) for x, p in seqs], temperature=0.9, shares=shares)[0]
+        assert torch.equal(eager, alone), (eager - alone).abs().max()
+        for _ in range(2):  # the capture, then a replay
+            got = graphs([x for x, _ in seqs], [p for _, p in seqs], 0.9, shares)
+            assert torch.equal(got, alone), (got - alone).abs().max()
+
+
+@gpu
+@pytest.mark.gpu
 def test_row_kernel_rmsnorm_is_batch_invariant_and_hf_close():
     """The CUDA row kernel that the mode's RMSNorms run: a row's bits do not depend on how many rows share the launch
     or where the row sits (a 1-row, a 7-row and a 5000-row launch), and the value is HF's Qwen2RMSNorm within one BF16
