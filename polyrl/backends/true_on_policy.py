@@ -16,7 +16,8 @@ values need that: the backward of a Linear is two whole GEMMs and a norm's is it
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
 elsewhere per-sequence causal SDPA. MoE routers run on the fixed blocks, each expert's GEMMs too, and a token's
 expert outputs are added in expert order. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
-(polyrl.backends.logprobs) in chunks of exactly HEAD_ROWS rows. The remaining inputs to the arithmetic are the weights (the
+(polyrl.backends.logprobs) in chunks of exactly HEAD_ROWS rows. The engine's scoring computes a prompt that several
+samples of a pack share once, where attention is the varlen kernel (pack_layout, shares_prompts). The remaining inputs to the arithmetic are the weights (the
 same bits on both sides after a sync) and, on CPU, the thread count, which MKL's GEMM splits its reduction over for
 some shapes: `pin_threads` fixes it in every process that scores.
 """
