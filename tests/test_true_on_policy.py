@@ -656,7 +656,7 @@ def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
         assert G == -(-len(whole) // top.GRAPH_ROWS) * top.GRAPH_ROWS
         gather, scatter = got[5].tolist(), got[6].tolist()
         assert gather[:len(whole)] == whole
-        assert [gather[j] for j in scatter] == list(range(T))  # every row's output comes back from a position of its own
+        assert [gather[j] for j in scatter] == list(range(T))  # each row's output comes back from its own position
         lens = [len(x) for x in seqs] + dummy
         bounds = [sum(lens[:k]) for k in range(len(lens) + 1)]
         cu = got[2].tolist()
@@ -709,7 +709,8 @@ def test_the_engines_packs_count_a_shared_prompt_once(tiny_model, monkeypatch):
     samples = []
     for plen in (7, 3, 12):
         prompt = torch.randint(1, 14, (plen,), generator=g).tolist()
-        samples += [types.SimpleNamespace(prompt_ids=prompt, response_ids=torch.randint(1, 14, (9,), generator=g).tolist())
+        samples += [types.SimpleNamespace(prompt_ids=prompt,
+                                          response_ids=torch.randint(1, 14, (9,), generator=g).tolist())
                     for _ in range(5)]
     monkeypatch.setattr(top, "PACK_TOKENS", 60)
     packs = []

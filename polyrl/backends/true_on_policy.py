@@ -17,9 +17,9 @@ call (each sequence's query blocks are their own programs, reducing over that se
 elsewhere per-sequence causal SDPA. MoE routers run on the fixed blocks, each expert's GEMMs too, and a token's
 expert outputs are added in expert order. The LM head and its FP32 log-sum-exp run through the chunked log-prob head
 (polyrl.backends.logprobs) in chunks of exactly HEAD_ROWS rows. The engine's scoring computes a prompt that several
-samples of a pack share once, where attention is the varlen kernel (pack_layout, shares_prompts). The remaining inputs to the arithmetic are the weights (the
-same bits on both sides after a sync) and, on CPU, the thread count, which MKL's GEMM splits its reduction over for
-some shapes: `pin_threads` fixes it in every process that scores.
+samples of a pack share once, where attention is the varlen kernel (pack_layout, shares_prompts). The remaining
+inputs to the arithmetic are the weights (the same bits on both sides after a sync) and, on CPU, the thread count,
+which MKL's GEMM splits its reduction over for some shapes: `pin_threads` fixes it in every process that scores.
 """
 
 from __future__ import annotations
@@ -567,7 +567,8 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
     # response token t of sequence i is predicted by its position q = P_i - 1 + t: a row of its own, or (q < pre_i,
     # the first response token of a sharing sequence) the last row of the prompt it shares
     R = L[:n] - P
-    q = torch.repeat_interleave(P - 1, R) + torch.arange(int(R.sum())) - torch.repeat_interleave(torch.cumsum(R, 0) - R, R)
+    t = torch.arange(int(R.sum())) - torch.repeat_interleave(torch.cumsum(R, 0) - R, R)  # each token's place in R_i
+    q = torch.repeat_interleave(P - 1, R) + t
     pre_r = torch.repeat_interleave(pre[:n], R)
     rows = torch.where(q < pre_r, torch.repeat_interleave(start[src[:n]], R) + q,
                        torch.repeat_interleave(start[:n], R) + q - pre_r)
@@ -575,7 +576,8 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
         return pos, bounds.to(torch.int32), rows, None, None, None
     p = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], L)  # each position in its sequence
     pre_g = torch.repeat_interleave(pre, L)
-    gather = torch.where(p < pre_g, torch.repeat_interleave(start[src], L) + p, torch.repeat_interleave(start, L) + p - pre_g)
+    gather = torch.where(p < pre_g, torch.repeat_interleave(start[src], L) + p,
+                         torch.repeat_interleave(start, L) + p - pre_g)
     scatter = torch.arange(T) + torch.repeat_interleave(bounds[:-1] + pre - start, own)
     cu_q = torch.cat([own.new_zeros(1), torch.cumsum(own, 0)]).to(torch.int32)
     return pos, bounds.to(torch.int32), rows, gather, scatter, cu_q
@@ -643,8 +645,9 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     """A graphed pack's key (pack rows T, gathered positions G or None, sequence slots, longest-sequence bound) and
     its inputs on the host: ids and positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is
     scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G],
-    scatter [T] and the int32 bounds of each sequence's own rows [slots + 1]. Built with array operations: a Python loop over every token of a step's packs was the graphed
-    pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
+    scatter [T] and the int32 bounds of each sequence's own rows [slots + 1]. Built with array operations: a Python
+    loop over every token of a step's packs was the graphed pass's largest host cost
+    (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
     if shares is not None and all(j is None for j in shares):
         shares = None
@@ -676,7 +679,8 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     rows, targets = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
     n = want.numel()
     rows[:n] = want
-    targets[:n] = torch.from_numpy(np.fromiter((t for x, p in zip(seqs, prompts) for t in x[p:]), dtype=np.int64, count=n))
+    targets[:n] = torch.from_numpy(np.fromiter((t for x, p in zip(seqs, prompts) for t in x[p:]), dtype=np.int64,
+                                               count=n))
     return (T, G, slots, bound), (ids, pos, cu, rows, targets) + ((gather, scatter, cu_q) if G else ())
 
 
