@@ -1,9 +1,9 @@
 """Does a response token's attention output keep its bits when its sequence's queries start after the prompt? The
-question behind scoring a GRPO group's shared prompt once in --true-on-policy's scoring pass (docs/true-on-policy.md,
-"Where the cost is"): the trainer's varlen call runs every sequence's queries from its first token; a scorer that
-computed each prompt once would run only the response queries (seqlen_q < seqlen_k, aligned at the bottom right) over
-the same keys. The kernel then tiles the queries from another row, so some rows see a fully masked key block first;
-a FlashAttention-2 style online softmax turns such a block into exact zeros, which would leave the bits unchanged.
+kernel-level question behind --true-on-policy's scoring of a GRPO group's shared prompt once (docs/true-on-policy.md,
+"How"): the trainer's varlen call runs every sequence's queries from its first token; the engine's scorer runs a
+sharing sample's response queries only (seqlen_q < seqlen_k, aligned at the bottom right) over the same keys. The
+kernel then tiles the queries from another row, so some rows see a fully masked key block first; a FlashAttention-2
+style online softmax turns such a block into exact zeros, which leaves the bits unchanged (H200: no row differed).
 This script measures it on the GPU's varlen kernel (polyrl.backends.varlen.causal) for random BF16 q / k / v laid out
 as a GRPO step: one table row per prompt length, the response rows compared and how many differ.
 
