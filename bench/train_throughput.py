@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
                    "(megatron: base, compile = its --compile (polyrl's norms and RoPE), ac = full recompute, keepgrads = "
-                   "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion, gcfreeze = no automatic garbage collection in the measured steps (either backend); combine with +, e.g. compile+ac); base "
+                   "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion, gcfreeze = no automatic garbage collection in the measured steps (either backend); fsdp: exact = the "
+                   "--true-on-policy trainer, compiled on CUDA as the mode decides; combine with +, e.g. compile+ac); base "
                    "is eager on both backends")
     p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
@@ -130,18 +131,21 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     from polyrl.algorithms.losses import LossSettings, rl_loss
     from polyrl.backends.base import load_backend_class
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
-    mc = ModelConfig(hf_checkpoint=model_dir, compile="compile" in variant, gradient_checkpointing="ac" in variant,
+    parts = set(variant.split("+"))
+    exact = "exact" in parts  # --true-on-policy's trainer: it decides compilation itself (compile_layers)
+    mc = ModelConfig(hf_checkpoint=model_dir, compile=None if exact else "compile" in parts,
+                     gradient_checkpointing="ac" in parts, true_on_policy=exact,
                      attn_implementation="sdpa" if variant == "sdpa" else "auto", logprob_chunk_size=a.chunk)
     bc = BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=tokens)
     extra = {}
     if backend == "megatron":  # TP=1; `ac` = megatron's full recompute of every layer
         from polyrl.config import MegatronConfig
-        ac = "ac" in variant
+        ac = "ac" in parts
         extra["megatron_cfg"] = MegatronConfig(recompute_granularity="full" if ac else None,
                                                recompute_method="uniform" if ac else None,
                                                recompute_num_layers=1 if ac else None,
-                                               release_grad_buffers="keepgrads" not in variant,
-                                               gradient_accumulation_fusion="nofusion" not in variant)
+                                               release_grad_buffers="keepgrads" not in parts,
+                                               gradient_accumulation_fusion="nofusion" not in parts)
     be = load_backend_class(backend)(mc, OptimizerConfig(lr=1e-6), bc, device=a.device,
                                              total_steps=a.steps + a.warmup, **extra)
     n_params, geo = matmul_params(model_dir)
@@ -164,7 +168,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     gc_times, busy = [], []
     probe_before = host_probe_ms()
     for step in range(a.warmup + a.steps):
-        if step == a.warmup and "gcfreeze" in variant:  # what Megatron-LM's --manual-gc does: no collection mid-step
+        if step == a.warmup and "gcfreeze" in parts:  # what Megatron-LM's --manual-gc does: no collection mid-step
             gc.collect()
             gc.freeze()
             gc.disable()

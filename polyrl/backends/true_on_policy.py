@@ -78,6 +78,13 @@ def _active() -> bool:
     return getattr(_mode, "on", False)
 
 
+def checkpoint_contexts() -> tuple:
+    """torch.utils.checkpoint's context_fn for the trainer's activation checkpointing (--gradient-checkpointing): a
+    layer recomputed in the backward, outside the scoring context (and maybe on autograd's own thread), runs the
+    arithmetic its forward ran, so the recomputation saves the same tensors and the gradient its values."""
+    return contextlib.nullcontext(), (invariant() if _active() else contextlib.nullcontext())
+
+
 def _rows(x: torch.Tensor) -> int:
     return ROWS.get(x.device.type, ROWS["cuda"])
 

@@ -280,7 +280,10 @@ class FSDPBackend:
         if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
-            apply_ac(lm)
+            exact_actor = self.mcfg.true_on_policy and self.role == "actor" and not value
+            if exact_actor:  # the backward's recomputation must run the fixed-block arithmetic its forward ran
+                from polyrl.backends.true_on_policy import checkpoint_contexts
+            apply_ac(lm, checkpoint_contexts if exact_actor else None)
         if self.mcfg.true_on_policy and self.role == "actor" and not value:
             # the engine's scorer compiles (or not) by the same call, so both run the same kernels
             from polyrl.backends.true_on_policy import compile_layers

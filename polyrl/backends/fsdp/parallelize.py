@@ -17,10 +17,12 @@ def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_ac(lm: nn.Module) -> None:
+def apply_ac(lm: nn.Module, context_fn=None) -> None:
     """Full activation checkpointing of each decoder layer (non-reentrant, so FSDP hooks
-    and torch.compile see through it)."""
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    and torch.compile see through it). context_fn: torch.utils.checkpoint's (the contexts of the forward and of its
+    recomputation in the backward)."""
+    kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn is not None else {})}
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if hasattr(lm, "config"):
         lm.config.use_cache = False
 
