@@ -144,6 +144,17 @@ def test_activation_checkpointing_recomputes_the_modes_arithmetic(args):
     assert untimed(ac) == untimed(plain)
 
 
+def test_a_resumed_run_continues_exactly(args, tmp_path):
+    """A run saved after step 2 and resumed (--load) for step 3 logs step 3 as the uninterrupted run does, every metric
+    but timings, with the mismatch still exactly 0: the engine gets the resumed weights' bits."""
+    ck = str(tmp_path / "ck")
+    full = train(args("full"))
+    train(args("first", "--num-rollout", "2", "--save", ck, "--save-interval", "1"))
+    resumed = train(args("resumed", "--load", ck))
+    assert [r["step"] for r in resumed] == [3] and resumed[0]["train_rollout_logprob_abs_diff_max"] == 0.0
+    assert untimed(resumed) == untimed(full[2:])
+
+
 def test_without_the_mode_the_same_run_differs_by_rounding(args, monkeypatch):
     """The control: the packed/padded forwards and the KV-cache decode agree only to FP32 rounding, which is what the
     mode removes (if this were exact too, the exact-zero tests above would prove nothing)."""
