@@ -590,10 +590,20 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
     return pos, bounds.to(torch.int32), rows, gather, scatter, cu_q
 
 
-def prompt_shares(prompts: list[list[int]]) -> list[int | None]:
-    """For each sequence, the first earlier one with the same prompt tokens (None: the first of its prompt)."""
+def own_rows(seqs: list, prompts: list[int], shares: list[int | None] | None) -> tuple[list[int | None] | None, list]:
+    """(shares, or None when no sequence shares; each sequence's tokens that are rows of the pack: all of them, or a
+    sharing sequence's response). seqs: token lists or tensors."""
+    if shares is None or all(j is None for j in shares):
+        return None, list(seqs)
+    return shares, [x if j is None else x[p:] for x, p, j in zip(seqs, prompts, shares)]
+
+
+def prompt_shares(prompts: list) -> list[int | None]:
+    """For each sequence, the first earlier one with the same prompt tokens (None: the first of its prompt). prompts:
+    token lists, or tuples of them."""
     first: dict[tuple, int] = {}
-    return [None if first.setdefault(tuple(p), i) == i else first[tuple(p)] for i, p in enumerate(prompts)]
+    keys = [p if isinstance(p, tuple) else tuple(p) for p in prompts]
+    return [None if first.setdefault(k, i) == i else first[k] for i, k in enumerate(keys)]
 
 
 def dummies(pad: int, longest: int) -> list[int]:
@@ -622,9 +632,7 @@ def sequences_logprobs(lm: torch.nn.Module, sequences: list[tuple[torch.Tensor, 
     the host with a few vector ops and cross in pinned copies: no launch per sequence, no host sync."""
     device = sequences[0][0].device
     lens = [int(x.numel()) for x, _ in sequences]
-    if shares is not None and all(j is None for j in shares):
-        shares = None
-    own = [x if shares is None or shares[i] is None else x[p:] for i, (x, p) in enumerate(sequences)]
+    shares, own = own_rows([x for x, _ in sequences], [p for _, p in sequences], shares)
     n_own = sum(int(x.numel()) for x in own)
     pad = packed_tokens([n_own], device) - n_own
     dummy = dummies(pad, max(max(lens), MIN_BOUND))
@@ -656,10 +664,8 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     loop over every token of a step's packs was the graphed pass's largest host cost
     (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
-    if shares is not None and all(j is None for j in shares):
-        shares = None
+    shares, own = own_rows(seqs, prompts, shares)
     lens = [len(x) for x in seqs]
-    own = [x if shares is None or shares[i] is None else x[p:] for i, (x, p) in enumerate(zip(seqs, prompts))]
     total = sum(len(x) for x in own)
     T = -(-total // GRAPH_ROWS) * GRAPH_ROWS
     bound = max(MIN_BOUND, 1 << (max(lens) - 1).bit_length())
@@ -767,7 +773,7 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
 
     def flush():
         if group:
-            shares = prompt_shares([s.prompt_ids for s in group]) if share else None
+            shares = prompt_shares(keys) if share else None
             if graphs is not None:
                 lp = graphs([s.prompt_ids + s.response_ids for s in group], [len(s.prompt_ids) for s in group],
                             temperature, shares)
@@ -788,14 +794,16 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
             parts.append(lp)
             group.clear()
 
-    used, seen = 0, set()  # a pack holds PACK_TOKENS rows: a prompt already in it costs none
+    # a pack holds PACK_TOKENS rows: a prompt already in it costs none (keys: its samples' prompts, once as tuples)
+    used, keys, seen = 0, [], set()
     for s in samples:
         key = tuple(s.prompt_ids) if share else None
         n = len(s.response_ids) + (0 if key in seen else len(s.prompt_ids))
         if group and used + n > PACK_TOKENS:
             flush()
-            used, seen = 0, set()
+            used, keys, seen = 0, [], set()
             n = len(s.prompt_ids) + len(s.response_ids)
+        keys.append(key)
         if share:
             seen.add(key)
         group.append(s)

@@ -260,6 +260,7 @@ class FSDPBackend:
         if value:
             cls, config.num_labels = AutoModelForTokenClassification, 1
         lora = train and not value and self.mcfg.lora_rank > 0  # the critic (PPO's value model) trains in full
+        exact = self.mcfg.true_on_policy and self.role == "actor" and not value  # the engine's fixed-block arithmetic
         full_sd, buffers = {}, {}
         if self.dp_rank == 0:
             src, info = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, output_loading_info=True,
@@ -272,7 +273,7 @@ class FSDPBackend:
             buffers = {n: b for n, b in src.named_buffers()}
         with torch.device("meta"):
             lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
-        if self.mcfg.true_on_policy and self.role == "actor" and not value:  # the engine's fixed-block arithmetic
+        if exact:
             from polyrl.backends.true_on_policy import prepare
             prepare(lm)
         if self.mcfg.freeze_vision_tower:
@@ -280,11 +281,10 @@ class FSDPBackend:
         if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on
             self.peft = add_lora(lm, self.mcfg, meta=True)
         if self.mcfg.gradient_checkpointing and train:
-            exact_actor = self.mcfg.true_on_policy and self.role == "actor" and not value
-            if exact_actor:  # the backward's recomputation must run the fixed-block arithmetic its forward ran
+            if exact:  # the backward's recomputation must run the fixed-block arithmetic its forward ran
                 from polyrl.backends.true_on_policy import checkpoint_contexts
-            apply_ac(lm, checkpoint_contexts if exact_actor else None)
-        if self.mcfg.true_on_policy and self.role == "actor" and not value:
+            apply_ac(lm, checkpoint_contexts if exact else None)
+        if exact:
             # the engine's scorer compiles (or not) by the same call, so both run the same kernels
             from polyrl.backends.true_on_policy import compile_layers
             compile_layers(lm, self.device)
