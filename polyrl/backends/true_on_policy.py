@@ -714,6 +714,7 @@ class GraphedScoring:
         self.lm, self.device = lm, device
         self.sets = GraphSets()  # weights' addresses -> (pack key -> (inputs, output, graph))
         self.pool = None
+        self.stream = torch.cuda.Stream(device)  # captures here: a cuBLAS workspace apart from the decode graphs'
 
     def use(self, addresses: tuple) -> None:
         """The weights are at `addresses` now: replay the graphs captured for them, if any."""
@@ -750,7 +751,8 @@ class GraphedScoring:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature,
-                                                            False, *shared), pool=self.pool, device=d)
+                                                            False, *shared), pool=self.pool, device=d,
+                            stream=self.stream)
         return (ids, pos, cu, rows, targets, *shared), logp, graph
 
 

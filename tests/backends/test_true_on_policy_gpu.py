@@ -81,8 +81,9 @@ def assert_exact(rs: list[dict], records: list[dict], engines: list[tuple]) -> N
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [["--micro-batch-size", "1"], ["--micro-batch-size", "8", "--rollout-batch-generate", "3"]],
-                         ids=["mbs1", "mbs8_gen3"])
+@pytest.mark.parametrize("extra", [["--micro-batch-size", "1"], ["--micro-batch-size", "8", "--rollout-batch-generate", "3"],
+                                   ["--micro-batch-size", "4", "--gradient-checkpointing"]],
+                         ids=["mbs1", "mbs8_gen3", "mbs4_checkpointing"])
 def test_half_b_shape_bf16_exact_over_three_steps(half_b, arith_data, tmp_path, monkeypatch, extra):
     assert_exact(*run_exact(half_b, arith_data["train"], tmp_path, monkeypatch, *extra))
 
@@ -196,6 +197,64 @@ def test_half_b_shape_a_shared_prompt_scored_once_keeps_every_tokens_bits(half_b
         for _ in range(2):  # the capture, then a replay
             got = graphs([x for x, _ in seqs], [p for _, p in seqs], 0.9, shares)
             assert torch.equal(got, alone), (got - alone).abs().max()
+
+
+# the engine and its scorer in a process of their own, so that a hung GPU fails the test at the timeout
+REPLAY_DURING_DECODE = r"""
+import sys
+import torch
+from polyrl.backends.true_on_policy import EngineScorer, prompt_shares
+from polyrl.rollout.gpu.engine import GPUEngine
+from polyrl.types import SamplingParams
+
+model, shared_capture = sys.argv[1], sys.argv[2] == "shared"
+eng = GPUEngine(model, dtype=torch.bfloat16, max_batch=64, mem_fraction=0.1, ignore_eos=True)
+scorer = EngineScorer(model, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype, cuda_graph=True)
+if shared_capture:  # the control: torch's one capture stream for every graph, as before the fix
+    scorer.graphs.stream = None
+g = torch.Generator().manual_seed(0)
+prompts = torch.randint(20, 150000, (8, 40), generator=g).tolist()
+params = lambda seed: SamplingParams(temperature=1.0, max_new_tokens=96, n=8, seed=seed)
+out = eng.generate(prompts, params(0))
+scorer._bind()
+seqs, P = [s.prompt_ids + s.response_ids for s in out], [len(s.prompt_ids) for s in out]
+shares = prompt_shares([tuple(s.prompt_ids) for s in out])
+with torch.no_grad():
+    alone = scorer.graphs(seqs, P, 1.0, shares).cpu()  # the capture and a first replay, with nothing else running
+    side, got, launch = torch.cuda.Stream(), [], GPUEngine._launch_step
+
+    def launch_step(self):  # replays of the scoring graph while the decode's graphs run on the engine's stream
+        if self._nsteps in (8, 40):
+            with torch.cuda.stream(side):
+                got.append(scorer.graphs(seqs, P, 1.0, shares))
+        return launch(self)
+    GPUEngine._launch_step = launch_step
+    eng.generate(prompts, params(1))
+    side.synchronize()
+assert len(got) == 2 and all(torch.equal(x.cpu(), alone) for x in got), [(x.cpu() - alone).abs().max() for x in got]
+print("replayed during the decode:", len(got))
+"""
+
+
+@gpu
+@pytest.mark.gpu
+def test_scoring_graphs_replayed_during_the_decode_keep_their_bits(half_b, tmp_path):
+    """The scorer's CUDA graphs are captured on a stream of their own (GraphedScoring.stream): torch keys cuBLAS's
+    workspace by stream, and with the one capture stream torch gives every graph, a scoring replay launched on a
+    side stream during the engine's decode hung the GPU (H200, the 1.5B shape, and this script at the 0.5B shape with
+    `shared` for `own`: killed at 60 s). Replayed twice during a decode, they finish and give the bits of a replay
+    with nothing else running."""
+    import subprocess
+    script = tmp_path / "replay.py"
+    script.write_text(REPLAY_DURING_DECODE)
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        res = subprocess.run([sys.executable, str(script), half_b, "own"], capture_output=True, text=True,
+                             timeout=240, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("scoring graphs replayed during a decode did not finish in 240 s (a hung GPU?)")
+    assert res.returncode == 0 and "replayed during the decode: 2" in res.stdout, res.stderr[-3000:]
 
 
 @gpu

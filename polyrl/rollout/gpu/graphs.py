@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def capture(fn, *, warmup=None, pool=None, device=None):
+def capture(fn, *, warmup=None, pool=None, device=None, stream=None):
     """(graph, what fn returned while captured). `warmup` (default: fn) runs once first on a side stream: it compiles
-    the kernels and settles the caching allocator, so that the capture records no first-call work."""
+    the kernels and settles the caching allocator, so that the capture records no first-call work. `stream`: the
+    capture stream (default: torch's one for every graph). cuBLAS takes its workspace by stream, so graphs that may
+    replay at the same time as others on another stream need a capture stream of their own: two replays writing one
+    workspace at once hung the GPU (the engine's scoring launched during its decode)."""
     side, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         (warmup or fn)()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
     return graph, out
 
