@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="base", help="comma list of: base, compile, ac, compile+ac, sdpa "
                    "(megatron: base, compile = its --compile (polyrl's norms and RoPE), ac = full recompute, keepgrads = "
                    "--no-release-grad-buffers, nofusion = --no-gradient-accumulation-fusion, gcfreeze = no automatic garbage collection in the measured steps (either backend); fsdp: exact = the "
-                   "--true-on-policy trainer, compiled on CUDA as the mode decides; combine with +, e.g. compile+ac); base "
+                   "--true-on-policy trainer, compiled on CUDA as the mode decides, exact+capN with N blocks of its fixed-row GEMMs per batched launch (default 8); combine with +, e.g. compile+ac); base "
                    "is eager on both backends")
     p.add_argument("--rows", nargs="+", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="run these rows in this order on one model (e.g. megatron:base:8192 fsdp:compile:8192), so "
@@ -69,6 +69,11 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.busy and a.device != "cuda":
         p.error("--busy reads CUDA kernel times; it has nothing to record with --device cpu")
+    for variant in ([r.split(":")[1] for r in a.rows if r.count(":") == 2] if a.rows else a.variants.split(",")):
+        try:
+            block_cap(variant)
+        except ValueError as e:
+            p.error(str(e))
     return a
 
 
@@ -124,6 +129,17 @@ def synthetic_batch(tokens: int, lo: int, hi: int, vocab: int, seed: int):
     return TrainBatch(ids, plens, fields), lens
 
 
+def block_cap(variant: str) -> int | None:
+    """The `capN` part of an exact variant (e.g. exact+cap32): --true-on-policy's fixed-row blocks per batched GEMM
+    launch for that row (BlockBatches.cap; each count is still checked bit for bit before use)."""
+    caps = [int(p[3:]) for p in variant.split("+") if p.startswith("cap") and p[3:].isdigit()]
+    if caps and "exact" not in variant.split("+"):
+        raise ValueError(f"variant {variant!r}: capN is the exact trainer's blocks per launch; add +exact")
+    if len(caps) > 1 or (caps and caps[0] < 1):
+        raise ValueError(f"variant {variant!r}: one capN part, N >= 1")
+    return caps[0] if caps else None
+
+
 def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -133,6 +149,10 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
     parts = set(variant.split("+"))
     exact = "exact" in parts  # --true-on-policy's trainer: it decides compilation itself (compile_layers)
+    cap = block_cap(variant)
+    if exact:  # every exact row sets the cap, so that a capN row does not leak into the rows after it
+        from polyrl.backends import true_on_policy
+        true_on_policy.BATCHED.cap = cap or true_on_policy.BlockBatches().cap
     mc = ModelConfig(hf_checkpoint=model_dir, compile=None if exact else "compile" in parts,
                      gradient_checkpointing="ac" in parts, true_on_policy=exact,
                      attn_implementation="sdpa" if variant == "sdpa" else "auto", logprob_chunk_size=a.chunk)

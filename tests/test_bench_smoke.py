@@ -99,6 +99,17 @@ def test_train_throughput_parse_args():
     assert e.value.code == 2
 
 
+def test_train_throughput_block_cap_is_the_exact_rows_and_refused_elsewhere(capsys):
+    tt = load("train_throughput.py")
+    assert tt.block_cap("exact+cap32") == 32 and tt.block_cap("exact") is None and tt.block_cap("compile+ac") is None
+    a = tt.parse_args(["--rows", "fsdp:exact:512", "fsdp:exact+cap32:512", "--device", "cpu"])
+    assert [tt.block_cap(r.split(":")[1]) for r in a.rows] == [None, 32]
+    for bad in ("fsdp:compile+cap32:512", "fsdp:exact+cap0:512", "fsdp:exact+cap8+cap16:512"):
+        with pytest.raises(SystemExit) as e:  # a cap the row would not use is refused at start-up, not ignored
+            tt.parse_args(["--rows", bad, "--device", "cpu"])
+        assert e.value.code == 2 and "capN" in capsys.readouterr().err
+
+
 def test_compare_trl_budgets_and_trl_steps():
     ct = load("compare_trl.py")
     assert ct.parse_budgets("polyrl=90,trl=180") == {"polyrl": 90.0, "trl": 180.0}
