@@ -340,3 +340,18 @@ def test_prefix_attention_refuses_a_machine_without_the_varlen_kernel():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_attention.py"), "--help"], capture_output=True,
                          text=True, timeout=60, env=env)
     assert out.returncode == 0 and "bottom right" in out.stdout
+
+
+def test_exact_decode_reproduces_the_scoring_functions_log_probs_on_cpu():
+    """bench/exact_decode.py on CPU (FP32, a 2-layer model): the step-by-step decode through the KV slots gives every
+    sampled token the scoring function's log-prob up to FP32 rounding (a decode row's CPU attention is not the
+    trainer's per-sequence call, so bits may differ; ~1e-7 for 2 layers). A wrong slot, position, mask or head would
+    move a log-prob by far more than the 1e-5 allowed. The GPU run is where it is checked bit for bit."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "exact_decode.py"), "--shape", "tiny", "--device", "cpu",
+                          "--prompts", "2", "--samples", "2", "--prompt", "5", "--new", "12"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    head, row = [l for l in out.stdout.splitlines() if l.startswith("| ") and ("shape" in l or "tiny" in l)]
+    r = dict(zip([c.strip() for c in head.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    assert r["tokens"] == "48" and float(r["max_abs_diff"]) < 1e-5

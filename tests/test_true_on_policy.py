@@ -637,7 +637,7 @@ def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
     """pack_layout / graph_inputs with shared prompts (a GRPO group's prompt rows once: the other sequences bring only
     their responses) against the plain loop over every token: each pack row's token and position, the scored rows
     (a sharing sequence's first response token is predicted by the shared prompt's last row) and targets, the
-    gather of every sequence whole from the pack rows and the scatter back (integers: exact)."""
+    gather of every sequence whole from the pack rows and (pack_layout) the scatter back (integers: exact)."""
     import random
 
     from polyrl.backends import true_on_policy as top
@@ -676,7 +676,7 @@ def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
             continue
         whole = [row_of[i, t] for i, x in enumerate(seqs) for t in range(len(x))] + list(range(real, T))
         assert G == -(-len(whole) // top.GRAPH_ROWS) * top.GRAPH_ROWS
-        gather, scatter = got[5].tolist(), got[6].tolist()
+        gather, scatter = got[5].tolist(), top.pack_layout([len(x) for x in seqs], prompts, shares, dummy)[4].tolist()
         assert gather[:len(whole)] == whole
         assert [gather[j] for j in scatter] == list(range(T))  # each row's output comes back from its own position
         lens = [len(x) for x in seqs] + dummy
@@ -687,7 +687,7 @@ def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
         assert sorted(scatter[:real]) == sorted(bounds[i] + t for i, x in enumerate(seqs) for t in range(len(x))
                                                if shares[i] is None or t >= prompts[i])
         own = [len(x) - (p if j is not None else 0) for x, p, j in zip(seqs, prompts, shares)] + dummy
-        cu_q = got[7].tolist()  # the queries: each sequence's own rows, one segment each (the spare ones empty)
+        cu_q = got[6].tolist()  # the queries: each sequence's own rows, one segment each (the spare ones empty)
         assert cu_q[:len(own) + 1] == [sum(own[:k]) for k in range(len(own) + 1)] and set(cu_q[len(own):]) == {T}
 
 

@@ -659,8 +659,9 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
                  ) -> tuple[tuple[int, int | None, int, int], tuple[torch.Tensor, ...]]:
     """A graphed pack's key (pack rows T, gathered positions G or None, sequence slots, longest-sequence bound) and
     its inputs on the host: ids and positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is
-    scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G],
-    scatter [T] and the int32 bounds of each sequence's own rows [slots + 1]. Built with array operations: a Python
+    scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G]
+    and the int32 bounds of each sequence's own rows [slots + 1] (no scatter: only the CPU attention reads it, and the
+    graphs are CUDA's). Built with array operations: a Python
     loop over every token of a step's packs was the graphed pass's largest host cost
     (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
@@ -681,7 +682,7 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     slots = max((G or T) // SLOT_TOKENS, 1 << (segments - 1).bit_length())
     ids = torch.zeros(T, dtype=torch.long)
     ids[:total] = torch.from_numpy(np.fromiter((t for x in own for t in x), dtype=np.int64, count=total))
-    pos, bounds, want, gather, scatter, own_bounds = pack_layout(lens, prompts, shares, dummy)
+    pos, bounds, want, gather, _, own_bounds = pack_layout(lens, prompts, shares, dummy)
     cu = torch.full((slots + 1,), G or T, dtype=torch.int32)
     if G:  # the spare positions: sequences with keys and no queries
         bounds = torch.cat([bounds, bounds[-1] + torch.cumsum(torch.tensor(spare, dtype=torch.int32), 0)])
@@ -694,7 +695,7 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     rows[:n] = want
     targets[:n] = torch.from_numpy(np.fromiter((t for x, p in zip(seqs, prompts) for t in x[p:]), dtype=np.int64,
                                                count=n))
-    return (T, G, slots, bound), (ids, pos, cu, rows, targets) + ((gather, scatter, cu_q) if G else ())
+    return (T, G, slots, bound), (ids, pos, cu, rows, targets) + ((gather, cu_q) if G else ())
 
 
 class GraphedScoring:
@@ -746,12 +747,13 @@ class GraphedScoring:
         ids, rows, targets = (torch.zeros(T, dtype=torch.long, device=d) for _ in range(3))
         pos = torch.arange(T, device=d) % bound
         cu = (torch.arange(slots + 1, device=d) * bound).clamp(max=G or T).to(torch.int32)
-        shared = (torch.arange(G, device=d) % T, torch.arange(T, device=d),
+        shared = (torch.arange(G, device=d) % T,
                   (torch.arange(slots + 1, device=d) * bound).clamp(max=T).to(torch.int32)) if G else ()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        layout = (shared[0], None, shared[1]) if G else ()  # gather, scatter (CPU attention only), cu_q
         graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature,
-                                                            False, *shared), pool=self.pool, device=d,
+                                                            False, *layout), pool=self.pool, device=d,
                             stream=self.stream)
         return (ids, pos, cu, rows, targets, *shared), logp, graph
 
