@@ -17,8 +17,8 @@ function (`sequences_logprobs`, the trainer's forward) bit for bit:
 - tokens drawn by Gumbel-max from those logits (so from the trainer's distribution).
 
 Prints one table: per shape, the tokens compared, how many differ from the scoring function (and of those, the
-prefill's first tokens), the M chosen per weight shape, the eager and CUDA-graphed decode step times and the graphed
-step's device time by kernel class, and the eager scoring of the same samples. On CPU (FP32, `--shape tiny`) it
+prefill's first tokens), the M chosen per weight shape, the eager and CUDA-graphed decode step times, and the eager
+scoring of the same samples. On CPU (FP32, `--shape tiny`) it
 checks the plumbing only: CPU attention over a decode row is not the trainer's per-sequence call, so values agree to
 FP32 rounding, not bit for bit.
 
@@ -261,13 +261,13 @@ def run_shape(a, shape: str) -> dict:
         differ = int((got != want).sum())
         differ_first = int((got[:, 0] != want[:, 0]).sum())  # the prefill's tokens (then the decode's)
         worst = float((got - want).abs().max())
-        graph_ms = by_class = None
+        graph_ms = None
         if dev.type == "cuda" and a.graph_steps:
-            graph_ms, by_class = graphed_step_ms(dec, tok, lens, a.graph_steps) or (None, None)
+            graph_ms = graphed_step_ms(dec, tok, lens, a.graph_steps)
     M = {f"{k[0][0]}x{k[0][1]}{'h' if k[3] else ''}": m for k, m in dec.rows.items() if k[2] == B}
-    return {"shape": shape, "tokens": B * a.new, "differ": differ, "differ_first": differ_first, "max_abs_diff": worst, "rows_M": M,
-            "prefill_s": round(prefill_s, 4), "eager_step_ms": round(statistics.median(step_s) * 1e3, 2),
-            "graphed_step_ms": graph_ms, "graphed_step_device_ms_by_class": by_class, "score_s_eager": round(score_s, 3), "device": str(dev)}
+    return {"shape": shape, "tokens": B * a.new, "differ": differ, "differ_first": differ_first, "max_abs_diff": worst,
+            "rows_M": M, "prefill_s": round(prefill_s, 4), "eager_step_ms": round(statistics.median(step_s) * 1e3, 2),
+            "graphed_step_ms": graph_ms, "score_s_eager": round(score_s, 3), "device": str(dev)}
 
 
 def graphed_step_ms(dec, tok, lens, steps: int) -> float | None:
@@ -292,25 +292,14 @@ def graphed_step_ms(dec, tok, lens, steps: int) -> float | None:
     for _ in range(steps):
         g.replay()
     torch.cuda.synchronize()
-    ms = round((time.perf_counter() - t0) / steps * 1e3, 3)
-    from torch.profiler import ProfilerActivity, profile
-
-    from score_pass import kernel_class
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    by: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by[kernel_class(e.name)] = by.get(kernel_class(e.name), 0.0) + e.device_time_total / 1e3
-    return ms, {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+    return round((time.perf_counter() - t0) / steps * 1e3, 3)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     rows = [run_shape(a, s) for s in a.shape]
     cols = ["shape", "tokens", "differ", "differ_first", "max_abs_diff", "prefill_s", "eager_step_ms", "graphed_step_ms",
-            "graphed_step_device_ms_by_class", "score_s_eager", "rows_M", "device"]
+            "score_s_eager", "rows_M", "device"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
