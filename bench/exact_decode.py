@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--new", type=int, default=256, help="new tokens per sample")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--graph-steps", type=int, default=32, help="decode steps timed from a CUDA graph (0: none)")
+    p.add_argument("--profile", action="store_true", help="CUDA: one more eager decode step under torch.profiler: "
+                   "its kernels' device ms by class and its kernel count (two more columns)")
     return p.parse_args(argv)
 
 
@@ -261,13 +263,38 @@ def run_shape(a, shape: str) -> dict:
         differ = int((got != want).sum())
         differ_first = int((got[:, 0] != want[:, 0]).sum())  # the prefill's tokens (then the decode's)
         worst = float((got - want).abs().max())
+        by_class = None
+        if dev.type == "cuda" and a.profile:
+            by_class = step_kernels(dec, tok, lens)
         graph_ms = None
         if dev.type == "cuda" and a.graph_steps:
             graph_ms = graphed_step_ms(dec, tok, lens, a.graph_steps)
     M = {f"{k[0][0]}x{k[0][1]}{'h' if k[3] else ''}": m for k, m in dec.rows.items() if k[2] == B}
     return {"shape": shape, "tokens": B * a.new, "differ": differ, "differ_first": differ_first, "max_abs_diff": worst,
             "rows_M": M, "prefill_s": round(prefill_s, 4), "eager_step_ms": round(statistics.median(step_s) * 1e3, 2),
-            "graphed_step_ms": graph_ms, "score_s_eager": round(score_s, 3), "device": str(dev)}
+            "graphed_step_ms": graph_ms, "score_s_eager": round(score_s, 3), "device": str(dev),
+            **({"step_device_ms_by_class": by_class[0], "step_kernels": by_class[1]} if by_class else {})}
+
+
+def step_kernels(dec, tok, lens) -> tuple[dict[str, float], int]:
+    """One eager decode step (its bounds not advanced: timing only) under torch.profiler: ({kernel class: device ms},
+    kernels launched)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from score_pass import kernel_class
+    st = {k: v.to(dec.device) for k, v in dec.step_inputs(lens).items()}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.head(dec.step(tok.clone(), st))
+        torch.cuda.synchronize()
+    by: dict[str, float] = {}
+    n = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[kernel_class(e.name)] = by.get(kernel_class(e.name), 0.0) + e.device_time_total / 1e3
+            n += 1
+    return {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, n
 
 
 def graphed_step_ms(dec, tok, lens, steps: int) -> float | None:
@@ -299,11 +326,11 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     rows = [run_shape(a, s) for s in a.shape]
     cols = ["shape", "tokens", "differ", "differ_first", "max_abs_diff", "prefill_s", "eager_step_ms", "graphed_step_ms",
-            "score_s_eager", "rows_M", "device"]
+            "score_s_eager", "rows_M", "device"] + (["step_device_ms_by_class", "step_kernels"] if a.profile else [])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
     return 0
 
 
