@@ -661,9 +661,8 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     its inputs on the host: ids and positions [T], the int32 sequence bounds [slots + 1], the rows whose next token is
     scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G]
     and the int32 bounds of each sequence's own rows [slots + 1] (no scatter: only the CPU attention reads it, and the
-    graphs are CUDA's). Built with array operations: a Python
-    loop over every token of a step's packs was the graphed pass's largest host cost
-    (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
+    graphs are CUDA's). Built with array operations: a Python loop over every token of a step's packs was the graphed
+    pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
     shares, own = own_rows(seqs, prompts, shares)
     lens = [len(x) for x in seqs]
