@@ -66,6 +66,9 @@ def parse_args(argv=None):
                         "rows that all use --busy)")
     p.add_argument("--profile", nargs="*", default=None, metavar="BACKEND:VARIANT:TOKENS",
                    help="print the top CUDA kernels of one measured step of every row, or of the rows named")
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile the host's Python over the first measured step of every row and print the functions "
+                        "that took the most of it (own time): where a step that waits on the host spends it")
     a = p.parse_args(argv)
     if a.busy and a.device != "cuda":
         p.error("--busy reads CUDA kernel times; it has nothing to record with --device cpu")
@@ -127,6 +130,18 @@ def synthetic_batch(tokens: int, lo: int, hi: int, vocab: int, seed: int):
               "advantages": [torch.full((l - p,), rng.choice([-1.0, 1.0])) for l, p in zip(lens, plens)],
               "rollout_logprobs": [torch.full((l - p,), -1.0) for l, p in zip(lens, plens)]}
     return TrainBatch(ids, plens, fields), lens
+
+
+def print_host_profile(prof, row: str, wall: float, top: int = 30) -> None:
+    """The functions that took the most host time (own time, then with callees) in a cProfile'd step."""
+    import io
+    import pstats
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    print(f"host profile of {row}: {wall:.3f} s step (profiled), {st.total_tt:.3f} s of Python in it", flush=True)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    print(buf.getvalue(), flush=True)
 
 
 def block_cap(variant: str) -> int | None:
@@ -204,11 +219,21 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         if a.busy and prof is None and step >= a.warmup:
             device_only = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             device_only.__enter__()
+        host = None
+        if a.host_profile and step == a.warmup and rank == 0:
+            import cProfile
+            host = cProfile.Profile()
         sync()
         t0 = time.perf_counter()
+        if host is not None:
+            host.enable()
         be.train_step(batch, loss_fn, with_entropy=True)
+        if host is not None:
+            host.disable()
         sync()
         dt = time.perf_counter() - t0
+        if host is not None:
+            print_host_profile(host, f"{backend}:{variant}:{tokens}", dt)
         if prof is not None:
             prof.__exit__(None, None, None)
             print_profile(prof, dt)

@@ -23,8 +23,9 @@ sys.path.insert(0, BENCH)
 from common import build_model_dir, markdown_table, median, write_json  # noqa: E402
 from compare_trl import polyrl_argv  # noqa: E402
 
-KEYS = ("time/step", "time/rollout", "rollout/score_s", "rollout/score_graph_captures", "time/train", "time/weight_sync",
-        "tokens_per_s", "train_rollout_logprob_abs_diff_max", "rollout/sampler_logprob_abs_diff_max")
+KEYS = ("time/step", "time/rollout", "rollout/generate_s", "rollout/score_s", "rollout/score_graph_captures",
+        "time/train", "time/weight_sync", "tokens_per_s", "train_rollout_logprob_abs_diff_max",
+        "rollout/sampler_logprob_abs_diff_max", "time/gc")
 
 
 def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
@@ -49,9 +50,10 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     out = {k: median([r[k] for r in steps if k in r]) for k in KEYS}
     out["steps_measured"] = len(steps)
     out["all_steps_diff_max"] = [r.get("train_rollout_logprob_abs_diff_max") for r in rows]
-    out["all_steps"] = [{k: r.get(k) for k in ("step", "time/step", "time/rollout", "rollout/score_s", "rollout/score_graph_captures",
-                                             "rollout/score_graph_resets", "rollout/graph_captures", "rollout/graph_capture_s")}
-                        for r in rows if "time/step" in r]
+    per_step = ("step", "time/step", "time/rollout", "rollout/generate_s", "time/train", "time/gc", "rollout/score_s",
+                "rollout/score_graph_captures", "rollout/score_graph_resets", "rollout/graph_captures",
+                "rollout/graph_capture_s")
+    out["all_steps"] = [{k: r.get(k) for k in per_step} for r in rows if "time/step" in r]
     out["command"] = "polyrl " + " ".join(argv)
     return out
 

@@ -162,6 +162,7 @@ class Parts:
 
     def close(self, *, finished: bool = True) -> None:
         """Stop what the run started (logger, reward workers, launched servers) and write --save-hf."""
+        self.book.close()
         self.logger.close()
         self.score.close()
         self.engine.close()  # launched servers stop here (and at exit, on an error)

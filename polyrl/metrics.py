@@ -104,6 +104,45 @@ class Timer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
+class GcWatch:
+    """The cyclic garbage collector's pauses, and the objects alive after a run's first step frozen out of its scans.
+    After the first step the model, its compiled graphs and the engine are alive for the whole run: a full collection
+    would walk them all again (an exact 0.5B step once waited 0.48 s on one, bench/RESULTS.md#true-on-policy-tenth-2026-11-29),
+    so, as SGLang and vLLM do after their start-up, they move to the permanent generation (`gc.freeze()`); close()
+    gives them back to the collector, so that a process running several runs (tests, a notebook) frees each run's
+    cycles."""
+
+    def __init__(self):
+        import gc
+        self._gc, self._t0, self.paused, self.frozen = gc, 0.0, 0.0, False
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.paused += time.perf_counter() - self._t0
+
+    def take(self) -> float:
+        """Seconds spent in collections since the last take()."""
+        t, self.paused = self.paused, 0.0
+        return t
+
+    def freeze(self) -> None:
+        """Collect once, then keep what is alive out of later collections (once per run)."""
+        if not self.frozen:
+            self._gc.collect()
+            self._gc.freeze()
+            self.frozen = True
+
+    def close(self) -> None:
+        if self._on_gc in self._gc.callbacks:
+            self._gc.callbacks.remove(self._on_gc)
+        if self.frozen:
+            self._gc.unfreeze()
+            self.frozen = False
+
+
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

@@ -99,6 +99,22 @@ def test_train_throughput_parse_args():
     assert e.value.code == 2
 
 
+def test_train_throughput_host_profile_names_the_functions_that_took_the_host(capsys):
+    import cProfile
+    tt = load("train_throughput.py")
+    assert tt.parse_args(["--host-profile", "--device", "cpu"]).host_profile
+
+    def busy_host_work():
+        return sum(i * i for i in range(20000))
+    prof = cProfile.Profile()
+    prof.enable()
+    busy_host_work()
+    prof.disable()
+    tt.print_host_profile(prof, "fsdp:exact:512", 0.5)
+    out = capsys.readouterr().out
+    assert out.startswith("host profile of fsdp:exact:512: 0.500 s step (profiled)") and "busy_host_work" in out
+
+
 def test_train_throughput_block_cap_is_the_exact_rows_and_refused_elsewhere(capsys):
     tt = load("train_throughput.py")
     assert tt.block_cap("exact+cap32") == 32 and tt.block_cap("exact") is None and tt.block_cap("compile+ac") is None

@@ -44,8 +44,9 @@ def test_resume_logs_the_same_losses_and_rewards(base_args, tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     assert full[0]["grad_norm"] > 0 and full[0]["reward/mean"] > 0
     for r in full:  # the step's wall time is its phases plus what none of them accounts for, shown as time/other
-        phases = sum(v for k, v in r.items() if k.startswith("time/") and k not in ("time/step", "time/other"))
+        phases = sum(v for k, v in r.items() if k.startswith("time/") and k not in ("time/step", "time/other", "time/gc"))
         assert r["time/other"] >= 0 and r["time/step"] == pytest.approx(phases + r["time/other"], rel=1e-9)
+        assert 0 <= r["time/gc"] <= r["time/step"]  # the collector's pauses, inside the phases
     for a, b in zip(full[2:], resumed):
         for k in KEYS:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k

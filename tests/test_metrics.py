@@ -3,7 +3,7 @@
 
 import os
 
-from polyrl.metrics import (Timer, device_classes, idle_gaps, idle_table, kernel_class, kernel_table, phase_busy,
+from polyrl.metrics import (GcWatch, Timer, device_classes, idle_gaps, idle_table, kernel_class, kernel_table, phase_busy,
                             phase_kernels)
 
 
@@ -99,6 +99,27 @@ def test_timer_sums_repeated_phases(monkeypatch):
     with t("rollout"):
         pass
     assert t.times == {"train": 6.0, "rollout": 0.5}  # the three train phases add up; the time between them does not
+
+
+def test_gc_watch_counts_collections_freezes_once_and_gives_the_objects_back_on_close():
+    import gc
+    base = gc.get_freeze_count()
+    w = GcWatch()
+    try:
+        w.take()
+        gc.collect()  # a collection while watched: its pause is counted
+        assert w.take() > 0 and w.take() == 0.0
+        w.freeze()
+        frozen = gc.get_freeze_count()
+        assert frozen > base and w.frozen
+        w.freeze()  # once per run: a later step does not collect again
+        assert gc.get_freeze_count() == frozen
+        w.take()
+    finally:
+        w.close()
+    assert gc.get_freeze_count() == 0 and w._on_gc not in gc.callbacks  # a later run's cycles are collectable again
+    gc.collect()
+    assert w.take() == 0.0  # no longer watching
 
 
 # ---- metrics.jsonl: a resume logs each step once, --overwrite starts afresh ----

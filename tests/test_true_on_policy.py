@@ -272,6 +272,7 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
             assert s.rollout_logprobs == want.tolist()
         st = eng.stats()
         assert 0 <= st["rollout/sampler_logprob_abs_diff_max"] < 1e-4 and eng.stats() == {}  # decode's FP32 rounding
+        assert st["rollout/generate_s"] > 0 and st["rollout/score_s"] > 0  # the decode's time, the scoring's apart
     check(hf)
     # the shell holds views, no copy: the engine's buffer is the only storage of its weights
     ptrs = {p.untyped_storage().data_ptr() for p in eng.rescore.lm.parameters()}

@@ -133,13 +133,14 @@ class BlockBatches:
         self.check_bytes = check_bytes  # a count whose random input would exceed this is not checked (memory)
         self.good: dict[tuple, set[int]] = {}
         self.bad: dict[tuple, set[int]] = {}
+        self.plans: dict[tuple, tuple[tuple[int, int], ...]] = {}  # (key, blocks, rows, cap) -> launches (first, count)
         self.checks = 0
 
     def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                 rows: int) -> None:
         c = x.shape[0] // rows
         x3, o3 = x.view(c, rows, x.shape[1]), out.view(c, rows, out.shape[1])
-        w3 = weight.t().unsqueeze(0).expand(c, *weight.t().shape)
+        w3 = weight.t().expand(c, -1, -1)
         if bias is None:
             torch.bmm(x3, w3, out=o3)
         else:
@@ -172,14 +173,28 @@ class BlockBatches:
         """out [B x rows, N] = x [B x rows, K] W^T + b, in launches of the largest usable counts."""
         if x.data_ptr() % 16 or not x.is_contiguous():  # the kernel cuBLAS picks can depend on the alignment
             x = x.clone(memory_format=torch.contiguous_format)
-        key = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, bias is not None, weight.device)
-        blocks, done = x.shape[0] // rows, 0
+        key = (weight.shape, weight.stride(), weight.dtype, bias is not None, weight.get_device())
+        blocks = x.shape[0] // rows
+        plan = self.plans.get((key, blocks, rows, self.cap))
+        if plan is None:
+            plan = self._plan(key, blocks, weight, bias, rows)
+        for first, count in plan:
+            span = slice(first * rows, (first + count) * rows)
+            self._launch(x[span], weight, bias, out[span], rows)
+
+    def _plan(self, key: tuple, blocks: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple:
+        """A pack of `blocks` blocks cut greedily into the largest usable counts; kept once every count in it was
+        checked (not during a capture, where unchecked counts are passed over)."""
+        plan, done = [], 0
         while done < blocks:
             count = next(c for c in range(min(self.cap, blocks - done), 0, -1)
                          if self._usable(key, c, weight, bias, rows))
-            span = slice(done * rows, (done + count) * rows)
-            self._launch(x[span], weight, bias, out[span], rows)
+            plan.append((done, count))
             done += count
+        plan = tuple(plan)
+        if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.plans[(key, blocks, rows, self.cap)] = plan
+        return plan
 
 
 BATCHED = BlockBatches()
@@ -196,19 +211,32 @@ def _fresh(y: torch.Tensor) -> torch.Tensor:
     return y if y._base is None else y.clone()
 
 
+def _define(lib, schema: str, impl, fake, backward, setup) -> None:
+    """One operator of `lib` with its kernel registered straight with the dispatcher for CPU and CUDA, its fake
+    (shape) function for torch.compile and its autograd formula. torch.library.custom_op would wrap the kernel in
+    Python layers of its own (a dynamo-disabled wrapper, an aliasing check) on every call, and the mode's forward
+    makes ~9 calls a layer (bench/RESULTS.md#true-on-policy-eleventh-2026-11-29)."""
+    name = schema.split("(", 1)[0]
+    lib.define(schema)
+    for key in ("CPU", "CUDA"):
+        lib.impl(name, impl, key)
+    qual = f"{lib.ns}::{name}"
+    torch.library.register_fake(qual, fake, lib=lib)
+    torch.library.register_autograd(qual, backward, setup_context=setup, lib=lib)
+
+
 @functools.lru_cache(maxsize=1)
 def _ops():
-    """The mode's fixed-arithmetic linear and RMSNorm as torch custom ops (registered by prepare()): torch.compile
+    """The mode's fixed-arithmetic linear and RMSNorm as torch operators (registered by prepare()): torch.compile
     keeps each as one opaque call, so a compiled layer runs the very kernels an eager one runs (their block loop and
     Triton launch are not traced), and Inductor fuses only the elementwise work between them. The gradients are the
-    layers' own (two whole GEMMs; the RMSNorm's closed form): only the values must not depend on the pack."""
+    layers' own (two whole GEMMs; the RMSNorm's closed form): only the values must not depend on the pack. Returns
+    the library, which must stay alive for the operators to stay registered."""
 
-    @torch.library.custom_op("polyrl::fixed_rows_linear", mutates_args=())
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _fresh(_blocks_mm(x, weight, bias))
 
-    @linear.register_fake
-    def _(x, weight, bias):
+    def linear_fake(x, weight, bias):
         return x.new_empty(x.shape[0], weight.shape[0])
 
     def linear_setup(ctx, inputs, output):
@@ -222,16 +250,12 @@ def _ops():
         return (g @ weight if need[0] else None, g.t() @ x if need[1] else None,
                 g.sum(0) if ctx.has_bias and need[2] else None)
 
-    linear.register_autograd(linear_backward, setup_context=linear_setup)
-
-    @torch.library.custom_op("polyrl::rms_rows", mutates_args=())
     def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.is_cuda and _rms_kernel() is not None:
             return rms_rows(x, weight, eps)
         return _fresh(fixed_rows(lambda c: _rms_formula(c, weight, eps), x))
 
-    @rms.register_fake
-    def _(x, weight, eps):
+    def rms_fake(x, weight, eps):
         return torch.empty_like(x)
 
     def rms_setup(ctx, inputs, output):
@@ -253,8 +277,11 @@ def _ops():
             gw = (g * n.to(x.dtype)).sum(0).to(weight.dtype)
         return gx, gw, None
 
-    rms.register_autograd(rms_backward, setup_context=rms_setup)
-    return linear, rms
+    lib = torch.library.Library("polyrl", "FRAGMENT")
+    _define(lib, "fixed_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", linear, linear_fake,
+            linear_backward, linear_setup)
+    _define(lib, "rms_rows(Tensor x, Tensor weight, float eps) -> Tensor", rms, rms_fake, rms_backward, rms_setup)
+    return lib
 
 
 class _FixedRows(torch.autograd.Function):

@@ -10,7 +10,7 @@ from typing import Callable
 from polyrl.checkpoint import save_checkpoint
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
-from polyrl.metrics import MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
+from polyrl.metrics import GcWatch, MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
 from polyrl.types import Sample
@@ -25,6 +25,7 @@ class Book:
         self.evaluate, self.save, self.device = evaluate, save, device
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
         self.restarts = restart_count()  # torchrun's or Ray's --max-restarts: which attempt this is
+        self.gc = GcWatch()
 
     def start(self, step: int) -> None:
         """Before the first step of a run from scratch: the eval curve starts from the initial policy."""
@@ -60,13 +61,18 @@ class Book:
         now = time.perf_counter()
         m.update({f"time/{k}": v for k, v in timer.times.items()})
         m["time/step"], self._t_step = now - self._t_step, now
+        m["time/gc"] = self.gc.take()  # inside the phases above: the collector's pauses during this step
         # what no phase accounts for (metrics reduction, logging, Python between phases, the previous step's save)
         m["time/other"] = m["time/step"] - sum(timer.times.values())
         self.logger.log(step + 1, m)
         ck = cfg.checkpoint
         if self.save is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
             self.save(step + 1, data_state)
+        self.gc.freeze()  # after the run's first step: what is alive now lives for the run
         stop_if_signalled()
+
+    def close(self) -> None:
+        self.gc.close()
 
     def engine_stats(self) -> dict[str, float]:
         """The engines' counters since the last step, over all ranks (each rank's engine counts its own requests)."""

@@ -190,6 +190,7 @@ class GPUEngine(InProcessEngine):
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         self.rescore = None  # --true-on-policy: polyrl.backends.true_on_policy.EngineScorer
+        self._generate_s = 0.0  # generate calls' wall time since stats(), the scoring pass apart
         log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB%s, KV cache %d blocks x %d tokens (%.2f GiB%s), "
                  "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30,
                  " (linears FP8)" if self.model.fp8 else "", num_kv_blocks, block_size, self.kv.nbytes / 2**30,
@@ -306,17 +307,21 @@ class GPUEngine(InProcessEngine):
                 self._process(prev)
         self._detok.finish()
         self._finish_stats()
+        self._generate_s += self.last_stats["wall_s"]
         if self.rescore is not None:  # --true-on-policy: report the trainer's scoring of each sample, not the decode's
             self.rescore(self._results, sp)
         return self._results  # type: ignore[return-value]
 
     def stats(self) -> dict[str, float]:
-        """Since the last call: the decode CUDA graphs captured (for new batch buckets, or for weights and a KV cache
+        """Since the last call: the generate calls' wall time (prefill and decode; with --true-on-policy the scoring
+        pass is rollout/score_s), the decode CUDA graphs captured (for new batch buckets, or for weights and a KV cache
         that came back at a place no kept set was captured for) and their capture time; with --true-on-policy, the
         scorer's figures."""
-        out = {}
+        out = {"rollout/generate_s": self._generate_s} if self._generate_s else {}
+        self._generate_s = 0.0
         if self.cuda_graph:
-            out = {"rollout/graph_captures": float(self._graph_sets.drain()[0]), "rollout/graph_capture_s": self._capture_s}
+            out.update({"rollout/graph_captures": float(self._graph_sets.drain()[0]),
+                        "rollout/graph_capture_s": self._capture_s})
             self._capture_s = 0.0
         if self.rescore is not None:
             out.update(self.rescore.stats())
