@@ -162,6 +162,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     from polyrl.algorithms.losses import LossSettings, rl_loss
     from polyrl.backends.base import load_backend_class
     from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    from polyrl.metrics import GcWatch
     parts = set(variant.split("+"))
     exact = "exact" in parts  # --true-on-policy's trainer: it decides compilation itself (compile_layers)
     cap = block_cap(variant)
@@ -192,22 +193,14 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
-    gc_pause, gc_since = [0.0], [0.0]  # seconds the cyclic garbage collector held the host in each step
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_since[0] = time.perf_counter()
-        else:
-            gc_pause[0] += time.perf_counter() - gc_since[0]
-    gc.callbacks.append(on_gc)
+    watch = GcWatch()  # seconds the cyclic garbage collector held the host in each step
     gc_times, busy = [], []
     probe_before = host_probe_ms()
     for step in range(a.warmup + a.steps):
         if step == a.warmup and "gcfreeze" in parts:  # what Megatron-LM's --manual-gc does: no collection mid-step
-            gc.collect()
-            gc.freeze()
+            watch.freeze()
             gc.disable()
-        gc_pause[0] = 0.0
+        watch.take()
         batch, lens = synthetic_batch(tokens, a.min_len, a.max_len, SHAPES[shape]["vocab_size"], seed=step * world + rank)
         prof = None
         profiled = a.profile is not None and (not a.profile or f"{backend}:{variant}:{tokens}" in a.profile)
@@ -244,7 +237,7 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
         if step >= a.warmup:
             times.append(dt)
             flops.append(f)
-            gc_times.append(gc_pause[0])
+            gc_times.append(watch.take())
     probe_after = host_probe_ms()
     device_row = {}
     if busy:  # --busy: each measured step's device time, in all and by kernel class (medians over the steps)
@@ -253,9 +246,8 @@ def run_one(a, shape: str, model_dir: str, tokens: int, variant: str, backend: s
                       "device_s_by_class": {c: round(statistics.median(b.get(c, 0.0) for b in busy), 4)
                                             for c in sorted({c for b in busy for c in b})}}
     sm_mhz = gpu_sm_mhz() if cuda else None
-    gc.callbacks.remove(on_gc)
+    watch.close()  # and unfrozen, if this row froze
     gc.enable()
-    gc.unfreeze()
     state = torch.cuda.memory_allocated() if cuda else 0  # between steps: weights, grads, optimizer state
     del be
     gc.collect()  # megatron's DDP hooks and config callbacks hold the model in reference cycles:

@@ -136,11 +136,13 @@ def _on_signal(signum, frame) -> None:
     main thread is; a second one while that unwinds exits at once (cleanup that hangs must not hold the terminal)."""
     import signal
 
-    from polyrl.metrics import PROGRESS
+    from polyrl.metrics import PROGRESS, SIGNAL_DEFERRED
     name = signal.Signals(signum).name
     if PROGRESS["signal"]:
         os._exit(_SIGNALS[PROGRESS["signal"]][0])
     PROGRESS["signal"] = name  # the loops also stop at the end of the step should this KeyboardInterrupt be swallowed
+    if frame is not None and frame.f_code in SIGNAL_DEFERRED:
+        return  # raised there it would be printed and dropped
     raise KeyboardInterrupt(name)
 
 

@@ -24,6 +24,9 @@ SHOW_WHEN_NONZERO = ("reward/errors", "reward/timeouts")  # console keys that sa
 # the signal main's handler received (SIGINT / SIGTERM), if any.
 PROGRESS: dict = {"step": None, "phase": None, "signal": None}
 _OPEN_LOGGERS: list = []
+# code that Python runs where an exception is printed and dropped (garbage-collector callbacks): a signal that arrives
+# in it only sets PROGRESS["signal"], and the loops stop at the end of the step (stop_if_signalled)
+SIGNAL_DEFERRED: set = set()
 
 
 def stop_if_signalled() -> None:
@@ -107,10 +110,11 @@ class Timer:
 class GcWatch:
     """The cyclic garbage collector's pauses, and the objects alive after a run's first step frozen out of its scans.
     After the first step the model, its compiled graphs and the engine are alive for the whole run: a full collection
-    would walk them all again (an exact 0.5B step once waited 0.48 s on one, bench/RESULTS.md#true-on-policy-tenth-2026-11-29),
-    so, as SGLang and vLLM do after their start-up, they move to the permanent generation (`gc.freeze()`); close()
-    gives them back to the collector, so that a process running several runs (tests, a notebook) frees each run's
-    cycles."""
+    would walk them all again (an exact 0.5B step once waited 0.48 s on one,
+    bench/RESULTS.md#true-on-policy-tenth-2026-11-29), so, as SGLang and vLLM do after their start-up, they move to
+    the permanent generation (`gc.freeze()`); close() gives them back to the collector, so that a process running
+    several runs (tests, a notebook) frees each run's cycles. A signal that arrives inside the pause callback is
+    deferred to the end of the step (SIGNAL_DEFERRED): an exception raised there would be printed and dropped."""
 
     def __init__(self):
         import gc
@@ -122,6 +126,8 @@ class GcWatch:
             self._t0 = time.perf_counter()
         else:
             self.paused += time.perf_counter() - self._t0
+
+    SIGNAL_DEFERRED.add(_on_gc.__code__)
 
     def take(self) -> float:
         """Seconds spent in collections since the last take()."""

@@ -257,6 +257,23 @@ def test_sigterm_ends_with_one_line_saying_nothing_was_saved(tiny_model, arith_d
     assert line.startswith("polyrl train: interrupted by SIGTERM") and "nothing was saved (no --save)" in line
 
 
+def test_a_signal_inside_the_gc_pause_callback_is_deferred_not_printed_and_dropped(monkeypatch):
+    """Python calls garbage-collector callbacks where an exception is printed ("Exception ignored in ...") and
+    dropped: a signal arriving inside GcWatch's callback only sets the flag (the loop stops at the end of the step),
+    anywhere else it raises KeyboardInterrupt where the main thread is."""
+    import types
+
+    from polyrl import cli
+    from polyrl.metrics import PROGRESS, GcWatch
+    monkeypatch.setitem(PROGRESS, "signal", None)
+    inside = types.SimpleNamespace(f_code=GcWatch._on_gc.__code__)
+    assert cli._on_signal(signal.SIGINT, inside) is None and PROGRESS["signal"] == "SIGINT"
+    PROGRESS["signal"] = None
+    with pytest.raises(KeyboardInterrupt):
+        cli._on_signal(signal.SIGTERM, sys._getframe())
+    assert PROGRESS["signal"] == "SIGTERM"
+
+
 def test_a_sigint_whose_keyboardinterrupt_is_swallowed_still_stops_the_run_after_its_step(tiny_model, arith_data, tmp_path,
                                                                                          capsys, monkeypatch):
     """A signal's KeyboardInterrupt is raised wherever the main thread is; code that catches everything there (a
