@@ -15,9 +15,10 @@ from polyrl.metrics import Timer
 def train(cfg: Config) -> dict:
     parts = assemble(cfg)
     rollout, learner, handoff, book = parts.rollout, parts.learner, parts.handoff, parts.book
-    start, n, m = parts.begin(), cfg.rollout.num_rollout, {}
+    n, m = cfg.rollout.num_rollout, {}
     t_run = time.perf_counter()
     try:
+        start = parts.begin()  # inside: a failed resume still stops what assemble started
         for step in range(start, n):
             timer = Timer()
             with book.profiled(step):

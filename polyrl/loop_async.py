@@ -58,8 +58,6 @@ def train(cfg: Config) -> dict:
     parts = assemble(cfg, title=f"polyrl train --async (max staleness {cfg.rollout.max_staleness})")
     r, K = cfg.rollout, cfg.rollout.max_staleness
     rollout, learner, handoff, book = parts.rollout, parts.learner, parts.handoff, parts.book
-    start = parts.begin()
-    wait_s = rollout_wait_s(cfg, parts)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="polyrl-rollout")
     queued: dict[int, concurrent.futures.Future] = {}
 
@@ -78,6 +76,8 @@ def train(cfg: Config) -> dict:
     m: dict = {}
     t_run = time.perf_counter()
     try:
+        start = parts.begin()  # inside: a failed resume still stops what assemble started
+        wait_s = rollout_wait_s(cfg, parts)
         for s in range(start, start + K):
             queue(s)
         for step in range(start, r.num_rollout):
