@@ -270,3 +270,21 @@ def test_memory_tags_are_checked():
     assert wake_tags(None) == {"weights", "kv_cache"} and wake_tags(["weights"]) == {"weights"}
     with pytest.raises(ValueError, match="unknown memory tags"):
         wake_tags(["kv"])
+
+
+def test_a_run_leaves_the_garbage_collector_as_it_found_it(base_args, tmp_path):
+    """The loop freezes what is alive after the first step and logs the collector's pauses (time/gc); when the run
+    ends, finished or not (here a --load of a checkpoint that is not one fails in the resume), its callback is gone and
+    nothing stays frozen, so a later run in this process collects the earlier one's cycles."""
+    import gc
+
+    from polyrl.metrics import GcWatch
+
+    def watching():
+        return [cb for cb in gc.callbacks if isinstance(getattr(cb, "__self__", None), GcWatch)]
+    r = train(base_args, tmp_path / "ok", "--num-rollout", "2")
+    assert all(x["time/gc"] >= 0 for x in r) and not watching() and gc.get_freeze_count() == 0
+    bad = tmp_path / "not_a_checkpoint"
+    bad.mkdir()
+    assert main(["train", *base_args, "--run-dir", str(tmp_path / "bad"), "--num-rollout", "2", "--load", str(bad)]) != 0
+    assert not watching() and gc.get_freeze_count() == 0
