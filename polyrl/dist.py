@@ -69,9 +69,9 @@ def init_distributed(device: str, backend: str = "auto", timeout_minutes: float 
     timeout = _group_timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
-    else:  # a plain launch: a one-rank group on a port of its own; the environment (inherited by children) stays as it was
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                timeout=timeout)
+    else:  # a plain launch: a one-rank group over an in-process store (a TCP port found free could be taken by another
+        # process before the store bound it); the environment (inherited by children) stays as it was
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _attempt_store(timeout: timedelta) -> dict:

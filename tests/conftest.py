@@ -66,6 +66,34 @@ def need_megatron_gpus(n: int = 1) -> None:
         pytest.skip(f"needs {n} CUDA GPU(s), {gpus} visible")
 
 
+OWN_PROCESS = "POLYRL_TEST_OWN_PROCESS"
+
+
+@pytest.fixture
+def own_process(request) -> bool:
+    """True in the test as pytest first runs it, after the same test passed in a fresh pytest process of its own
+    (the test then returns); False inside that process. For tests that measure the process's memory: an earlier
+    test in the same xdist worker can leave a live tensor in a large cached segment, and memory carved from that
+    segment's free rest cannot go back to the driver, which would make the figures the allocator's history, not
+    the code's."""
+    import subprocess
+    import sys
+    if os.environ.get(OWN_PROCESS) == request.node.nodeid:
+        return False
+    root = str(request.config.rootpath)
+    env = dict(os.environ, **{OWN_PROCESS: request.node.nodeid},
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    marks = request.config.getoption("markexpr")
+    cmd = [sys.executable, "-m", "pytest", request.node.nodeid, "-p", "no:xdist", "-p", "no:cacheprovider",
+           *(["-m", marks] if marks else [])]
+    try:
+        res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{request.node.nodeid} in a process of its own did not finish in 300 s")
+    assert res.returncode == 0 and "1 passed" in res.stdout, (res.stdout + res.stderr)[-4000:]
+    return True
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int, pad_id: int) -> list[int]:
     """transformers' greedy continuation, cut after the first EOS (the reference for engine tests)."""
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,

@@ -136,15 +136,20 @@ class BlockBatches:
         self.plans: dict[tuple, tuple[tuple[int, int], ...]] = {}  # (key, blocks, rows, cap) -> launches (first, count)
         self.checks = 0
 
-    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                rows: int) -> None:
-        c = x.shape[0] // rows
-        x3, o3 = x.view(c, rows, x.shape[1]), out.view(c, rows, out.shape[1])
-        w3 = weight.t().expand(c, -1, -1)
+    @staticmethod
+    def _bmm(x3: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, o3: torch.Tensor) -> None:
+        """o3 [c, rows, N] = x3 [c, rows, K] @ wt [K, N] (+ bias): one launch of c blocks."""
+        c, rows = x3.shape[0], x3.shape[1]
+        w3 = wt.expand(c, -1, -1)
         if bias is None:
             torch.bmm(x3, w3, out=o3)
         else:
-            torch.baddbmm(bias.view(1, 1, -1).expand(c, rows, -1), x3, w3, out=o3)
+            torch.baddbmm(bias.expand(c, rows, -1), x3, w3, out=o3)
+
+    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                rows: int) -> None:
+        c = x.shape[0] // rows
+        self._bmm(x.view(c, rows, x.shape[1]), weight.t(), bias, out.view(c, rows, out.shape[1]))
 
     def _check(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
         """Whether `count` blocks in one launch give each block's single-launch bits (recorded in good / bad)."""
@@ -178,9 +183,10 @@ class BlockBatches:
         plan = self.plans.get((key, blocks, rows, self.cap))
         if plan is None:
             plan = self._plan(key, blocks, weight, bias, rows)
+        # the views made once per call: the host's work per launch bounds the mode's training forward on CUDA
+        x3, o3, wt = x.view(blocks, rows, x.shape[1]), out.view(blocks, rows, out.shape[1]), weight.t()
         for first, count in plan:
-            span = slice(first * rows, (first + count) * rows)
-            self._launch(x[span], weight, bias, out[span], rows)
+            self._bmm(x3[first:first + count], wt, bias, o3[first:first + count])
 
     def _plan(self, key: tuple, blocks: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple:
         """A pack of `blocks` blocks cut greedily into the largest usable counts; kept once every count in it was
@@ -223,6 +229,9 @@ def _define(lib, schema: str, impl, fake, backward, setup) -> None:
     qual = f"{lib.ns}::{name}"
     torch.library.register_fake(qual, fake, lib=lib)
     torch.library.register_autograd(qual, backward, setup_context=setup, lib=lib)
+
+
+_RMS_LAUNCH = False  # polyrl::rms_rows_launch registered (Triton present): set by _ops()
 
 
 @functools.lru_cache(maxsize=1)
@@ -281,6 +290,18 @@ def _ops():
     _define(lib, "fixed_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", linear, linear_fake,
             linear_backward, linear_setup)
     _define(lib, "rms_rows(Tensor x, Tensor weight, float eps) -> Tensor", rms, rms_fake, rms_backward, rms_setup)
+    if _rms_kernel() is not None:
+        # the CUDA row kernel as a triton_op: in a compiled layer Inductor launches it from its own generated code
+        # (the JIT launcher's per-call argument binding was the largest host cost of the exact forward,
+        # bench/RESULTS.md#true-on-policy-twelfth-2026-11-29); eager calls launch it as rms_rows does
+        @torch.library.triton_op("polyrl::rms_rows_launch", mutates_args=())
+        def rms_rows_launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return rms_rows(x, weight, eps, wrap=torch.library.wrap_triton)
+
+        rms_rows_launch.register_autograd(rms_backward, setup_context=rms_setup)
+        lib.polyrl_rms_launch = rms_rows_launch  # kept alive with the library
+        global _RMS_LAUNCH
+        _RMS_LAUNCH = True
     return lib
 
 
@@ -352,19 +373,21 @@ def _rms_kernel():
     return triton, rms_rows_kernel
 
 
-def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x) [N, H] by the row kernel (values only). x is made contiguous and 16-byte aligned so that
-    every call, the engine's and the trainer's, runs the same specialization of the kernel."""
+def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, wrap=None) -> torch.Tensor:
+    """weight * rmsnorm(x) [N, H] by the row kernel (values only). x is made contiguous and 16-byte aligned (by its
+    offset: allocations start aligned, and a traced fake tensor has no address) so that every call, the engine's and
+    the trainer's, eager or compiled, runs the same specialization of the kernel. wrap: torch.library.wrap_triton
+    inside the rms_rows_launch op."""
     triton, kernel = _rms_kernel()
     weight = weight.contiguous()
-    if not x.is_contiguous() or x.data_ptr() % 16:
+    if not x.is_contiguous() or x.storage_offset() * x.element_size() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     n, h = x.shape
     y = torch.empty_like(x)
     if n:
         block = triton.next_power_of_2(h)
-        kernel[(n,)](x, weight, y, h, eps, BLOCK=block,
-                     num_warps=max(1, min(8, block // 256)))
+        (wrap(kernel) if wrap else kernel)[(n,)](x, weight, y, h, eps, BLOCK=block,
+                                                 num_warps=max(1, min(8, block // 256)))
     return y
 
 
@@ -379,7 +402,8 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _active():
         return self._polyrl_plain(x)
     if _rms_op_fits(self, x):
-        return torch.ops.polyrl.rms_rows(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon).reshape(x.shape)
+        op = torch.ops.polyrl.rms_rows_launch if x.is_cuda and _RMS_LAUNCH else torch.ops.polyrl.rms_rows
+        return op(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon).reshape(x.shape)
     names = [n for n, _ in self.named_parameters(recurse=False)]
     params = [p for _, p in self.named_parameters(recurse=False)]
     return _FixedRows.apply(self, names, x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
