@@ -365,6 +365,7 @@ def _rms_kernel():
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < H
+        eps = eps.to(tl.float32)  # Triton's launcher passes a Python float as fp32, Inductor's as fp64
         x = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
         h = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)).to(y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + c, mask=m, other=0.0)
@@ -382,7 +383,7 @@ def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, wrap=None) ->
     weight = weight.contiguous()
     if not x.is_contiguous() or x.storage_offset() * x.element_size() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
-    n, h = x.shape
+    n, h = x.shape[0], int(x.shape[1])  # the width a constant of the kernel in a dynamic-shape graph too, as in eager
     y = torch.empty_like(x)
     if n:
         block = triton.next_power_of_2(h)
