@@ -238,7 +238,8 @@ _RMS_LAUNCH = False  # polyrl::rms_rows_launch registered (Triton present): set 
 def _ops():
     """The mode's fixed-arithmetic linear and RMSNorm as torch operators (registered by prepare()): torch.compile
     keeps each as one opaque call, so a compiled layer runs the very kernels an eager one runs (their block loop and
-    Triton launch are not traced), and Inductor fuses only the elementwise work between them. The gradients are the
+    Triton launch are not traced; on CUDA the norm is rms_rows_launch, whose kernel Inductor launches itself with the
+    eager launch's bits), and Inductor fuses only the elementwise work between them. The gradients are the
     layers' own (two whole GEMMs; the RMSNorm's closed form): only the values must not depend on the pack. Returns
     the library, which must stay alive for the operators to stay registered."""
 
@@ -492,8 +493,8 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
     Inductor rounds every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
     and fuses differently) and the scorer's inference graph agree bit for bit. The fixed-block GEMMs and the row
-    RMSNorm stay their own kernels (custom ops, opaque to the compiler), attention its varlen call; Inductor fuses the
-    elementwise work between them (RoPE, SiLU * up, residual adds). On an H100 in BF16 the mode's GPU tests pass
+    RMSNorm stay their own kernels (custom ops; the norm's Triton kernel launched, never fused, by Inductor),
+    attention its varlen call; Inductor fuses the elementwise work between them (RoPE, SiLU * up, residual adds). On an H100 in BF16 the mode's GPU tests pass
     compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance, 3-step GRPO runs of the 0.5B shape, Qwen3,
     Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
     training forward == eager for Qwen3, while without the setting two compiled Qwen2 graphs differed by 2e-3. The
