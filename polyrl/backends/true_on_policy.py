@@ -494,9 +494,9 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
     and fuses differently) and the scorer's inference graph agree bit for bit. The fixed-block GEMMs and the row
     RMSNorm stay their own kernels (custom ops; the norm's Triton kernel launched, never fused, by Inductor),
-    attention its varlen call; Inductor fuses the elementwise work between them (RoPE, SiLU * up, residual adds). On an H100 in BF16 the mode's GPU tests pass
-    compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance, 3-step GRPO runs of the 0.5B shape, Qwen3,
-    Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
+    attention its varlen call; Inductor fuses the elementwise work between them (RoPE, SiLU * up, residual adds). On
+    an H100 in BF16 the mode's GPU tests pass compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance,
+    3-step GRPO runs of the 0.5B shape, Qwen3, Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
     training forward == eager for Qwen3, while without the setting two compiled Qwen2 graphs differed by 2e-3. The
     setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
     if not compiles(lm, device):
