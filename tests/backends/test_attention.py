@@ -33,31 +33,45 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causa
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("api", ["window_size", "is_causal+enable_gqa"])
-def test_varlen_wrapper_speaks_both_api_versions(api, monkeypatch):
-    """PyTorch 2.10 / 2.11 take window_size=(-1, 0) and equal head counts; later ones is_causal and enable_gqa. The
-    wrapper must ask each for causal attention, and repeat kv heads only where the kernel cannot share them."""
+@pytest.mark.parametrize("api,version,max_q", [("window_size", "2.10.0", 7), ("window_size", "2.11.0", 7),
+                                               ("window_size", "2.11.0", 1), ("is_causal+enable_gqa", "2.13.0", 7),
+                                               ("is_causal+enable_gqa", "2.13.0", 1)])
+def test_varlen_wrapper_speaks_both_api_versions(api, version, max_q, monkeypatch):
+    """PyTorch 2.10 / 2.11 take window_size=(-1, 0), later ones is_causal and enable_gqa; from 2.11 the kernel shares
+    kv heads itself (2.10 is not known to: it gets them repeated). The wrapper must ask each for causal attention,
+    and repeat kv heads where the kernel cannot share them or where every sequence has one query row (FlashAttention
+    then folds a kv head's query heads into one program's rows: another kernel specialisation)."""
+    shares = version >= "2.11" and max_q > 1
+    seen = []
     if api == "window_size":
         def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-            return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+            seen.append(k.shape[1])
+            return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                     enable_gqa=k.shape[1] != q.shape[1])
     else:
         def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False, enable_gqa=False):
-            assert enable_gqa and k.shape[1] == 2, "kv heads are shared by the kernel, not repeated"
+            seen.append(k.shape[1])
+            assert enable_gqa == (k.shape[1] != q.shape[1]), "fewer kv heads go with enable_gqa"
             return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
                                      enable_gqa=enable_gqa)
-    varlen._params.cache_clear()
     monkeypatch.setattr(varlen, "_fn", lambda: fake)
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    varlen._params.cache_clear()
+    varlen.shares_kv_heads.cache_clear()
     try:
         torch.manual_seed(0)
-        lens = [3, 7, 5]
-        cu = torch.tensor([0, 3, 10, 15], dtype=torch.int32)
-        q, k, v = torch.randn(15, 6, 8, dtype=torch.float64), torch.randn(15, 2, 8, dtype=torch.float64), torch.randn(15, 2, 8, dtype=torch.float64)
+        lens = [3, 7, 5] if max_q > 1 else [1, 1, 1]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        T = sum(lens)
+        q, k, v = (torch.randn(T, h, 8, dtype=torch.float64) for h in (6, 2, 2))
         out = varlen.causal(q, k, v, cu, cu, max(lens), max(lens), scale=0.3)
-        want = _reference_varlen(q, k, v, cu, cu, 7, 7, scale=0.3, is_causal=True, enable_gqa=True)
+        want = _reference_varlen(q, k, v, cu, cu, max(lens), max(lens), scale=0.3, is_causal=True, enable_gqa=True)
         torch.testing.assert_close(out, want, rtol=0, atol=0)  # same SDPA arithmetic; a kv head repeat copies values exactly
-        assert varlen.shares_kv_heads() == (api != "window_size")
+        assert seen == [2 if shares else 6]
+        assert varlen.shares_kv_heads() == (version >= "2.11")
     finally:
         varlen._params.cache_clear()
+        varlen.shares_kv_heads.cache_clear()
 
 
 @pytest.mark.gpu
