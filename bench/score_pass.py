@@ -94,6 +94,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 top.score_samples(lm, samples, 1.0, dev, graphs)
+                torch.cuda.synchronize()  # the log-probs stay on the device
                 times.append(time.perf_counter() - t)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 top.score_samples(lm, samples, 1.0, dev, graphs)

@@ -818,7 +818,7 @@ def shares_prompts(lm: torch.nn.Module, device) -> bool:
 
 def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device,
                   graphs: GraphedScoring | None = None, routing=None) -> list[torch.Tensor]:
-    """The engine's side: each sample's response log-probs [R_i] (on the CPU, one copy for all packs at the end),
+    """The engine's side: each sample's response log-probs [R_i] (on the device, queued: no host sync),
     packed PACK_TOKENS at a time (through `graphs`, CUDA graphs of the same arithmetic, when given). routing: lm's
     MoERouting, to set each sample's routed_experts to the routes of this pass (what the trainer's forward computes
     too, so R3 replays its own routes)."""
@@ -866,7 +866,8 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
     flush()
     if not parts:
         return []
-    return list(torch.cat(parts).cpu().split([len(s.response_ids) for s in samples]))
+    # left on the device: report() builds the sampler's values on the host while the packs run, then copies once
+    return list(torch.cat(parts).split([len(s.response_ids) for s in samples]))
 
 
 def report(samples: list, logps: list[torch.Tensor]) -> float:
@@ -881,8 +882,9 @@ def report(samples: list, logps: list[torch.Tensor]) -> float:
     decoded = [x for s in samples for x in s.rollout_logprobs]
     if not decoded:
         return 0.0
-    scored = torch.cat(logps)
-    worst = float((scored - torch.tensor(decoded, dtype=torch.float32)).abs().max())
+    decoded = torch.tensor(decoded, dtype=torch.float32)  # host work while the device still scores
+    scored = torch.cat(logps).cpu()  # the one wait for the scoring pass
+    worst = float((scored - decoded).abs().max())
     flat, start = scored.tolist(), 0
     for s, n in zip(samples, lens):
         s.rollout_logprobs = flat[start:start + n]
