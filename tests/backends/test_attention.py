@@ -100,3 +100,40 @@ def test_gqa_varlen_attention_does_not_sync_the_host():
                                                                 scale=0.125, enable_gqa=True)
         torch.testing.assert_close(out[0, sl], want[0].transpose(0, 1), atol=2e-2, rtol=0)  # BF16: both kernels round
         start += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shared_kv_heads_give_the_repeated_heads_bits(monkeypatch):
+    """Where the kernel shares kv heads itself (varlen.shares_kv_heads), each query head's program reads its group's
+    kv head, so the output and dk / dv are the repeated-head call's bit for bit: square packs (the trainers'), fewer
+    queries than keys (the shared-prompt scorer's and context parallelism's layout) and one query row per sequence
+    (which repeats). dq is only close: FlashAttention's backward adds each key block's share of dq atomically, in an
+    order that varies from run to run, so the two FP32 sums may round to neighbouring BF16 values: one BF16 ulp of
+    the largest entry (2^-8 of it) at most, twice that allowed."""
+    if not varlen.available():
+        pytest.skip("torch.nn.attention.varlen is not available")
+    if not varlen.shares_kv_heads():
+        pytest.skip("this PyTorch's varlen_attn repeats kv heads")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens_k = [40, 296, 7, 129]
+    for hq, hkv, d in ((14, 2, 64), (12, 2, 128)):
+        for lens_q in (lens_k, [n - p for n, p in zip(lens_k, (39, 40, 0, 100))], [1, 1, 1, 1]):
+            cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                          for x in (lens_q, lens_k))
+            q0 = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            k0, v0 = (torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+            go = torch.randn_like(q0)
+
+            def run(share: bool):
+                monkeypatch.setattr(varlen, "shares_kv_heads", lambda: share)
+                q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+                out = varlen.causal(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale=d ** -0.5)
+                out.backward(go)
+                return out, q.grad, k.grad, v.grad
+
+            shared, repeated = run(True), run(False)
+            assert torch.equal(shared[0], repeated[0]), (hq, lens_q)
+            assert torch.equal(shared[2], repeated[2]) and torch.equal(shared[3], repeated[3]), (hq, lens_q)
+            torch.testing.assert_close(shared[1], repeated[1], atol=2 ** -7 * float(repeated[1].abs().max()),
+                                       rtol=0)
