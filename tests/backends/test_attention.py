@@ -110,7 +110,7 @@ def test_shared_kv_heads_give_the_repeated_heads_bits(monkeypatch):
     queries than keys (the shared-prompt scorer's and context parallelism's layout) and one query row per sequence
     (which repeats). dq is only close: FlashAttention's backward adds each key block's share of dq atomically, in an
     order that varies from run to run, so the two FP32 sums may round to neighbouring BF16 values: one BF16 ulp of
-    the largest entry (2^-8 of it) at most, twice that allowed."""
+    the largest entry (at most 2^-7 of it), twice that allowed."""
     if not varlen.available():
         pytest.skip("torch.nn.attention.varlen is not available")
     if not varlen.shares_kv_heads():
@@ -135,5 +135,5 @@ def test_shared_kv_heads_give_the_repeated_heads_bits(monkeypatch):
             shared, repeated = run(True), run(False)
             assert torch.equal(shared[0], repeated[0]), (hq, lens_q)
             assert torch.equal(shared[2], repeated[2]) and torch.equal(shared[3], repeated[3]), (hq, lens_q)
-            torch.testing.assert_close(shared[1], repeated[1], atol=2 ** -7 * float(repeated[1].abs().max()),
+            torch.testing.assert_close(shared[1], repeated[1], atol=2 ** -6 * float(repeated[1].abs().max()),
                                        rtol=0)
