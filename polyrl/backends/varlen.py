@@ -67,8 +67,8 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
         raise RuntimeError("varlen attention needs torch.nn.attention.varlen (PyTorch >= 2.10)")
     kw = {"is_causal": True} if "is_causal" in _params() else {"window_size": (-1, 0)}
     if k.shape[1] != q.shape[1]:
-        # one query row per sequence: FlashAttention drops the causal mask and folds a kv head's query heads into
-        # the rows of one program, another kernel specialisation; equal head counts keep every pack on one arithmetic
+        # with one query row per sequence and is_causal, FlashAttention drops the mask and folds a kv head's query
+        # heads into the rows of one program, another kernel specialisation: equal head counts keep such packs off it
         if shares_kv_heads() and max_q > 1:
             if "enable_gqa" in _params():
                 kw["enable_gqa"] = True
