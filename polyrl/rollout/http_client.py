@@ -34,6 +34,7 @@ class HTTPClient:
 
         self.api_key = api_key
         self._max_connections = max_connections
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="polyrl-http", daemon=True)
         self._thread.start()
@@ -46,6 +47,9 @@ class HTTPClient:
 
     # ---- running coroutines from threads ---------------------------------------------------
     def submit(self, coro) -> concurrent.futures.Future:
+        if self._closed:  # the loop is stopping: the coroutine would never run, and its caller wait out its timeout
+            coro.close()
+            raise RuntimeError("the HTTP client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro, timeout: float) -> Any:
@@ -77,13 +81,19 @@ class HTTPClient:
         except aiohttp.ClientError as e:
             raise EngineHTTPError(url, path, f"{type(e).__name__}: {e}") from None
 
+    def _open_for(self, url: str, path: str) -> None:
+        if self._closed:  # e.g. a health check racing the engine's shutdown
+            raise EngineHTTPError(url, path, "not sent: the HTTP client is closed")
+
     def call(self, url: str, path: str, payload: dict | None = None, *, method: str | None = None,
              timeout: float = 60.0) -> Any:
+        self._open_for(url, path)
         return self.run(self.request(url, path, payload, method=method, timeout=timeout), timeout + 5)
 
     def call_async(self, url: str, path: str, payload: dict | None = None, *, method: str | None = None,
                    timeout: float = 60.0) -> concurrent.futures.Future:
         """Start a request and return at once (e.g. a weight-update call that blocks until a broadcast)."""
+        self._open_for(url, path)
         return self.submit(self.request(url, path, payload, method=method, timeout=timeout))
 
     def call_all(self, urls: list[str], path: str, payload: dict | None = None, *, method: str | None = None,
@@ -93,11 +103,12 @@ class HTTPClient:
         return [f.result(timeout + 5) for f in futs]
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._closed or self._loop.is_closed():
             return
         try:
             self.run(self._session.close(), timeout=10)
         except Exception:  # closing is best effort: the loop thread is a daemon either way
             pass
+        self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
