@@ -3,7 +3,8 @@ cpu, FP32), the Qwen2.5-0.5B shape (random weights), 16 prompts x 8 samples x 25
 to the exact run only, e.g. a micro-batch size, which does not change its arithmetic), bench/compare_trl.py's settings. Each
 mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
 metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
-seconds, and the log-prob mismatch (exactly 0 with the mode).
+seconds, and the log-prob mismatch (exactly 0 with the mode); on CUDA the peak memory of the run's process (the
+largest over all steps, warm-up included: what must fit).
 
   PYTHONPATH=. python3 bench/true_on_policy_step.py --out /tmp/top.json
 """
@@ -26,6 +27,8 @@ from compare_trl import polyrl_argv  # noqa: E402
 KEYS = ("time/step", "time/rollout", "rollout/generate_s", "rollout/score_s", "rollout/score_graph_captures",
         "time/train", "time/weight_sync", "tokens_per_s", "train_rollout_logprob_abs_diff_max",
         "rollout/sampler_logprob_abs_diff_max", "time/gc")
+# the largest over every step, not the median: what must fit on the device
+PEAKS = ("memory/peak_allocated_gib", "memory/peak_reserved_gib")
 
 
 def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
@@ -48,6 +51,7 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     steps = [r for r in rows if r.get("step", 0) > a.warmup and "time/step" in r]
     out = {k: median([r[k] for r in steps if k in r]) for k in KEYS}
+    out.update({k: max((r[k] for r in rows if k in r), default=float("nan")) for k in PEAKS})  # warm-up included
     out["steps_measured"] = len(steps)
     out["all_steps_diff_max"] = [r.get("train_rollout_logprob_abs_diff_max") for r in rows]
     per_step = ("step", "time/step", "time/rollout", "rollout/generate_s", "time/train", "time/gc", "rollout/score_s",
@@ -92,13 +96,13 @@ def main() -> int:
     wanted = set(a.modes.split(","))
     for name, exact in (("default", False), ("true_on_policy", True)):
         if ("exact" if exact else "default") not in wanted:
-            result[name] = {k: float("nan") for k in KEYS}
+            result[name] = {k: float("nan") for k in KEYS + PEAKS}
             continue
         try:
             result[name] = run_mode(a, model_dir, data, work, exact)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other mode still runs
             print(f"{name}: {e}", file=sys.stderr)
-            result[name] = {"error": str(e)[-2000:], **{k: float("nan") for k in KEYS}}
+            result[name] = {"error": str(e)[-2000:], **{k: float("nan") for k in KEYS + PEAKS}}
         if a.out:
             write_json(a.out, result)
     d, e = result["default"], result["true_on_policy"]
@@ -107,7 +111,8 @@ def main() -> int:
         write_json(a.out, result)
     f = lambda v: "-" if v is None or v != v else f"{v:.3g}"  # noqa: E731
     print(f"{device}, {a.shape}, {result['setting']}")
-    print(markdown_table(["mode", *KEYS], [[n, *(f(result[n][k]) for k in KEYS)] for n in ("default", "true_on_policy")]))
+    cols = KEYS + PEAKS
+    print(markdown_table(["mode", *cols], [[n, *(f(result[n][k]) for k in cols)] for n in ("default", "true_on_policy")]))
     print(f"step ratio (true-on-policy / default): {result['step_ratio']:.2f}")
     return 0
 

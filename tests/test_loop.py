@@ -47,6 +47,7 @@ def test_resume_logs_the_same_losses_and_rewards(base_args, tmp_path):
         phases = sum(v for k, v in r.items() if k.startswith("time/") and k not in ("time/step", "time/other", "time/gc"))
         assert r["time/other"] >= 0 and r["time/step"] == pytest.approx(phases + r["time/other"], rel=1e-9)
         assert 0 <= r["time/gc"] <= r["time/step"]  # the collector's pauses, inside the phases
+        assert not any(k.startswith("memory/") for k in r)  # the GPU allocator's peaks: CUDA runs only
     for a, b in zip(full[2:], resumed):
         for k in KEYS:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k

@@ -52,6 +52,7 @@ class Book:
         m.update(self.engine_stats())
         if self.restarts:
             m["restarts"] = float(self.restarts)
+        m.update(self.gpu_memory())
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.cursor.num_dropped,
                   "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9)})
         last = step + 1 == cfg.rollout.num_rollout
@@ -73,6 +74,18 @@ class Book:
 
     def close(self) -> None:
         self.gc.close()
+
+    def gpu_memory(self) -> dict[str, float]:
+        """CUDA: the step's peak memory allocated and reserved by this process's caching allocator (the trainer and a
+        colocated engine together), the largest over the ranks, in GiB (verl's perf/max_memory_*); the peaks are
+        reset for the next step. Memory outside the allocator (CUDA graphs' private pools count; NCCL's and the CUDA
+        context's do not) is not in it."""
+        if not self.device.startswith("cuda"):
+            return {}
+        import torch
+        peaks = self.d.max([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30])
+        torch.cuda.reset_peak_memory_stats()
+        return {"memory/peak_allocated_gib": peaks[0], "memory/peak_reserved_gib": peaks[1]}
 
     def engine_stats(self) -> dict[str, float]:
         """The engines' counters since the last step, over all ranks (each rank's engine counts its own requests)."""

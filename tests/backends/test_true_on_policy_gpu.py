@@ -73,6 +73,8 @@ def assert_exact(rs: list[dict], records: list[dict], engines: list[tuple]) -> N
         # the control: the CUDA-graph decode's own log-probs differ from the reported ones (BF16 kernels of another
         # shape), so an exact zero above is the scoring function's doing
         assert r["rollout/sampler_logprob_abs_diff_max"] > 0
+        # the step's allocator peaks: the engine's KV cache (a tenth of the GPU) alone is GiBs; reserved holds allocated
+        assert 0.5 < r["memory/peak_allocated_gib"] <= r["memory/peak_reserved_gib"], r
     # every call went through the GPU engine with captured CUDA graphs and the scorer's graphed scoring pass
     assert engines and all(g and n > 0 and scored for g, n, scored in engines), engines
     assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 16
