@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -286,6 +287,14 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
     check(hf)
     assert {p.untyped_storage().data_ptr() for p in eng.rescore.lm.parameters()} == {
         eng.model.flat.untyped_storage().data_ptr()}
+    # the engine's sleep releases the views (a view keeps the whole buffer allocated through the train phase): none
+    # is left, and the next call binds them again
+    held = weakref.ref(eng.model.flat)
+    eng.rescore.release()
+    assert all(p.is_meta for p in eng.rescore.lm.parameters())
+    eng.model.bind(eng.model.flat.clone())
+    assert held() is None  # nothing but the engine held the old buffer
+    check(hf)
 
 
 # ---- the shared function ----------------------------------------------------------------------------------------

@@ -950,6 +950,16 @@ class EngineScorer:
         if self.graphs is not None:  # graphs read the weights where they were captured
             self.graphs.use(key)
 
+    def release(self) -> None:
+        """Drop the views of the engine's weights (the engine sleeps): a Parameter that views the engine's buffer keeps
+        all of it allocated, a copy of the model held through the train phase beside the trainer. The next call binds
+        the views again; the graphs of the last two places stay (GraphedScoring.use)."""
+        for name, p in list(self.lm.named_parameters(remove_duplicate=False)):
+            parent, _, leaf = name.rpartition(".")
+            self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+        self._bound = None
+
     @torch.no_grad()
     def __call__(self, samples: list, sp) -> list:
         """Replace each sample's rollout_logprobs with the scoring function's (the decode's are kept apart only to

@@ -26,6 +26,7 @@ class Book:
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
         self.restarts = restart_count()  # torchrun's or Ray's --max-restarts: which attempt this is
         self.gc = GcWatch()
+        self._retries = self._alloc_retries()  # the allocator's cumulative retry count at the last step's log
 
     def start(self, step: int) -> None:
         """Before the first step of a run from scratch: the eval curve starts from the initial policy."""
@@ -77,15 +78,26 @@ class Book:
 
     def gpu_memory(self) -> dict[str, float]:
         """CUDA: the step's peak memory allocated and reserved by this process's caching allocator (the trainer and a
-        colocated engine together), the largest over the ranks, in GiB (verl's perf/max_memory_*); the peaks are
-        reset for the next step. Memory outside the allocator (CUDA graphs' private pools count; NCCL's and the CUDA
-        context's do not) is not in it."""
+        colocated engine together; CUDA graphs' private pools count, NCCL's buffers and the CUDA context do not), the
+        largest over the ranks, in GiB (verl's perf/max_memory_*), and how many allocations found no free block and
+        made the allocator hand its cache back to the driver and retry (a stall: the step is at the device's limit);
+        the peaks are reset for the next step."""
         if not self.device.startswith("cuda"):
             return {}
         import torch
-        peaks = self.d.max([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30])
+        retries = self._alloc_retries()
+        peaks = self.d.max([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30,
+                            retries - self._retries])
+        self._retries = retries
         torch.cuda.reset_peak_memory_stats()
-        return {"memory/peak_allocated_gib": peaks[0], "memory/peak_reserved_gib": peaks[1]}
+        return {"memory/peak_allocated_gib": peaks[0], "memory/peak_reserved_gib": peaks[1],
+                "memory/alloc_retries": peaks[2]}
+
+    def _alloc_retries(self) -> int:
+        if not self.device.startswith("cuda"):
+            return 0
+        import torch
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     def engine_stats(self) -> dict[str, float]:
         """The engines' counters since the last step, over all ranks (each rank's engine counts its own requests)."""

@@ -707,6 +707,8 @@ class GPUEngine(InProcessEngine):
                 self.model.bind(self._cpu_flat)
             self._stale = False
         self.kv.release()
+        if self.rescore is not None:  # its views of the weights would keep the whole buffer allocated
+            self.rescore.release()
         self.asleep = True
         self.release_cached_memory()
 
