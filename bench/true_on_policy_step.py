@@ -40,12 +40,13 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     argv = polyrl_argv(s)
     code = "import sys; from polyrl.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=a.timeout)
-    log_path = os.path.join(run, "stdout.txt")
-    with open(log_path, "w") as f:  # a --profile-step table lands here
-        f.write(res.stdout)
-    if a.keep:
-        os.makedirs(a.keep, exist_ok=True)
-        shutil.copy(log_path, os.path.join(a.keep, f"{'exact' if exact else 'default'}_stdout.txt"))
+    for stream, text in (("stdout", res.stdout), ("stderr", res.stderr)):  # a --profile-step table, TORCH_LOGS
+        log_path = os.path.join(run, f"{stream}.txt")
+        with open(log_path, "w") as f:
+            f.write(text)
+        if a.keep:
+            os.makedirs(a.keep, exist_ok=True)
+            shutil.copy(log_path, os.path.join(a.keep, f"{'exact' if exact else 'default'}_{stream}.txt"))
     if res.returncode != 0:
         raise RuntimeError(f"{'exact' if exact else 'default'} run failed ({res.returncode}): {res.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
@@ -77,7 +78,8 @@ def main() -> int:
     p.add_argument("--modes", default="default,exact", help="which runs: default, exact or both (comma list)")
     p.add_argument("--exact-args", default="", help="more polyrl flags for the exact run (e.g. --profile-step 3)")
     p.add_argument("--args", default="", help="more polyrl flags for both runs (e.g. --profile-step 3)")
-    p.add_argument("--keep", default=None, metavar="DIR", help="copy each run's stdout.txt (its --profile-step table) here")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="copy each run's stdout.txt (its --profile-step table) and stderr.txt (TORCH_LOGS) here")
     a = p.parse_args()
     import torch
     from polyrl.tasks.arithmetic import write_datasets
