@@ -84,13 +84,15 @@ def own_process(request) -> bool:
     env = dict(os.environ, **{OWN_PROCESS: request.node.nodeid},
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     marks = request.config.getoption("markexpr")
+    # no warnings summary and short tracebacks: a failure's reason must survive the tail kept below
     cmd = [sys.executable, "-m", "pytest", request.node.nodeid, "-p", "no:xdist", "-p", "no:cacheprovider",
-           *(["-m", marks] if marks else [])]
+           "-p", "no:warnings", "--tb=short", *(["-m", marks] if marks else [])]
     try:
         res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{request.node.nodeid} in a process of its own did not finish in 300 s")
-    assert res.returncode == 0 and "1 passed" in res.stdout, (res.stdout + res.stderr)[-4000:]
+    why = "\n".join(ln for ln in res.stdout.splitlines() if ln.startswith(("E ", "FAILED", "ERROR")))
+    assert res.returncode == 0 and "1 passed" in res.stdout, (why + "\n" + (res.stdout + res.stderr)[-3000:])
     return True
 
 

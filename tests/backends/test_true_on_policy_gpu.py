@@ -367,7 +367,8 @@ def test_sleep_frees_the_weights_the_scorer_viewed(half_b, own_process):
     from polyrl.types import SamplingParams
     gc.collect()
     torch.cuda.empty_cache()
-    eng = GPUEngine(half_b, dtype=torch.bfloat16, mem_fraction=0.06, max_batch=64)
+    # a small share of the GPU: the test runs beside other workers' engines and trainers (make test-gpu)
+    eng = GPUEngine(half_b, dtype=torch.bfloat16, mem_fraction=0.03, max_batch=64)
     eng.shares_allocator = True
     eng.rescore = EngineScorer(half_b, lambda: eng.model.hf, device=eng.device, dtype=eng.dtype, cuda_graph=True)
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=5)
