@@ -4,7 +4,8 @@ to the exact run only, e.g. a micro-batch size, which does not change its arithm
 mode runs in a subprocess of its own; the figures are medians over the steps after the warm-up, read from its
 metrics.jsonl: step, rollout (the engine's scoring passes included, rollout/score_s of them), train and weight-sync
 seconds, and the log-prob mismatch (exactly 0 with the mode); on CUDA the peak memory of the run's process (the
-largest over all steps, warm-up included: what must fit).
+largest over all steps, warm-up included: what must fit), and the step ratio again over the measured steps that
+captured no CUDA graph (a scoring graph for a new pack shape can cost its step seconds).
 
   PYTHONPATH=. python3 bench/true_on_policy_step.py --out /tmp/top.json
 """
@@ -27,6 +28,7 @@ from compare_trl import polyrl_argv  # noqa: E402
 KEYS = ("time/step", "time/rollout", "rollout/generate_s", "rollout/score_s", "rollout/score_graph_captures",
         "time/train", "time/weight_sync", "tokens_per_s", "train_rollout_logprob_abs_diff_max",
         "rollout/sampler_logprob_abs_diff_max", "time/gc")
+CAPTURES = ("rollout/graph_captures", "rollout/score_graph_captures", "rollout/score_graph_resets")
 # the largest over every step, not the median: what must fit on the device
 PEAKS = ("memory/peak_allocated_gib", "memory/peak_reserved_gib")
 
@@ -54,6 +56,10 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     out = {k: median([r[k] for r in steps if k in r]) for k in KEYS}
     out.update({k: max((r[k] for r in rows if k in r), default=float("nan")) for k in PEAKS})  # warm-up included
     out["steps_measured"] = len(steps)
+    # steps that captured no CUDA graph (decode or scoring): a capture for a new shape costs the step up to seconds,
+    # and a few measured steps can hold several, which moves the median
+    steady = [r["time/step"] for r in steps if not any(r.get(k) for k in CAPTURES)]
+    out["time/step_steady"], out["steps_steady"] = median(steady), len(steady)
     out["all_steps_diff_max"] = [r.get("train_rollout_logprob_abs_diff_max") for r in rows]
     per_step = ("step", "time/step", "time/rollout", "rollout/generate_s", "time/train", "time/gc", "rollout/score_s",
                 "rollout/score_graph_captures", "rollout/score_graph_resets", "rollout/graph_captures",
@@ -98,24 +104,28 @@ def main() -> int:
     wanted = set(a.modes.split(","))
     for name, exact in (("default", False), ("true_on_policy", True)):
         if ("exact" if exact else "default") not in wanted:
-            result[name] = {k: float("nan") for k in KEYS + PEAKS}
+            result[name] = {k: float("nan") for k in KEYS + PEAKS + ("time/step_steady",)}
             continue
         try:
             result[name] = run_mode(a, model_dir, data, work, exact)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other mode still runs
             print(f"{name}: {e}", file=sys.stderr)
-            result[name] = {"error": str(e)[-2000:], **{k: float("nan") for k in KEYS + PEAKS}}
+            result[name] = {"error": str(e)[-2000:],
+                            **{k: float("nan") for k in KEYS + PEAKS + ("time/step_steady",)}}
         if a.out:
             write_json(a.out, result)
     d, e = result["default"], result["true_on_policy"]
     result["step_ratio"] = e["time/step"] / d["time/step"] if d["time/step"] == d["time/step"] else float("nan")
+    result["step_ratio_steady"] = (e["time/step_steady"] / d["time/step_steady"]
+                                   if d["time/step_steady"] == d["time/step_steady"] else float("nan"))
     if a.out:
         write_json(a.out, result)
     f = lambda v: "-" if v is None or v != v else f"{v:.3g}"  # noqa: E731
     print(f"{device}, {a.shape}, {result['setting']}")
     cols = KEYS + PEAKS
     print(markdown_table(["mode", *cols], [[n, *(f(result[n][k]) for k in cols)] for n in ("default", "true_on_policy")]))
-    print(f"step ratio (true-on-policy / default): {result['step_ratio']:.2f}")
+    print(f"step ratio (true-on-policy / default): {result['step_ratio']:.2f}; over the steps that captured no CUDA "
+          f"graph: {result['step_ratio_steady']:.2f} ({d.get('steps_steady', 0)} / {e.get('steps_steady', 0)} steps)")
     return 0
 
 

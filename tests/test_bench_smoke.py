@@ -312,6 +312,9 @@ def test_true_on_policy_step_runs_both_modes_on_cpu(tmp_path):
     assert r["true_on_policy"]["train_rollout_logprob_abs_diff_max"] == 0.0
     assert r["default"]["train_rollout_logprob_abs_diff_max"] >= 0.0
     assert r["true_on_policy"]["steps_measured"] == r["default"]["steps_measured"] == 1
+    # no CUDA graph on the CPU: every measured step is a steady one, and both ratios are the same figure
+    assert r["true_on_policy"]["steps_steady"] == r["default"]["steps_steady"] == 1
+    assert r["step_ratio_steady"] == r["step_ratio"]
     assert "step ratio (true-on-policy / default)" in res.stdout and "CPU" in res.stdout
 
 
