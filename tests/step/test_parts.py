@@ -130,3 +130,29 @@ def _model_dir(tmp_path) -> str:
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
                                                "vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1}))
     return str(d)
+
+
+def test_book_reports_the_steps_gpu_memory_peaks_and_retries(monkeypatch):
+    """The step's CUDA allocator figures (polyrl.step.book.Book.gpu_memory) against a scripted allocator: peaks in GiB,
+    reset after every step, and the retries of this step only (the allocator's count is cumulative, from start-up);
+    nothing at all on CPU."""
+    import torch
+
+    from polyrl.step.book import Book
+    state = {"allocated": 0, "reserved": 0, "retries": 2, "resets": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {"num_alloc_retries": state["retries"]})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: state.update(resets=state["resets"] + 1))
+    book = Book(Config(), Dist(0, 1), None, None, None, None, None, "cuda")  # 2 retries before the first step
+    on_cpu = Book(Config(), Dist(0, 1), None, None, None, None, None, "cpu")
+    try:
+        state.update(allocated=3 * 2**29, reserved=2**31, retries=5)
+        assert book.gpu_memory() == {"memory/peak_allocated_gib": 1.5, "memory/peak_reserved_gib": 2.0,
+                                     "memory/alloc_retries": 3}
+        state.update(allocated=2**30)
+        assert book.gpu_memory()["memory/alloc_retries"] == 0 and state["resets"] == 2
+        assert on_cpu.gpu_memory() == {}
+    finally:
+        book.close()
+        on_cpu.close()
