@@ -844,7 +844,8 @@ def validate(cfg: Config, command: str = "train") -> None:
                               "keeps a paged KV cache; drop the flag")
     if cfg.model.true_on_policy and cfg.rollout.rollout_quantization != "none":
         raise ConfigError(f"--true-on-policy with --rollout-quantization {cfg.rollout.rollout_quantization}: the engine "
-                          "would sample from rounded weights that the trainer does not score with; drop one of them")
+                          "would sample from rounded weights that the trainer does not score with; drop one of them "
+                          "(docs/true-on-policy.md)")
     _validate_logging(cfg.log, command)
     if cfg.data.multimodal_keys:
         from polyrl.multimodal import parse_multimodal_keys
