@@ -425,6 +425,7 @@ class _OneLaunchLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows: int):
+        x = x.contiguous()  # the blocks are views of x's rows (a no-op for the layers' own outputs)
         b = x.shape[0] // rows
         x3, w3 = x.view(b, rows, x.shape[1]), weight.t().expand(b, -1, -1)
         y = torch.bmm(x3, w3) if bias is None else torch.baddbmm(bias.expand(b, rows, -1), x3, w3)
