@@ -12,7 +12,8 @@ token's result does not depend on its neighbours or its place in the pack (tests
 bit for bit). Several blocks share a batched launch, at batch counts checked to give each block's bits
 (BlockBatches); with ONE_LAUNCH (off until proved on a GPU), where a pack's count is checked for every Linear of the
 body, all its blocks go in one launch written in ops that torch.compile traces (_OneLaunchLinear), so that a compiled
-layer makes it with no Python per call. RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
+layer makes it with no Python per call. RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one
+program per row (`rms_rows`:
 its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
@@ -90,7 +91,8 @@ def checkpoint_contexts() -> tuple:
     """torch.utils.checkpoint's context_fn for the trainer's activation checkpointing (--gradient-checkpointing): a
     layer recomputed in the backward, outside the scoring context (and maybe on autograd's own thread), runs the
     arithmetic its forward ran, so the recomputation saves the same tensors and the gradient its values."""
-    return contextlib.nullcontext(), (invariant(getattr(_mode, "one_launch", 0)) if _active() else contextlib.nullcontext())
+    again = invariant(getattr(_mode, "one_launch", 0)) if _active() else contextlib.nullcontext()
+    return contextlib.nullcontext(), again
 
 
 def _rows(x: torch.Tensor) -> int:
