@@ -31,6 +31,7 @@ KEYS = ("time/step", "time/rollout", "rollout/generate_s", "rollout/score_s", "r
 CAPTURES = ("rollout/graph_captures", "rollout/score_graph_captures", "rollout/score_graph_resets")
 # the largest over every step, not the median: what must fit on the device
 PEAKS = ("memory/peak_allocated_gib", "memory/peak_reserved_gib")
+NOT_RUN = {k: float("nan") for k in KEYS + PEAKS + ("time/step_steady",)}  # a mode not run, or failed
 
 
 def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
@@ -104,14 +105,13 @@ def main() -> int:
     wanted = set(a.modes.split(","))
     for name, exact in (("default", False), ("true_on_policy", True)):
         if ("exact" if exact else "default") not in wanted:
-            result[name] = {k: float("nan") for k in KEYS + PEAKS + ("time/step_steady",)}
+            result[name] = dict(NOT_RUN)
             continue
         try:
             result[name] = run_mode(a, model_dir, data, work, exact)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other mode still runs
             print(f"{name}: {e}", file=sys.stderr)
-            result[name] = {"error": str(e)[-2000:],
-                            **{k: float("nan") for k in KEYS + PEAKS + ("time/step_steady",)}}
+            result[name] = {"error": str(e)[-2000:], **NOT_RUN}
         if a.out:
             write_json(a.out, result)
     d, e = result["default"], result["true_on_policy"]

@@ -175,13 +175,19 @@ class BlockBatches:
         self.checks += 1
         return ok
 
-    def _usable(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+    def _known(self, key: tuple, count: int) -> bool | None:
+        """Whether `count` is usable for `key`, where that is known (count 1 always is), else None."""
         if count == 1 or count in self.good.get(key, ()):
             return True
+        return False if count in self.bad.get(key, ()) else None
+
+    def _usable(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+        known = self._known(key, count)
+        if known is not None:
+            return known
         # the check's input and its two outputs must fit in check_bytes
         size = count * rows * (weight.shape[1] + 2 * weight.shape[0]) * weight.element_size()
-        if (count in self.bad.get(key, ()) or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
-                or size > self.check_bytes):
+        if (weight.is_cuda and torch.cuda.is_current_stream_capturing()) or size > self.check_bytes:
             return False
         return self._check(key, count, weight, bias, rows)
 
@@ -190,10 +196,9 @@ class BlockBatches:
         """_usable for a weight of this shape, contiguous, checked on random values (one_launch_ok)."""
         key = (torch.Size(shape), (shape[1], 1), dtype, bias, -1 if device.type == "cpu" else
                (device.index if device.index is not None else torch.cuda.current_device()))
-        if count == 1 or count in self.good.get(key, ()):
-            return True
-        if count in self.bad.get(key, ()):
-            return False
+        known = self._known(key, count)
+        if known is not None:
+            return known
         gen = torch.Generator(device).manual_seed(0)
         weight = torch.randn(shape, device=device, dtype=dtype, generator=gen)
         b = torch.randn(shape[0], device=device, dtype=dtype, generator=gen) if bias else None
@@ -1022,8 +1027,7 @@ class EngineScorer:
             if tuple(src.shape) != tuple(p.shape) or src.dtype != p.dtype:
                 raise ValueError(f"--true-on-policy: {name}: the engine holds {tuple(src.shape)} {src.dtype}, the "
                                  f"scoring model wants {tuple(p.shape)} {p.dtype}")
-            parent, _, leaf = name.rpartition(".")
-            self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(src, requires_grad=False)
+            self._put(name, src)
         self._bound = key
         if self.graphs is not None:  # graphs read the weights where they were captured
             self.graphs.use(key)
@@ -1033,10 +1037,13 @@ class EngineScorer:
         all of it allocated, a copy of the model held through the train phase beside the trainer. The next call binds
         the views again; the graphs of the last two places stay (GraphedScoring.use)."""
         for name, p in list(self.lm.named_parameters(remove_duplicate=False)):
-            parent, _, leaf = name.rpartition(".")
-            self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(
-                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+            self._put(name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         self._bound = None
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        """The shell's parameter `name` becomes a frozen Parameter over t (no copy)."""
+        parent, _, leaf = name.rpartition(".")
+        self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
 
     @torch.no_grad()
     def __call__(self, samples: list, sp) -> list:
