@@ -875,6 +875,13 @@ def test_one_launch_linears_give_the_operators_bits_and_gradients(tiny_model, mo
     assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"] + 1, "cpu") == 0  # not whole blocks
     monkeypatch.setattr(top.BATCHED, "usable_shape", lambda *a: False)
     assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"], "cpu") == 0
+    # a trainer whose FP32 shards compute in BF16 (FSDP's mixed precision) has its BF16 GEMMs checked, not FP32 ones
+    # (FP32 checks failed on the GPU at 19 blocks and left every pack to the operator)
+    asked = []
+    monkeypatch.setattr(top.BATCHED, "usable_shape", lambda shape, dtype, *a: asked.append(dtype) or True)
+    mixed = top.prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), torch.bfloat16)
+    assert top.one_launch_ok(mixed, 4 * top.ROWS["cpu"], "cpu") == top.ROWS["cpu"]
+    assert asked and set(asked) == {torch.bfloat16}
 
 
 def test_report_replaces_each_samples_logprobs_and_returns_the_samplers_largest_distance():

@@ -461,7 +461,8 @@ def one_launch_ok(lm: torch.nn.Module, tokens: int, device) -> int:
     shapes = getattr(lm, "_polyrl_linear_shapes", None)
     if shapes is None:  # the decoder body's Linears (the LM head runs in the chunked log-prob head)
         body = getattr(lm, lm.base_model_prefix)
-        shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None)
+        dtype = getattr(lm, "_polyrl_compute_dtype", None)  # the GEMMs' dtype, not an FP32 shard's
+        shapes = {(tuple(m.weight.shape), dtype or m.weight.dtype, m.bias is not None)
                   for m in body.modules() if isinstance(m, torch.nn.Linear) and getattr(m, "_polyrl_invariant", False)}
         lm._polyrl_linear_shapes = shapes
     return rows if all(BATCHED.usable_shape(shape, dtype, bias, torch.device(device), blocks, rows)
@@ -525,11 +526,15 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return out
 
 
-def prepare(lm: torch.nn.Module) -> torch.nn.Module:
+def prepare(lm: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Route lm's Linear layers, RMSNorms, MoE routers and stacked experts through fixed blocks inside `invariant()`
     (outside it, as before: the engine's own generation is untouched) and make its attention the per-sequence one.
-    Idempotent. A stacked-experts layout the mode does not implement is refused."""
+    compute_dtype: the dtype its Linears compute in where that is not their parameters' (FSDP's mixed precision keeps
+    FP32 shards and computes in BF16), for one_launch_ok's checks. Idempotent. A stacked-experts layout the mode does
+    not implement is refused."""
     _ops()  # registered here, outside any compiled region: the forwards call them as torch.ops.polyrl.*
+    if compute_dtype is not None:
+        lm._polyrl_compute_dtype = compute_dtype
     for m in lm.modules():
         if getattr(m, "_polyrl_invariant", False):
             continue
