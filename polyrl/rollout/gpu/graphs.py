@@ -5,20 +5,43 @@ from __future__ import annotations
 import torch
 
 
+# below this share of the device free, a capture first hands the allocator's unused cached blocks back to the driver
+# (it cannot free them once capturing, and would fail an allocation the cache could have served)
+TIGHT = 0.1
+
+
 def capture(fn, *, warmup=None, pool=None, device=None, stream=None):
     """(graph, what fn returned while captured). `warmup` (default: fn) runs once first on a side stream: it compiles
     the kernels and settles the caching allocator, so that the capture records no first-call work. `stream`: the
     capture stream (default: torch's one for every graph). cuBLAS takes its workspace by stream, so graphs that may
     replay at the same time as others on another stream need a capture stream of their own: two replays writing one
-    workspace at once hung the GPU (the engine's scoring launched during its decode)."""
+    workspace at once hung the GPU (the engine's scoring launched during its decode).
+
+    torch.cuda.graph empties the device cache and the pinned host cache before every capture; here the device cache
+    only when the device is nearly full, the host cache never (a capture takes no pinned memory). Emptying them cost
+    a --true-on-policy step's scoring-graph capture ~3 s at 1.5B (the trainer's cached memory and pinned buffers
+    allocated again after it: bench/RESULTS.md#true-on-policy-fifteenth-2026-11-29)."""
     side, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         (warmup or fn)()
     current.wait_stream(side)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    if free < TIGHT * total:
+        torch.cuda.empty_cache()
+    if stream is None:  # the stream torch.cuda.graph captures on by default, shared by every graph
+        owner = torch.cuda.graphs.graph
+        if owner.default_capture_stream is None:
+            owner.default_capture_stream = torch.cuda.Stream()
+        stream = owner.default_capture_stream
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = fn()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
     return graph, out
 
 
