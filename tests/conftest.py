@@ -84,9 +84,10 @@ def own_process(request) -> bool:
     env = dict(os.environ, **{OWN_PROCESS: request.node.nodeid},
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     marks = request.config.getoption("markexpr")
-    # no warnings summary and short tracebacks: a failure's reason must survive the tail kept below
+    # no warnings summary and short tracebacks: a failure's reason must survive the tail kept below; no log capture:
+    # the records it keeps held a GPU engine's weight storage alive past its sleep (torch.compile's debug logs)
     cmd = [sys.executable, "-m", "pytest", request.node.nodeid, "-p", "no:xdist", "-p", "no:cacheprovider",
-           "-p", "no:warnings", "--tb=short", *(["-m", marks] if marks else [])]
+           "-p", "no:warnings", "-p", "no:logging", "--tb=short", *(["-m", marks] if marks else [])]
     try:
         res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
