@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import weakref
 
 import pytest
@@ -303,6 +304,13 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
     eng.model.bind(eng.model.flat.clone())
     assert held() is None  # nothing but the engine held the old buffer
     check(hf)
+    # with CUDA graphs (GPU only: a stand-in here) the stats also carry the scoring graphs captured, the sets dropped
+    # and the captures' seconds, each counted from the last stats()
+    eng.generate(prompts, sp)
+    eng.rescore.graphs = types.SimpleNamespace(sets=types.SimpleNamespace(drain=lambda: (2, 1)), capture_s=1.5)
+    st = eng.stats()
+    assert [st[f"rollout/score_graph_{k}"] for k in ("captures", "resets", "capture_s")] == [2.0, 1.0, 1.5]
+    assert eng.rescore.graphs.capture_s == 0.0
 
 
 # ---- the shared function ----------------------------------------------------------------------------------------
@@ -739,8 +747,6 @@ def test_the_engines_packs_count_a_shared_prompt_once(tiny_model, monkeypatch):
     see above): a pack holds PACK_TOKENS rows, a prompt already in it costing none, so a group's later samples fill
     it with their responses only; a group cut by a pack's end brings its prompt again into the next. Every sample's
     log-probs are the bits of the unshared packs."""
-    import types
-
     from transformers import AutoModelForCausalLM
     import polyrl.backends.true_on_policy as top
     torch.set_num_threads(1)
@@ -888,8 +894,6 @@ def test_report_replaces_each_samples_logprobs_and_returns_the_samplers_largest_
     """report (the engines' side of the sampler distance): every sample gets its own scored values, the distance is
     the largest over all tokens of all samples, and a sample whose sampler log-probs do not match its scored tokens
     is named, not misaligned with its neighbours."""
-    import types
-
     from polyrl.backends.true_on_policy import report
     a = types.SimpleNamespace(rollout_logprobs=[-1.0, -2.0])
     b = types.SimpleNamespace(rollout_logprobs=[-0.5])

@@ -855,6 +855,7 @@ class GraphedScoring:
         self.sets = GraphSets()  # weights' addresses -> (pack key -> (inputs, output, graph))
         self.pool = None
         self.stream = torch.cuda.Stream(device)  # captures here: a cuBLAS workspace apart from the decode graphs'
+        self.capture_s = 0.0  # wall seconds of warm-ups and captures since the last stats()
 
     def use(self, addresses: tuple) -> None:
         """The weights are at `addresses` now: replay the graphs captured for them, if any."""
@@ -879,8 +880,10 @@ class GraphedScoring:
         return logp[:sum(len(x) - p for x, p in zip(seqs, prompts))].clone()
 
     def _capture(self, T: int, G: int | None, slots: int, bound: int, temperature: float) -> tuple:
+        import time
+
         from polyrl.rollout.gpu.graphs import capture
-        d = self.device
+        t0, d = time.perf_counter(), self.device
         # until the first replay's inputs are copied in: sequences of `bound` tokens (T <= slots x bound holds for
         # every pack of this key, so the warm-up and the capture see a valid pack), unshared
         ids, rows, targets = (torch.zeros(T, dtype=torch.long, device=d) for _ in range(3))
@@ -894,6 +897,7 @@ class GraphedScoring:
         graph, (logp, _) = capture(lambda: _packed_logprobs(self.lm, ids, pos, cu, bound, rows, targets, temperature,
                                                             False, *layout), pool=self.pool, device=d,
                             stream=self.stream)
+        self.capture_s += time.perf_counter() - t0  # capture() waited for the warm-up; a capture runs nothing
         return (ids, pos, cu, rows, targets, *shared), logp, graph
 
 
@@ -1068,13 +1072,15 @@ class EngineScorer:
 
     def stats(self) -> dict[str, float]:
         """rollout/sampler_logprob_abs_diff_max (the sampler's distance from exact) and rollout/score_s (the scoring
-        passes' wall time) since the last call."""
+        passes' wall time) since the last call; with CUDA graphs, those captured for new pack shapes, the sets dropped
+        for a new place of the weights, and the seconds the captures took (part of rollout/score_s)."""
         if self.sampler_diff is None:
             return {}
         out = {"rollout/sampler_logprob_abs_diff_max": self.sampler_diff, "rollout/score_s": self.score_s}
-        if self.graphs is not None:  # CUDA graphs captured for new pack shapes since the last call
+        if self.graphs is not None:
             captures, resets = self.graphs.sets.drain()
             out["rollout/score_graph_captures"], out["rollout/score_graph_resets"] = float(captures), float(resets)
+            out["rollout/score_graph_capture_s"], self.graphs.capture_s = self.graphs.capture_s, 0.0
         self.sampler_diff, self.score_s = None, 0.0
         return out
 
