@@ -461,8 +461,8 @@ def one_launch_ok(lm: torch.nn.Module, tokens: int, device) -> int:
     shapes = getattr(lm, "_polyrl_linear_shapes", None)
     if shapes is None:  # the decoder body's Linears (the LM head runs in the chunked log-prob head)
         body = getattr(lm, lm.base_model_prefix)
-        dtype = getattr(lm, "_polyrl_compute_dtype", None)  # the GEMMs' dtype, not an FP32 shard's
-        shapes = {(tuple(m.weight.shape), dtype or m.weight.dtype, m.bias is not None)
+        compute = getattr(lm, "_polyrl_compute_dtype", None)  # the GEMMs' dtype, not an FP32 shard's
+        shapes = {(tuple(m.weight.shape), compute or m.weight.dtype, m.bias is not None)
                   for m in body.modules() if isinstance(m, torch.nn.Linear) and getattr(m, "_polyrl_invariant", False)}
         lm._polyrl_linear_shapes = shapes
     return rows if all(BATCHED.usable_shape(shape, dtype, bias, torch.device(device), blocks, rows)

@@ -362,7 +362,6 @@ def test_sleep_frees_the_weights_the_scorer_viewed(half_b, own_process):
     if own_process:
         return
     import gc
-    import weakref
 
     from polyrl.backends.true_on_policy import EngineScorer
     from polyrl.rollout.gpu.engine import GPUEngine
@@ -378,16 +377,10 @@ def test_sleep_frees_the_weights_the_scorer_viewed(half_b, own_process):
     want = eng.generate(prompts, sp)
     weights = {n: v.clone() for n, v in eng.model.hf.items()}
     held = eng.model.nbytes + eng.kv.nbytes
-    flat = weakref.ref(eng.model.flat)
     before = torch.cuda.memory_allocated()
     eng.sleep()
     assert all(p.is_meta for p in eng.rescore.lm.parameters())
     dropped = before - torch.cuda.memory_allocated()
-    if flat() is not None:  # say what holds the buffer (a view's owner), and whether only a cycle does
-        owners = [type(r).__name__ for r in gc.get_referrers(flat())]
-        gc.collect()
-        pytest.fail(f"the weight buffer outlived the sleep (held by {owners}); after gc.collect() it is "
-                    f"{'still alive' if flat() is not None else 'freed: a reference cycle held it'}")
     if dropped < 0.95 * held:  # say whether only a reference cycle kept the weights' storage
         gc.collect()
         pytest.fail(f"the sleep freed {dropped} of the {held} bytes the engine held; after gc.collect() "
