@@ -181,7 +181,6 @@ _HINTS = {
                                       "--optimizer-cpu-offload (megatron-core's hybrid-device optimizer)",
     ("attn_implementation", "megatron"): " (Megatron runs its own attention)",
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
-    ("true_on_policy", "megatron"): " (the mode is implemented for the FSDP backend so far)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
     ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
     ("kv_cache_dtype", "external"): " (an attached server keeps the KV cache it was started with: start SGLang with "

@@ -30,15 +30,17 @@ TIMING = ("time/", "tokens_per_s")  # wall-clock metrics: the only ones two iden
 
 
 # ---- the spy: every token the loss compares, per train_step ------------------------------------------------------
-def install_spy(patch) -> list[dict]:
+def install_spy(patch, backend=None) -> list[dict]:
     """patch(obj, name, value): monkeypatch.setattr, or setattr in the worker. Returns the list the records go to:
     one per rl_loss call with the train_step it belongs to, the trainer's log-probs, the rollout's, the loss mask and
-    the step's global count of loss-masked tokens."""
+    the step's global count of loss-masked tokens. backend: the backend class whose train_step calls count (FSDP's
+    by default)."""
     import polyrl.step.learner as learner
-    from polyrl.backends.fsdp.backend import FSDPBackend
+    if backend is None:
+        from polyrl.backends.fsdp.backend import FSDPBackend as backend
     records: list[dict] = []
     calls = [0]
-    rl_loss, train_step = learner.rl_loss, FSDPBackend.train_step
+    rl_loss, train_step = learner.rl_loss, backend.train_step
 
     def spy_loss(logprobs, entropy, mb, s, *, num_tokens, num_seqs):
         records.append({"call": calls[0], "logp": logprobs.detach().clone(), "rollout": mb["rollout_logprobs"].clone(),
@@ -50,7 +52,7 @@ def install_spy(patch) -> list[dict]:
         calls[0] += 1
         return train_step(self, *a, **kw)
     patch(learner, "rl_loss", spy_loss)
-    patch(FSDPBackend, "train_step", spy_step)
+    patch(backend, "train_step", spy_step)
     return records
 
 
@@ -537,7 +539,9 @@ def test_gradients_flow_through_the_scoring_function(tiny_model):
 
 # ---- start-up refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, words", [
-    (["--train-backend", "megatron"], "--true-on-policy is not honoured by --train-backend megatron"),
+    (["--train-backend", "megatron", "--recompute-granularity", "selective"],
+     "--true-on-policy with --train-backend megatron: --recompute-granularity selective"),
+    (["--train-backend", "megatron", "--use-megatron-fsdp"], "--true-on-policy with --train-backend megatron: --use-megatron-fsdp"),
     (["--rollout-engine", "sglang"], "--true-on-policy with --rollout-engine sglang"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:1"], "--true-on-policy with --rollout-external"),
     (["--rollout-top-p", "0.9"], "--true-on-policy with --rollout-top-p 0.9"),

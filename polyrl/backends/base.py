@@ -46,6 +46,8 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "lora",  # adapters on the column / row-parallel linears (polyrl/backends/megatron/lora.py)
         "images",  # Qwen2.5-VL: the HF vision tower on the first stage, its features in the decoder input (vision.py)
         "mtp_training",  # --enable-mtp-training: megatron-core's MTP block, polyrl's MTP loss (megatron/mtp.py)
+        # TP1: the scoring function over megatron's parameters (polyrl/backends/megatron/exact.py)
+        "true_on_policy",
     }),
 }
 

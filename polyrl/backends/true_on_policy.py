@@ -991,6 +991,58 @@ def check_sampling(sp, vocab: int) -> None:
                          "one the trainer scores; send top_p 1 and top_k -1")
 
 
+def scoring_shell(config, dtype: torch.dtype, device, *, checkpointing: bool = False) -> torch.nn.Module:
+    """An HF causal LM of `config` built on the meta device, prepare()d, its layers compiled where compiles() says:
+    the scoring function's module code with no weights of its own (bind_weights gives it some). Its rotary buffers
+    are real, computed on the CPU as the trainer's from_pretrained computes them, then moved to `device`. In eval
+    mode. checkpointing: a trainer's shell whose layers recompute in the backward (in train mode), with the
+    arithmetic of their forward (checkpoint_contexts), as the FSDP backend's model does."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=register_attention())
+    lm.eval().requires_grad_(False)
+    prepare(lm, dtype)
+    for name, mod in list(lm.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):  # rotary inv_freq: rebuilt on the CPU, then moved
+            fresh = type(mod)(config=mod.config).to(device)
+            parent, _, leaf = name.rpartition(".")
+            setattr(lm.get_submodule(parent) if parent else lm, leaf, fresh)
+    if checkpointing:
+        from polyrl.backends.fsdp.parallelize import apply_ac
+        apply_ac(lm, checkpoint_contexts)
+    compile_layers(lm, device)  # the trainer's model and every shell decide it alike
+    return lm
+
+
+def bind_weights(lm: torch.nn.Module, tensors, who: str) -> None:
+    """Every parameter of the shell `lm` becomes tensors[its HF name] (a tied LM head: the embedding's), no copy. A
+    tensor that requires grad (one derived under autograd from a trainer's own parameters) goes in as it is, so that
+    the shell's forward trains those parameters, as torch.func.functional_call does; any other as a frozen
+    Parameter over it. who: the holder, for the errors."""
+    tied = getattr(lm.config.get_text_config(), "tie_word_embeddings", False)
+    for name, p in list(lm.named_parameters(remove_duplicate=False)):
+        src = tensors.get(name)
+        if src is None and tied and name == "lm_head.weight":
+            src = tensors.get("model.embed_tokens.weight")
+        if src is None:
+            raise KeyError(f"--true-on-policy: {who} has no weight {name!r} for the scoring model")
+        if tuple(src.shape) != tuple(p.shape) or src.dtype != p.dtype:
+            raise ValueError(f"--true-on-policy: {name}: {who} holds {tuple(src.shape)} {src.dtype}, the "
+                             f"scoring model wants {tuple(p.shape)} {p.dtype}")
+        _put(lm, name, src if src.requires_grad else torch.nn.Parameter(src, requires_grad=False))
+
+
+def unbind_weights(lm: torch.nn.Module) -> None:
+    """The shell's parameters back on the meta device: it holds no tensor of its owner's any more."""
+    for name, p in list(lm.named_parameters(remove_duplicate=False)):
+        _put(lm, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
+
+def _put(lm: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    parent, _, leaf = name.rpartition(".")
+    lm.get_submodule(parent)._parameters[leaf] = t
+
+
 class EngineScorer:
     """The GPU engine's reporter (polyrl.rollout.gpu.engine.GPUEngine.rescore): an HF causal LM built on the meta
     device whose parameters are the engine's HF-named weight views (`weights()` -> name -> tensor), so the log-probs it
@@ -1000,18 +1052,8 @@ class EngineScorer:
 
     def __init__(self, hf_checkpoint: str, weights, *, device: torch.device, dtype: torch.dtype,
                  cuda_graph: bool = False):
-        from transformers import AutoConfig, AutoModelForCausalLM
-        config = AutoConfig.from_pretrained(hf_checkpoint)
-        with torch.device("meta"):
-            self.lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=register_attention())
-        self.lm.eval().requires_grad_(False)
-        prepare(self.lm)
-        for name, mod in list(self.lm.named_modules()):
-            if any(b.is_meta for b in mod.buffers(recurse=False)):  # rotary inv_freq: rebuilt on the CPU, then moved
-                fresh = type(mod)(config=mod.config).to(device)
-                parent, _, leaf = name.rpartition(".")
-                setattr(self.lm.get_submodule(parent) if parent else self.lm, leaf, fresh)
-        compile_layers(self.lm, device)  # as the trainer does
+        from transformers import AutoConfig
+        self.lm = scoring_shell(AutoConfig.from_pretrained(hf_checkpoint), dtype, device)
         self.weights, self.device, self._bound = weights, device, None
         from polyrl.backends.routing_replay import MoERouting
         self.routing = MoERouting.attach(self.lm)  # MoE: the routes of the scoring pass, for a request that asks (R3)
@@ -1026,17 +1068,7 @@ class EngineScorer:
         key = tuple(v.data_ptr() for v in views.values())
         if key == self._bound:
             return
-        tied = getattr(self.lm.config.get_text_config(), "tie_word_embeddings", False)
-        for name, p in list(self.lm.named_parameters(remove_duplicate=False)):
-            src = views.get(name)
-            if src is None and tied and name == "lm_head.weight":
-                src = views["model.embed_tokens.weight"]
-            if src is None:
-                raise KeyError(f"--true-on-policy: the engine has no weight {name!r} for the scoring model")
-            if tuple(src.shape) != tuple(p.shape) or src.dtype != p.dtype:
-                raise ValueError(f"--true-on-policy: {name}: the engine holds {tuple(src.shape)} {src.dtype}, the "
-                                 f"scoring model wants {tuple(p.shape)} {p.dtype}")
-            self._put(name, src)
+        bind_weights(self.lm, views, "the engine")
         self._bound = key
         if self.graphs is not None:  # graphs read the weights where they were captured
             self.graphs.use(key)
@@ -1045,14 +1077,8 @@ class EngineScorer:
         """Drop the views of the engine's weights (the engine sleeps): a Parameter that views the engine's buffer keeps
         all of it allocated, a copy of the model held through the train phase beside the trainer. The next call binds
         the views again; the graphs of the last two places stay (GraphedScoring.use)."""
-        for name, p in list(self.lm.named_parameters(remove_duplicate=False)):
-            self._put(name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        unbind_weights(self.lm)
         self._bound = None
-
-    def _put(self, name: str, t: torch.Tensor) -> None:
-        """The shell's parameter `name` becomes a frozen Parameter over t (no copy)."""
-        parent, _, leaf = name.rpartition(".")
-        self.lm.get_submodule(parent)._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
 
     @torch.no_grad()
     def __call__(self, samples: list, sp) -> list:
@@ -1083,6 +1109,15 @@ class EngineScorer:
             out["rollout/score_graph_capture_s"], self.graphs.capture_s = self.graphs.capture_s, 0.0
         self.sampler_diff, self.score_s = None, 0.0
         return out
+
+
+def _checkpoint_config(path: str | None):
+    """The checkpoint's HF config, or None where there is none to read yet (it is named where it is loaded)."""
+    import os
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
 
 
 def refuse_unsupported(cfg, command: str) -> None:
@@ -1120,6 +1155,11 @@ def refuse_unsupported(cfg, command: str) -> None:
     if m.lora_rank:
         raise no("--lora-rank", "the engine runs merged weights while the trainer adds the adapters, a different "
                  "arithmetic")
+    if cfg.cluster.train_backend == "megatron":
+        from polyrl.backends.megatron.exact import problem
+        why = problem(_checkpoint_config(m.hf_checkpoint), cfg.megatron)
+        if why is not None:
+            raise no("--train-backend megatron", why)
     if command not in ("train", "eval"):
         return
     kind = engine_kind(cfg)

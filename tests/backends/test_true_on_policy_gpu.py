@@ -35,10 +35,12 @@ def half_b(tmp_path_factory):
     return out
 
 
-def run_exact(model: str, data: str, tmp_path, monkeypatch, *extra: str) -> tuple[list[dict], list[dict], list[tuple]]:
+def run_exact(model: str, data: str, tmp_path, monkeypatch, *extra: str, backend=None
+              ) -> tuple[list[dict], list[dict], list[tuple]]:
+    """backend: the trainer's class (FSDP's by default; extra then carries its --train-backend)."""
     from polyrl.cli import main
     from polyrl.rollout.gpu.engine import GPUEngine
-    records = install_spy(monkeypatch.setattr)
+    records = install_spy(monkeypatch.setattr, backend)
     engines: list[tuple] = []
     generate = GPUEngine.generate
 

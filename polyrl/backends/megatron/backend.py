@@ -64,6 +64,7 @@ class _Micro:
     routes: dict | None = None  # MoE: router-order targets / masks of this rank's tokens (_route_plan)
     vision: dict | None = None  # vision-language: pixel inputs and [3, T] RoPE positions (_vision_inputs)
     mtp: tuple | None = None  # --enable-mtp-training, a training pass: mtp.plan_inputs (next ids, targets)
+    sequences: list | None = None  # --true-on-policy: (ids [L_i], P_i) of the micro-batch's samples (exact.py)
 
 
 @contextlib.contextmanager
@@ -142,6 +143,16 @@ class MegatronBackend:
             raise ValueError("--lora-rank with --use-megatron-fsdp: LoRA on megatron is built for the DDP / distributed "
                              "optimizer path; drop --use-megatron-fsdp")
         self.model = self._build(path, train=True)
+        self.exact = None  # --true-on-policy: the actor's forwards through the scoring function (exact.py)
+        if model_cfg.true_on_policy and role == "actor":
+            from polyrl.backends.megatron import exact
+            why = exact.problem(self.hf_config, mg) or (
+                None if self.dtype in (torch.bfloat16, torch.float32) and model_cfg.lora_rank == 0
+                else "the mode runs in BF16 or FP32, without LoRA")
+            if why is not None:
+                raise ValueError(f"--true-on-policy with --train-backend megatron: {why}")
+            self.exact = exact.ExactForward(self.hf_config, self.dtype, self.device,
+                                            checkpointing=model_cfg.gradient_checkpointing)
         self.optimizer = mm.build_optimizer(self.model, optim_cfg, self.dtype, self.ddp_config.use_distributed_optimizer,
                                             cpu_offload=mg.optimizer_cpu_offload)
         # --release-grad-buffers (DDP): the gradient buffers, zero between steps, hold no GPU memory between steps
@@ -373,6 +384,8 @@ class MegatronBackend:
                 rp = self._route_plan(pb, mb, [routes[i] for i in gidx] if (routes is not None and gidx) else None)
             vis = self._vision_inputs(mb, pb) if self.vl_config is not None else None
             out.append(_Micro(pb, fields, not gidx, gidx, rp, vis))
+            if self.exact is not None:
+                out[-1].sequences = list(zip(mb.input_ids, mb.prompt_lens))
             if mtp_depths:
                 from polyrl.backends.megatron import mtp
                 out[-1].mtp = mtp.plan_inputs(mb.input_ids, pb, mtp_depths)
@@ -405,10 +418,16 @@ class MegatronBackend:
         chunk_ids = {id(c): i for i, c in enumerate(model)}
         micro_ids = {id(m): i for i, m in enumerate(micros)}
         teacher = model is self.teacher_model  # a teacher of another size has its own vocabulary and RoPE
+        exact = self.exact is not None and model is self.model and self.role == "actor"
         hf_config, rope = (self.teacher_hf_config, self._teacher_rope) if teacher else (self.hf_config, self._rope)
 
         def forward_step(data_iterator, chunk):
             item = next(data_iterator)
+            if exact:  # the scoring function over this chunk's parameters (exact.py), not megatron's layers
+                c = mm.unwrap(chunk)
+                out = self.exact(c.named_parameters(), item.sequences, temperature=temperature,
+                                 with_entropy=with_entropy, training=c.training)
+                return out, functools.partial(loss_func, item)
             if self.routing is not None and model is self.model:
                 rp = item.routes
                 self.routing.begin(chunk_ids[id(chunk)], micro_ids[id(item)], targets=rp["targets"], has=rp["has"],
@@ -442,6 +461,8 @@ class MegatronBackend:
         finally:
             if self.routing is not None and model is self.model:
                 self.routing.end()
+            if exact:
+                self.exact.release()
 
     # ---- TrainBackend ---------------------------------------------------------------------
     @torch.no_grad()
