@@ -365,8 +365,8 @@ class ModelConfig:
                                       "(packed rows, fixed-block GEMMs and norms, per-sequence attention; on CUDA the dense "
                                       "layers compiled on both sides), so "
                                       "train_rollout_logprob_abs_diff is exactly 0 and the rollout's log-probs serve as "
-                                      "the old policy's; FSDP backend; embedded or server engine; CPU FP32 or GPU "
-                                      "BF16/FP32; dense and MoE (docs/true-on-policy.md)")
+                                      "the old policy's; FSDP backend (dense and MoE), or Megatron at TP1 (dense); "
+                                      "embedded or server engine; CPU FP32 or GPU BF16/FP32 (docs/true-on-policy.md)")
     fsdp_cpu_offload: bool = opt(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU")
     offload_train: bool = opt(False, "move actor params/grads/optimizer off the GPU between steps")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-sync bucket")
