@@ -127,16 +127,14 @@ def check_setup(cfg: Config, command: str) -> None:
 def refuse_for_model(cfg: Config, command: str) -> None:
     """ConfigError for flags the FSDP backend cannot run this checkpoint's architecture with, and --enable-mtp-training
     on a checkpoint without MTP layers (either backend), read from its config.json before any weight loads."""
-    import os
     fsdp = cfg.cluster.train_backend == "fsdp"
     if command not in ("train", "sft") or not (fsdp or cfg.model.enable_mtp_training):
         return
     path = cfg.model.hf_checkpoint
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return  # a missing checkpoint is named where it is loaded
-    from transformers import AutoConfig
     from polyrl import hf_families
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = hf_families.checkpoint_config(path)
+    if hf_config is None:
+        return  # a missing checkpoint is named where it is loaded
     problem = (hf_families.fsdp_layout_problem(hf_config, cfg.model.attn_implementation, cfg.batch.micro_batch_layout)
                if fsdp else None)
     if problem is not None:

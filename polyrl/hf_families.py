@@ -143,3 +143,12 @@ def dequantized_load(config: Any) -> dict:
         return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)}
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
+
+def checkpoint_config(path: str | None):
+    """The HF config in checkpoint directory `path`, or None where there is none to read yet (a missing checkpoint is
+    named where it is loaded): what start-up checks read before any weight loads."""
+    import os
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)

@@ -1111,15 +1111,6 @@ class EngineScorer:
         return out
 
 
-def _checkpoint_config(path: str | None):
-    """The checkpoint's HF config, or None where there is none to read yet (it is named where it is loaded)."""
-    import os
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return None
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
-
-
 def refuse_unsupported(cfg, command: str) -> None:
     """ConfigError for a setting that --true-on-policy cannot keep exact (after config.validate). The backend kind is
     checked with the other capabilities (polyrl.capabilities.NEEDS); the engine kind, the device, the dtype and the
@@ -1157,7 +1148,8 @@ def refuse_unsupported(cfg, command: str) -> None:
                  "arithmetic")
     if cfg.cluster.train_backend == "megatron":
         from polyrl.backends.megatron.exact import problem
-        why = problem(_checkpoint_config(m.hf_checkpoint), cfg.megatron)
+        from polyrl.hf_families import checkpoint_config
+        why = problem(checkpoint_config(m.hf_checkpoint), cfg.megatron)
         if why is not None:
             raise no("--train-backend megatron", why)
     if command not in ("train", "eval"):
