@@ -126,9 +126,16 @@ def assert_exact_rows(rs: list[dict]) -> None:
 
 
 # ---- one rank, the embedded engine ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("mbs", ["1", "3", "8", "3-one-launch"])
+@pytest.mark.parametrize("mbs", ["1", "3", "8", "3-one-launch", "budget"])
 def test_exact_at_every_micro_batch_size(args, monkeypatch, mbs):
+    """budget: token-budget micro-batches, laid out to pad to fewer blocks (fewer_blocks) than token-balanced bins."""
     launches, one = [], mbs.endswith("one-launch")
+    fewer: list[bool] = []
+    if mbs == "budget":
+        import polyrl.backends.fsdp.backend as fsdp_backend
+        from polyrl.backends.base import fewer_blocks
+        monkeypatch.setattr(fsdp_backend, "fewer_blocks", lambda plans, *a, **kw: (
+            lambda out: fewer.append(out is not plans) or out)(fewer_blocks(plans, *a, **kw)))
     if one:  # every pack's Linears in one batched GEMM each (ONE_LAUNCH), engine and trainer
         import polyrl.backends.true_on_policy as top
         monkeypatch.setattr(top, "ONE_LAUNCH", True)
@@ -136,13 +143,46 @@ def test_exact_at_every_micro_batch_size(args, monkeypatch, mbs):
         monkeypatch.setattr(top._OneLaunchLinear, "apply", lambda *a: launches.append(1) or apply(*a))
         mbs = mbs.split("-")[0]
     records = install_spy(monkeypatch.setattr)
-    rs = train(args(f"mbs{mbs}", "--micro-batch-size", mbs))
+    sizes = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "128"] if mbs == "budget" else ["--micro-batch-size", mbs]
+    rs = train(args(f"mbs{mbs}", *sizes))
     assert bool(launches) == one  # the variant ran its Linears in one launch, the others through the operator
+    assert any(fewer) == (mbs == "budget"), fewer  # two-block budgets: some step's plan padded to fewer blocks
     assert_exact_rows(rs)
     # 3 steps x 16 samples x 1..6 tokens: every one compared
     assert 3 * 16 <= assert_every_token_exact(records) <= 3 * 16 * 6
     assert {r["call"] for r in records} == {1, 2, 3}
     assert all(0 < r["rollout/sampler_logprob_abs_diff_max"] < 1e-4 for r in rs)  # the sampler: decode's rounding
+
+
+def test_micro_batches_pad_to_fewer_blocks():
+    """fewer_blocks: as many micro-batches, every sample once, each within the budget once padded, and never more
+    blocks than the token-balanced plan; the GRPO bench's 128 x 296 tokens in two 24,576-token micro-batches pad to
+    19 blocks of 2,048 rows instead of 20."""
+    import random
+
+    from polyrl.backends.base import fewer_blocks, padded_blocks, plan_micro_batches
+    lens = [296] * 128
+    balanced = plan_micro_batches(lens, max_tokens=24576)
+    assert len(balanced) == 2 and padded_blocks(balanced, lens, 2048) == 20
+    plans = fewer_blocks(balanced, lens, max_tokens=24576, block=2048)
+    assert len(plans) == 2 and padded_blocks(plans, lens, 2048) == 19
+    rng = random.Random(0)
+    improved = 0
+    for _ in range(200):
+        lens = [rng.randint(20, 700) for _ in range(rng.randint(1, 60))]
+        budget, block = rng.choice([(4096, 1024), (3000, 1024), (16384, 2048), (700, 64)])
+        balanced = plan_micro_batches(lens, max_tokens=budget, num_micro_batches=rng.randint(1, 4))
+        plans = fewer_blocks(balanced, lens, max_tokens=budget, block=block)
+        assert len(plans) == len(balanced) and sorted(i for p in plans for i in p) == list(range(len(lens)))
+        assert padded_blocks(plans, lens, block) <= padded_blocks(balanced, lens, block)
+        if plans is not balanced:
+            improved += 1
+            assert all(-(-sum(lens[i] for i in p) // block) * block <= budget for p in plans)
+    assert improved > 20
+    # a budget below one block, or a sample longer than the budget's whole blocks: the plan as it was
+    one = [[0], [1]]
+    assert fewer_blocks(one, [30, 30], max_tokens=50, block=64) is one
+    assert fewer_blocks(one, [3000, 30], max_tokens=3000, block=1024) is one
 
 
 def test_activation_checkpointing_recomputes_the_modes_arithmetic(args):

@@ -96,6 +96,39 @@ def load_backend_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def padded_blocks(plans: list[list[int]], lengths: list[int], block: int) -> int:
+    """The blocks of `block` rows the micro-batches `plans` fill when each is padded to whole blocks (an empty one runs
+    a padded dummy: one block)."""
+    return sum(max(-(-sum(lengths[i] for i in p) // block), 1) for p in plans)
+
+
+def fewer_blocks(plans: list[list[int]], lengths: list[int], *, max_tokens: int, block: int) -> list[list[int]]:
+    """As many micro-batches as `plans`, each at most max_tokens rows once padded to whole blocks, that pad to fewer
+    blocks in all, where a first-fit-decreasing packing finds them (else `plans`). --true-on-policy pads every
+    micro-batch to whole blocks (polyrl.backends.true_on_policy.ROWS), where token-balanced bins round each bin up:
+    two bins of 18,944 tokens pad to 2 x 20,480 rows, bins of 19,832 and 18,056 tokens to 20,480 + 18,432."""
+    k, cap = len(plans), max_tokens // block
+    if not k or cap == 0 or not lengths or max(lengths) > cap * block:
+        return plans
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for blocks in range(max(-(-sum(lengths) // block), k), padded_blocks(plans, lengths, block)):
+        base, extra = divmod(blocks, k)
+        if base + (extra > 0) > cap:
+            break
+        caps = [(base + (j < extra)) * block for j in range(k)]
+        bins: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in order:
+            j = max(range(k), key=lambda b: caps[b] - load[b])  # the bin with the most room left
+            if load[j] + lengths[i] > caps[j]:
+                break
+            bins[j].append(i)
+            load[j] += lengths[i]
+        else:
+            return [sorted(b) for b in bins]
+    return plans
+
+
 def plan_micro_batches(lengths: list[int], *, micro_batch_size: int | None = None, max_tokens: int | None = None,
                        num_micro_batches: int | None = None) -> list[list[int]]:
     """Split sample indices into micro-batches.

@@ -95,8 +95,13 @@ def checkpoint_contexts() -> tuple:
     return contextlib.nullcontext(), again
 
 
+def block_rows(device) -> int:
+    """The rows of every block (ROWS) on `device`: a trainer's micro-batch is padded to a whole number of them."""
+    return ROWS.get(torch.device(device).type, ROWS["cuda"])
+
+
 def _rows(x: torch.Tensor) -> int:
-    return ROWS.get(x.device.type, ROWS["cuda"])
+    return block_rows(x.device)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -454,7 +459,7 @@ def one_launch_ok(lm: torch.nn.Module, tokens: int, device) -> int:
     Linear's shape and layout: a sharded FSDP weight has no full local tensor before its layer runs, and cuBLAS picks
     its kernel by shape, not by values), and never while a CUDA graph is being captured (the engine's scoring graphs
     run an eager warm-up first, which checks)."""
-    rows = ROWS.get(torch.device(device).type, ROWS["cuda"])
+    rows = block_rows(device)
     blocks = tokens // rows
     if not ONE_LAUNCH or tokens % rows or blocks < 1:
         return 0
@@ -672,7 +677,7 @@ def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targ
 def packed_tokens(lens: list[int], device: torch.device) -> int:
     """The token count of sequences_logprobs' pack of sequences of `lens` tokens (a dummy last sequence pads it to a
     whole number of ROWS: every layer then sees whole blocks, no per-layer pad)."""
-    return sum(lens) + (-sum(lens)) % ROWS.get(torch.device(device).type, ROWS["cuda"])
+    return sum(lens) + (-sum(lens)) % block_rows(device)
 
 
 def pack_positions(lens: list[int], device: torch.device) -> tuple[list[torch.Tensor], int]:

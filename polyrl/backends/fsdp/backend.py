@@ -20,14 +20,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from polyrl import hf_families
 from polyrl.algorithms.losses import merge_metric
-from polyrl.backends.base import LossFn, plan_micro_batches, to_device
+from polyrl.backends.base import LossFn, fewer_blocks, plan_micro_batches, to_device
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
 from polyrl.backends.fsdp.mtp import mtp_logprobs, mtp_loss, mtp_token_counts, mtp_token_weights
 from polyrl.backends.fsdp.parallelize import apply_ac, apply_compile, apply_fsdp
 from polyrl.backends.logprobs import chunked_logprobs
 from polyrl import multimodal
 from polyrl.backends.parallel_dims import ParallelDims
-from polyrl.backends.true_on_policy import pack_positions, pin_threads, sequences_logprobs, sequences_to_device
+from polyrl.backends.true_on_policy import (block_rows, pack_positions, pin_threads, sequences_logprobs,
+                                           sequences_to_device)
 from polyrl.weight_sync import WeightExport, direct
 from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
 from polyrl.types import TrainBatch
@@ -396,6 +397,8 @@ class FSDPBackend:
         if dist.get_world_size() > 1:  # every rank must run the same number of FSDP forwards
             dist.all_reduce(k, op=dist.ReduceOp.MAX)
         plans = plan_micro_batches(lens, num_micro_batches=int(k), **kw)
+        if self.exact and dyn and lens:  # the same count of micro-batches, padded to fewer blocks in all
+            plans = fewer_blocks(plans, lens, max_tokens=kw["max_tokens"], block=block_rows(self.device))
         if self.layout == "padded" and not dyn:  # similar lengths share a micro-batch: less padding
             order = sorted(range(len(lens)), key=lambda i: lens[i])
             plans = [sorted(order[i] for i in p) for p in plans]

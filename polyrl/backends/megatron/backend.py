@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.algorithms.losses import merge_metric
-from polyrl.backends.base import LossFn, plan_micro_batches, to_device
+from polyrl.backends.base import LossFn, fewer_blocks, plan_micro_batches, to_device
 from polyrl.backends.megatron import compat
 from polyrl.backends.parallel_dims import ParallelDims
 from polyrl.config import BatchConfig, MegatronConfig, ModelConfig, OptimizerConfig
@@ -366,6 +366,9 @@ class MegatronBackend:
         if self.vpp:
             k = -(-k // self.dims.pp) * self.dims.pp
         local = plan_micro_batches(slens, num_micro_batches=k, **kw) if slens else [[] for _ in range(k)]
+        if self.exact is not None and dyn and slens:  # as many micro-batches, padded to fewer blocks in all
+            from polyrl.backends.true_on_policy import block_rows
+            local = fewer_blocks(local, slens, max_tokens=kw["max_tokens"], block=block_rows(self.device))
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         sp = self.dims.tp if self.config.sequence_parallel else 1
         from polyrl.backends.megatron import thd
