@@ -64,6 +64,7 @@ def run_mode(a, model_dir: str, data: str, work: str, exact: bool) -> dict:
     out["all_steps_diff_max"] = [r.get("train_rollout_logprob_abs_diff_max") for r in rows]
     per_step = ("step", "time/step", "time/rollout", "rollout/generate_s", "time/train", "time/gc", "rollout/score_s",
                 "rollout/score_graph_captures", "rollout/score_graph_resets", "rollout/score_graph_capture_s",
+                "rollout/score_graph_compiles",
                 "rollout/graph_captures", "rollout/graph_capture_s", *PEAKS, "memory/alloc_retries")
     out["all_steps"] = [{k: r.get(k) for k in per_step} for r in rows if "time/step" in r]
     out["command"] = "polyrl " + " ".join(argv)

@@ -349,10 +349,12 @@ def test_the_gpu_engines_scorer_reports_the_scoring_function_over_its_own_weight
     # with CUDA graphs (GPU only: a stand-in here) the stats also carry the scoring graphs captured, the sets dropped
     # and the captures' seconds, each counted from the last stats()
     eng.generate(prompts, sp)
-    eng.rescore.graphs = types.SimpleNamespace(sets=types.SimpleNamespace(drain=lambda: (2, 1)), capture_s=1.5)
+    eng.rescore.graphs = types.SimpleNamespace(sets=types.SimpleNamespace(drain=lambda: (2, 1)), capture_s=1.5,
+                                               compiles=3)
     st = eng.stats()
-    assert [st[f"rollout/score_graph_{k}"] for k in ("captures", "resets", "capture_s")] == [2.0, 1.0, 1.5]
-    assert eng.rescore.graphs.capture_s == 0.0
+    assert [st[f"rollout/score_graph_{k}"] for k in ("captures", "resets", "capture_s", "compiles")] == [2.0, 1.0, 1.5,
+                                                                                                     3.0]
+    assert eng.rescore.graphs.capture_s == 0.0 and eng.rescore.graphs.compiles == 0
 
 
 # ---- the shared function ----------------------------------------------------------------------------------------

@@ -861,6 +861,7 @@ class GraphedScoring:
         self.pool = None
         self.stream = torch.cuda.Stream(device)  # captures here: a cuBLAS workspace apart from the decode graphs'
         self.capture_s = 0.0  # wall seconds of warm-ups and captures since the last stats()
+        self.compiles = 0  # graphs torch.compile made during those warm-ups (a new shape can recompile the layers)
 
     def use(self, addresses: tuple) -> None:
         """The weights are at `addresses` now: replay the graphs captured for them, if any."""
@@ -887,8 +888,11 @@ class GraphedScoring:
     def _capture(self, T: int, G: int | None, slots: int, bound: int, temperature: float) -> tuple:
         import time
 
+        from torch._dynamo.utils import counters
+
         from polyrl.rollout.gpu.graphs import capture
         t0, d = time.perf_counter(), self.device
+        compiled = counters["stats"]["unique_graphs"]
         # until the first replay's inputs are copied in: sequences of `bound` tokens (T <= slots x bound holds for
         # every pack of this key, so the warm-up and the capture see a valid pack), unshared
         ids, rows, targets = (torch.zeros(T, dtype=torch.long, device=d) for _ in range(3))
@@ -903,6 +907,7 @@ class GraphedScoring:
                                                             False, *layout), pool=self.pool, device=d,
                             stream=self.stream)
         self.capture_s += time.perf_counter() - t0  # capture() waited for the warm-up; a capture runs nothing
+        self.compiles += counters["stats"]["unique_graphs"] - compiled
         return (ids, pos, cu, rows, targets, *shared), logp, graph
 
 
@@ -1104,7 +1109,8 @@ class EngineScorer:
     def stats(self) -> dict[str, float]:
         """rollout/sampler_logprob_abs_diff_max (the sampler's distance from exact) and rollout/score_s (the scoring
         passes' wall time) since the last call; with CUDA graphs, those captured for new pack shapes, the sets dropped
-        for a new place of the weights, and the seconds the captures took (part of rollout/score_s)."""
+        for a new place of the weights, the seconds the captures took (part of rollout/score_s), and the graphs
+        torch.compile made in their warm-ups (a capture that compiles takes seconds, one that does not ~0.2 s)."""
         if self.sampler_diff is None:
             return {}
         out = {"rollout/sampler_logprob_abs_diff_max": self.sampler_diff, "rollout/score_s": self.score_s}
@@ -1112,6 +1118,7 @@ class EngineScorer:
             captures, resets = self.graphs.sets.drain()
             out["rollout/score_graph_captures"], out["rollout/score_graph_resets"] = float(captures), float(resets)
             out["rollout/score_graph_capture_s"], self.graphs.capture_s = self.graphs.capture_s, 0.0
+            out["rollout/score_graph_compiles"], self.graphs.compiles = float(self.graphs.compiles), 0
         self.sampler_diff, self.score_s = None, 0.0
         return out
 
