@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-rest
+.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-exact test-gpu-rest
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,10 +33,12 @@ test: $(STAMP)
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
-# (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. The whole suite took 526 s on one
-# H100 with four workers (bench/RESULTS.md#gpu-test-runs); for one 10-minute device call each, run its two halves,
-# test-gpu-megatron and test-gpu-rest.
+# (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. For one 10-minute device call
+# each, run its three parts with three workers on one H200 (bench/RESULTS.md#gpu-test-runs): test-gpu-megatron
+# (529 s), test-gpu-exact (the --true-on-policy runs of both backends: 193 s and 109 s apart) and test-gpu-rest
+# (445 s with the FSDP exact runs in it).
 GPU_WORKERS ?= 3
+GPU_EXACT = tests/backends/test_true_on_policy_gpu.py tests/backends/megatron/test_megatron_exact_gpu.py
 GPU_MEGATRON = tests/backends/megatron tests/backends/test_megatron_lora_gpu.py
 GPU_PATHS ?= tests
 test-gpu:
@@ -44,10 +46,13 @@ test-gpu:
 		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS))
 
 test-gpu-megatron:
-	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON)"
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON) $(addprefix --ignore=,$(GPU_EXACT))"
+
+test-gpu-exact:
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_EXACT)"
 
 test-gpu-rest:
-	$(MAKE) test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON))"
+	$(MAKE) test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON) $(GPU_EXACT))"
 
 clean:
 	rm -rf $(VENV) runs
