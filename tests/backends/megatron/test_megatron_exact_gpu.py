@@ -5,7 +5,7 @@ Every loss-masked token of 3 GRPO steps must agree bit for bit (the loss's raw p
 shape (random weights, tied embeddings, QKV biases) with and without --gradient-checkpointing, and on tiny Qwen3 and
 Llama (untied) shapes. Each run is a process of its own (megatron's parallel state is global).
 
-Skipped with a reason on CPU or without megatron-core (Python 3.12, GPU machines: make test-gpu-megatron).
+Skipped with a reason on CPU or without megatron-core (Python 3.12, GPU machines: make test-gpu-exact).
 """
 
 from __future__ import annotations
