@@ -111,3 +111,43 @@ def test_settings_the_megatron_shell_cannot_run_are_named(tmp_path):
     assert "--custom-model-provider-path" in why(custom_model_provider_path="m.py:f")
     moe = AutoConfig.for_model("qwen3_moe", num_hidden_layers=1, hidden_size=32, num_attention_heads=2)
     assert "'qwen3_moe'" in problem(moe, mg)
+
+
+def test_the_megatron_plan_in_the_mode_pads_to_fewer_blocks_and_carries_each_sample(monkeypatch):
+    """MegatronBackend._plan (its pure part: no megatron-core, one rank) with --true-on-policy and a token budget: as
+    many micro-batches as the token-balanced plan, padded to fewer whole blocks (fewer_blocks: 8 samples of 36 tokens
+    in a 192-token budget pad to 5 blocks of 64 rows, not 6), each carrying its samples as (ids, prompt length) in
+    the order of its packed batch's response tokens."""
+    import types
+
+    import torch.distributed as dist
+
+    from polyrl.backends.base import padded_blocks
+    from polyrl.backends.megatron.backend import MegatronBackend
+    from polyrl.config import BatchConfig
+    from polyrl.types import TrainBatch
+    one = types.SimpleNamespace(get_data_parallel_world_size=lambda: 1, get_data_parallel_rank=lambda: 0,
+                                get_context_parallel_world_size=lambda: 1, get_context_parallel_rank=lambda: 0)
+    monkeypatch.setattr(MegatronBackend, "ps", property(lambda self: one))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 1)
+    be = object.__new__(MegatronBackend)
+    be.bcfg = BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=192)
+    be.device, be.vpp, be.routing, be.vl_config = torch.device("cpu"), None, None, None
+    be.dims = types.SimpleNamespace(tp=1, pp=1)
+    be.config = types.SimpleNamespace(sequence_parallel=False)
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, 50, (36,), generator=g) for _ in range(8)]
+    glob = TrainBatch(ids, [10 + i for i in range(8)], {"loss_mask": [torch.ones(26 - i) for i in range(8)]})
+    lens = [36] * 8
+    for exact in (None, object()):
+        be.exact = exact
+        micros = be._plan(glob)
+        plans = [m.index for m in micros]
+        assert len(plans) == 2 and sorted(i for p in plans for i in p) == list(range(8))
+        assert padded_blocks(plans, lens, 64) == (6 if exact is None else 5)
+        for m in micros:
+            if exact is None:
+                assert m.sequences is None
+                continue
+            assert [(x.tolist(), p) for x, p in m.sequences] == [(ids[i].tolist(), 10 + i) for i in m.index]
+            assert m.pb.response_lens == [int(x.numel()) - p for x, p in m.sequences]
