@@ -126,26 +126,18 @@ def assert_exact_rows(rs: list[dict]) -> None:
 
 
 # ---- one rank, the embedded engine ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("mbs", ["1", "3", "8", "3-one-launch", "budget"])
+@pytest.mark.parametrize("mbs", ["1", "3", "8", "budget"])
 def test_exact_at_every_micro_batch_size(args, monkeypatch, mbs):
     """budget: token-budget micro-batches, laid out to pad to fewer blocks (fewer_blocks) than token-balanced bins."""
-    launches, one = [], mbs.endswith("one-launch")
     fewer: list[bool] = []
     if mbs == "budget":
         import polyrl.backends.fsdp.backend as fsdp_backend
         from polyrl.backends.base import fewer_blocks
         monkeypatch.setattr(fsdp_backend, "fewer_blocks", lambda plans, *a, **kw: (
             lambda out: fewer.append(out is not plans) or out)(fewer_blocks(plans, *a, **kw)))
-    if one:  # every pack's Linears in one batched GEMM each (ONE_LAUNCH), engine and trainer
-        import polyrl.backends.true_on_policy as top
-        monkeypatch.setattr(top, "ONE_LAUNCH", True)
-        apply = top._OneLaunchLinear.apply
-        monkeypatch.setattr(top._OneLaunchLinear, "apply", lambda *a: launches.append(1) or apply(*a))
-        mbs = mbs.split("-")[0]
     records = install_spy(monkeypatch.setattr)
     sizes = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "128"] if mbs == "budget" else ["--micro-batch-size", mbs]
     rs = train(args(f"mbs{mbs}", *sizes))
-    assert bool(launches) == one  # the variant ran its Linears in one launch, the others through the operator
     assert any(fewer) == (mbs == "budget"), fewer  # two-block budgets: some step's plan padded to fewer blocks
     assert_exact_rows(rs)
     # 3 steps x 16 samples x 1..6 tokens: every one compared
@@ -885,55 +877,6 @@ def test_batched_blocks_use_only_counts_whose_blocks_equal_one_block_alone():
     for xb, ob in zip(x.split(rows), ref.split(rows)):
         BlockBatches()._launch(xb, w, None, ob, rows)
     assert torch.equal(got, ref)
-
-
-def test_one_launch_linears_give_the_operators_bits_and_gradients(tiny_model, monkeypatch):
-    """_OneLaunchLinear (a pack's blocks in one batched GEMM, in ops torch.compile traces) against the fixed_rows_linear
-    operator it replaces: the same log-probs and the same gradients bit for bit, on a pack of several blocks; it is
-    used only where one_launch_ok checked the pack's block count for every body Linear (the LM head is not among
-    them), and a count that fails its check leaves the pack to the operator."""
-    from transformers import AutoModelForCausalLM
-
-    import polyrl.backends.true_on_policy as top
-    top.pin_threads()
-    lm = top.prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
-    g = torch.Generator().manual_seed(0)
-    seqs = [(torch.randint(0, 14, (n,), generator=g), p) for n, p in ((90, 4), (61, 60), (140, 1))]
-    assert top.packed_tokens([len(x) for x, _ in seqs], "cpu") >= 4 * top.ROWS["cpu"]
-    calls = {"one": 0}
-    one = top._OneLaunchLinear.apply
-
-    def run(launch_all: bool):
-        monkeypatch.setattr(top._OneLaunchLinear, "apply", lambda *a: calls.__setitem__("one", calls["one"] + 1) or one(*a))
-        monkeypatch.setattr(top, "one_launch_ok", (lambda *a: top.ROWS["cpu"]) if launch_all else (lambda *a: 0))
-        lm.zero_grad()
-        logp = top.sequences_logprobs(lm, seqs, temperature=0.8)[0]
-        (logp * torch.linspace(-1, 1, logp.numel())).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()}
-
-    lp_one, grads_one = run(True)
-    assert calls["one"] > 0
-    used = calls["one"]
-    lp_op, grads_op = run(False)
-    assert calls["one"] == used  # the operator's run made no one-launch call
-    assert torch.equal(lp_one, lp_op)
-    assert all(torch.equal(grads_one[n], grads_op[n]) for n in grads_op)
-    monkeypatch.undo()
-    # the real check: the pack's count checked on random weights of each body Linear's shape, the head's not
-    assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"], "cpu") == 0  # off (ONE_LAUNCH) until proved on a GPU
-    monkeypatch.setattr(top, "ONE_LAUNCH", True)
-    assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"], "cpu") == top.ROWS["cpu"]
-    assert tuple(lm.get_output_embeddings().weight.shape) not in {shape for shape, _, _ in lm._polyrl_linear_shapes}
-    assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"] + 1, "cpu") == 0  # not whole blocks
-    monkeypatch.setattr(top.BATCHED, "usable_shape", lambda *a: False)
-    assert top.one_launch_ok(lm, 4 * top.ROWS["cpu"], "cpu") == 0
-    # a trainer whose FP32 shards compute in BF16 (FSDP's mixed precision) has its BF16 GEMMs checked, not FP32 ones
-    # (FP32 checks failed on the GPU at 19 blocks and left every pack to the operator)
-    asked = []
-    monkeypatch.setattr(top.BATCHED, "usable_shape", lambda shape, dtype, *a: asked.append(dtype) or True)
-    mixed = top.prepare(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), torch.bfloat16)
-    assert top.one_launch_ok(mixed, 4 * top.ROWS["cpu"], "cpu") == top.ROWS["cpu"]
-    assert asked and set(asked) == {torch.bfloat16}
 
 
 def test_report_replaces_each_samples_logprobs_and_returns_the_samplers_largest_distance():

@@ -10,10 +10,7 @@ does not depend on the pack. Linear layers run on fixed blocks of ROWS rows, so 
 micro-batch, server batch or pack; a GEMM never mixes rows, and with one shape cuBLAS / MKL pick one kernel, so a
 token's result does not depend on its neighbours or its place in the pack (tests/test_true_on_policy.py checks this
 bit for bit). Several blocks share a batched launch, at batch counts checked to give each block's bits
-(BlockBatches); with ONE_LAUNCH (off until proved on a GPU), where a pack's count is checked for every Linear of the
-body, all its blocks go in one launch written in ops that torch.compile traces (_OneLaunchLinear), so that a compiled
-layer makes it with no Python per call. RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one
-program per row (`rms_rows`:
+(BlockBatches). RMSNorms run on fixed blocks too on CPU; on CUDA a Triton kernel with one program per row (`rms_rows`:
 its reduction order is the compiled kernel's, whatever the launch's row count) does them in one launch. Only the
 values need that: the backward of a Linear is two whole GEMMs and a norm's is its plain autograd over all rows. Attention on CUDA in BF16 is one FlashAttention varlen
 call (each sequence's query blocks are their own programs, reducing over that sequence's keys in a fixed order);
@@ -57,10 +54,6 @@ def pin_threads(device: torch.device | str = "cpu") -> None:
 # per layer, small enough that the zero padding of the last block stays cheap for the tiny CPU models (the same device
 # type on both sides: one value)
 ROWS = {"cpu": 64, "cuda": 2048}
-# a pack's Linears in one batched GEMM each, written in traceable ops (_OneLaunchLinear, one_launch_ok): off until
-# proved on a GPU (bits against the operator in compiled layers, and the speed of the exact train phase); on CPU the
-# tests prove it (tests/test_true_on_policy.py)
-ONE_LAUNCH = False
 # rows per chunk of the log-prob head (a divisor of ROWS): its [chunk, vocabulary] logits are the chunk's memory
 HEAD_ROWS = {"cpu": 64, "cuda": 1024}
 ATTENTION = "polyrl_invariant"
@@ -71,16 +64,14 @@ _mode = threading.local()
 
 
 @contextlib.contextmanager
-def invariant(one_launch: int = 0):
-    """Linear layers and RMSNorms of prepared models run on fixed blocks (this thread, while the context is open).
-    one_launch: the block rows when every Linear of the pack may run its blocks in one batched GEMM (one_launch_ok),
-    written in traceable ops (_OneLaunchLinear); 0: the fixed_rows_linear operator."""
-    prev = getattr(_mode, "on", False), getattr(_mode, "one_launch", 0)
-    _mode.on, _mode.one_launch = True, one_launch
+def invariant():
+    """Linear layers and RMSNorms of prepared models run on fixed blocks (this thread, while the context is open)."""
+    prev = getattr(_mode, "on", False)
+    _mode.on = True
     try:
         yield
     finally:
-        _mode.on, _mode.one_launch = prev
+        _mode.on = prev
 
 
 def _active() -> bool:
@@ -91,8 +82,7 @@ def checkpoint_contexts() -> tuple:
     """torch.utils.checkpoint's context_fn for the trainer's activation checkpointing (--gradient-checkpointing): a
     layer recomputed in the backward, outside the scoring context (and maybe on autograd's own thread), runs the
     arithmetic its forward ran, so the recomputation saves the same tensors and the gradient its values."""
-    again = invariant(getattr(_mode, "one_launch", 0)) if _active() else contextlib.nullcontext()
-    return contextlib.nullcontext(), again
+    return contextlib.nullcontext(), (invariant() if _active() else contextlib.nullcontext())
 
 
 def block_rows(device) -> int:
@@ -180,34 +170,15 @@ class BlockBatches:
         self.checks += 1
         return ok
 
-    def _known(self, key: tuple, count: int) -> bool | None:
-        """Whether `count` is usable for `key`, where that is known (count 1 always is), else None."""
+    def _usable(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
         if count == 1 or count in self.good.get(key, ()):
             return True
-        return False if count in self.bad.get(key, ()) else None
-
-    def _usable(self, key: tuple, count: int, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
-        known = self._known(key, count)
-        if known is not None:
-            return known
         # the check's input and its two outputs must fit in check_bytes
         size = count * rows * (weight.shape[1] + 2 * weight.shape[0]) * weight.element_size()
-        if (weight.is_cuda and torch.cuda.is_current_stream_capturing()) or size > self.check_bytes:
+        if (count in self.bad.get(key, ()) or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+                or size > self.check_bytes):
             return False
         return self._check(key, count, weight, bias, rows)
-
-    def usable_shape(self, shape: tuple, dtype: torch.dtype, bias: bool, device: torch.device, count: int,
-                     rows: int) -> bool:
-        """_usable for a weight of this shape, contiguous, checked on random values (one_launch_ok)."""
-        key = (torch.Size(shape), (shape[1], 1), dtype, bias, -1 if device.type == "cpu" else
-               (device.index if device.index is not None else torch.cuda.current_device()))
-        known = self._known(key, count)
-        if known is not None:
-            return known
-        gen = torch.Generator(device).manual_seed(0)
-        weight = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-        b = torch.randn(shape[0], device=device, dtype=dtype, generator=gen) if bias else None
-        return self._usable(key, count, weight, b, rows)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             rows: int) -> None:
@@ -428,60 +399,10 @@ def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, wrap=None) ->
     return y
 
 
-class _OneLaunchLinear(torch.autograd.Function):
-    """x [B x rows, K] W^T + b as one batched GEMM whose batch is the B blocks, the weight (and bias) broadcast with a
-    zero batch stride: the launch BlockBatches makes, written in torch ops that torch.compile traces, so that a
-    compiled layer makes it from Inductor's generated code (one extern bmm / baddbmm call on views of the same
-    strides) instead of through a Python operator on every call. Only for a count of blocks whose bits were checked
-    (one_launch_ok). The gradient is the layer's own, two whole GEMMs."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, rows: int):
-        x = x.contiguous()  # the blocks are views of x's rows (a no-op for the layers' own outputs)
-        b = x.shape[0] // rows
-        x3, w3 = x.view(b, rows, x.shape[1]), weight.t().expand(b, -1, -1)
-        y = torch.bmm(x3, w3) if bias is None else torch.baddbmm(bias.expand(b, rows, -1), x3, w3)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return y.view(x.shape[0], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        return (g @ weight if need[0] else None, g.t() @ x if need[1] else None,
-                g.sum(0) if ctx.has_bias and need[2] else None, None)
-
-
-def one_launch_ok(lm: torch.nn.Module, tokens: int, device) -> int:
-    """The block rows if every prepared Linear of lm may run a pack of `tokens` rows (a whole number of blocks) as one
-    batched GEMM, else 0: that block count is checked once per weight shape (BlockBatches, on random weights of the
-    Linear's shape and layout: a sharded FSDP weight has no full local tensor before its layer runs, and cuBLAS picks
-    its kernel by shape, not by values), and never while a CUDA graph is being captured (the engine's scoring graphs
-    run an eager warm-up first, which checks)."""
-    rows = block_rows(device)
-    blocks = tokens // rows
-    if not ONE_LAUNCH or tokens % rows or blocks < 1:
-        return 0
-    shapes = getattr(lm, "_polyrl_linear_shapes", None)
-    if shapes is None:  # the decoder body's Linears (the LM head runs in the chunked log-prob head)
-        body = getattr(lm, lm.base_model_prefix)
-        compute = getattr(lm, "_polyrl_compute_dtype", None)  # the GEMMs' dtype, not an FP32 shard's
-        shapes = {(tuple(m.weight.shape), compute or m.weight.dtype, m.bias is not None)
-                  for m in body.modules() if isinstance(m, torch.nn.Linear) and getattr(m, "_polyrl_invariant", False)}
-        lm._polyrl_linear_shapes = shapes
-    return rows if all(BATCHED.usable_shape(shape, dtype, bias, torch.device(device), blocks, rows)
-                       for shape, dtype, bias in shapes) else 0
-
-
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _active():
         return F.linear(x, self.weight, self.bias)
-    x2, rows = x.reshape(-1, x.shape[-1]), getattr(_mode, "one_launch", 0)
-    if rows:
-        y = _OneLaunchLinear.apply(x2, self.weight, self.bias, rows)
-    else:
-        y = torch.ops.polyrl.fixed_rows_linear(x2, self.weight, self.bias)
+    y = torch.ops.polyrl.fixed_rows_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -531,15 +452,11 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return out
 
 
-def prepare(lm: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def prepare(lm: torch.nn.Module) -> torch.nn.Module:
     """Route lm's Linear layers, RMSNorms, MoE routers and stacked experts through fixed blocks inside `invariant()`
     (outside it, as before: the engine's own generation is untouched) and make its attention the per-sequence one.
-    compute_dtype: the dtype its Linears compute in where that is not their parameters' (FSDP's mixed precision keeps
-    FP32 shards and computes in BF16), for one_launch_ok's checks. Idempotent. A stacked-experts layout the mode does
-    not implement is refused."""
+    Idempotent. A stacked-experts layout the mode does not implement is refused."""
     _ops()  # registered here, outside any compiled region: the forwards call them as torch.ops.polyrl.*
-    if compute_dtype is not None:
-        lm._polyrl_compute_dtype = compute_dtype
     for m in lm.modules():
         if getattr(m, "_polyrl_invariant", False):
             continue
@@ -582,8 +499,7 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
     Inductor rounds every intermediate to its eager dtype (emulate_precision_casts): a fused kernel then gives each
     op's value as if it were materialised, so the training graph's forward (which keeps other tensors for the backward
     and fuses differently) and the scorer's inference graph agree bit for bit. The fixed-block GEMMs and the row
-    RMSNorm stay their own kernels (custom ops, or a one-launch Linear's batched GEMM, which Inductor emits as an
-    extern call on the eager call's views; the norm's Triton kernel launched, never fused, by Inductor),
+    RMSNorm stay their own kernels (custom ops; the norm's Triton kernel launched, never fused, by Inductor),
     attention its varlen call; Inductor fuses the elementwise work between them (RoPE, SiLU * up, residual adds). On
     an H100 in BF16 the mode's GPU tests pass compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance,
     3-step GRPO runs of the 0.5B shape, Qwen3, Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
@@ -595,8 +511,6 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
 
     from polyrl.backends.fsdp.parallelize import apply_compile
     inductor_config.emulate_precision_casts = True
-    if ONE_LAUNCH:  # a one-launch Linear's batched GEMM is Inductor's to emit (_OneLaunchLinear): never padded to
-        inductor_config.shape_padding = False  # other dimensions, which would be another kernel than the checked one
     apply_compile(lm)
     return True
 
@@ -661,7 +575,7 @@ def _packed_logprobs(lm: torch.nn.Module, ids, pos, cu, max_len: int, rows, targ
     head = lm.get_output_embeddings()
     if head.bias is not None:
         raise ValueError("--true-on-policy: an LM head with a bias is not supported by the log-prob head")
-    with invariant(one_launch_ok(lm, ids.shape[0], ids.device)):
+    with invariant():
         hidden = base(input_ids=ids[None], position_ids=pos[None], attention_mask=None, use_cache=False,
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
                       **({} if gather is None else {"polyrl_gather": gather, "polyrl_scatter": scatter,
@@ -1011,7 +925,7 @@ def scoring_shell(config, dtype: torch.dtype, device, *, checkpointing: bool = F
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=register_attention())
     lm.eval().requires_grad_(False)
-    prepare(lm, dtype)
+    prepare(lm)
     for name, mod in list(lm.named_modules()):
         if any(b.is_meta for b in mod.buffers(recurse=False)):  # rotary inv_freq: rebuilt on the CPU, then moved
             fresh = type(mod)(config=mod.config).to(device)

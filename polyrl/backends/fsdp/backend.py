@@ -276,7 +276,7 @@ class FSDPBackend:
             lm = cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
         if exact:
             from polyrl.backends.true_on_policy import prepare
-            prepare(lm, self.dtype)
+            prepare(lm)
         if self.mcfg.freeze_vision_tower:
             vision_tower(lm).requires_grad_(False)  # before FSDP: its units then hold no trainable parameter
         if lora:  # before AC and FSDP: they wrap the adapted layers; the base weights are frozen from here on

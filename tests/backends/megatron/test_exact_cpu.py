@@ -18,7 +18,7 @@ from polyrl.backends.megatron.exact import ExactForward, problem
 def _hf(path: str):
     from transformers import AutoModelForCausalLM
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=tp.register_attention())
-    return tp.prepare(lm, torch.float32)
+    return tp.prepare(lm)
 
 
 def _sequences(vocab: int) -> list[tuple[torch.Tensor, int]]:
