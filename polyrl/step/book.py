@@ -26,7 +26,6 @@ class Book:
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
         self.restarts = restart_count()  # torchrun's or Ray's --max-restarts: which attempt this is
         self.gc = GcWatch()
-        self._cuda = device.startswith("cuda")
         self._retries = self._alloc_retries()  # the allocator's cumulative retry count at the last step's log
 
     def start(self, step: int) -> None:
@@ -83,7 +82,7 @@ class Book:
         largest over the ranks, in GiB (verl's perf/max_memory_*), and how many allocations found no free block and
         made the allocator hand its cache back to the driver and retry (a stall: the step is at the device's limit);
         the peaks are reset for the next step."""
-        if not self._cuda:
+        if not self.device.startswith("cuda"):
             return {}
         import torch
         retries = self._alloc_retries()
@@ -95,7 +94,7 @@ class Book:
                 "memory/alloc_retries": peaks[2]}
 
     def _alloc_retries(self) -> int:
-        if not self._cuda:
+        if not self.device.startswith("cuda"):
             return 0
         import torch
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)

@@ -146,9 +146,9 @@ class MegatronBackend:
         self.exact = None  # --true-on-policy: the actor's forwards through the scoring function (exact.py)
         if model_cfg.true_on_policy and role == "actor":
             from polyrl.backends.megatron import exact
-            why = exact.problem(self.hf_config, mg) or (
-                None if self.dtype in (torch.bfloat16, torch.float32) and model_cfg.lora_rank == 0
-                else "the mode runs in BF16 or FP32, without LoRA")
+            why = exact.problem(self.hf_config, mg)
+            if why is None and (self.dtype not in (torch.bfloat16, torch.float32) or model_cfg.lora_rank):
+                why = "the mode runs in BF16 or FP32, without LoRA"
             if why is not None:
                 raise ValueError(f"--true-on-policy with --train-backend megatron: {why}")
             self.exact = exact.ExactForward(self.hf_config, self.dtype, self.device,
@@ -421,7 +421,7 @@ class MegatronBackend:
         chunk_ids = {id(c): i for i, c in enumerate(model)}
         micro_ids = {id(m): i for i, m in enumerate(micros)}
         teacher = model is self.teacher_model  # a teacher of another size has its own vocabulary and RoPE
-        exact = self.exact is not None and model is self.model and self.role == "actor"
+        exact = self.exact is not None and model is self.model  # the actor's passes (exact is None on a critic)
         hf_config, rope = (self.teacher_hf_config, self._teacher_rope) if teacher else (self.hf_config, self._rope)
 
         def forward_step(data_iterator, chunk):

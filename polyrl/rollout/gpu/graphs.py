@@ -17,10 +17,9 @@ def capture(fn, *, warmup=None, pool=None, device=None, stream=None):
     replay at the same time as others on another stream need a capture stream of their own: two replays writing one
     workspace at once hung the GPU (the engine's scoring launched during its decode).
 
-    torch.cuda.graph empties the device cache and the pinned host cache before every capture; here the device cache
-    only when the device is nearly full, the host cache never (a capture takes no pinned memory). A --true-on-policy
-    scoring-graph capture at 1.5B beside the trainer took 3.1-4.1 s with them emptied, 1.2 s without
-    (bench/RESULTS.md#true-on-policy-fifteenth-2026-11-29)."""
+    torch.cuda.graph empties the device cache and the pinned host cache before every capture, which beside a trainer
+    made a capture cost seconds; here the device cache only when the device is nearly full, the host cache never (a
+    capture takes no pinned memory)."""
     side, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
