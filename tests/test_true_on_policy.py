@@ -735,9 +735,11 @@ def test_a_shared_prompts_rows_are_laid_out_as_the_token_loop_does():
         targets = [t for x, p in zip(seqs, prompts) for t in x[p:]]
         assert got[0].tolist() == ids + [0] * (T - real) and got[1].tolist() == pos
         assert got[3].tolist() == rows + [0] * (T - len(rows)) and got[4].tolist() == targets + [0] * (T - len(rows))
-        if all(j is None for j in shares):
-            assert G is None and len(got) == 5
-            continue
+        if all(j is None for j in shares):  # the gathered layout is kept, as the identity; shares None drops it
+            (key, plain) = top.graph_inputs(seqs, prompts, None)
+            assert key == (T, None, slots, bound) and len(plain) == 5
+            assert all(a.tolist() == b.tolist() for a, b in zip(plain, got))
+            assert G == T and got[5].tolist() == list(range(T))
         whole = [row_of[i, t] for i, x in enumerate(seqs) for t in range(len(x))] + list(range(real, T))
         assert G == -(-len(whole) // top.GRAPH_ROWS) * top.GRAPH_ROWS
         gather, scatter = got[5].tolist(), top.pack_layout([len(x) for x in seqs], prompts, shares, dummy)[4].tolist()
@@ -777,7 +779,12 @@ def test_a_shared_prompt_scored_once_gives_each_sequence_its_own_bits_on_cpu(tin
         with torch.no_grad():
             alone = torch.cat([sequences_logprobs(lm, [q], temperature=0.8)[0] for q in seqs])
             got = sequences_logprobs(lm, seqs, temperature=0.8, shares=shares)[0]
+            # a pack where no sequence shares keeps the gathered layout, as the identity: the plain pack's bits
+            one = [seqs[0], seqs[len(lengths)]]
+            same = sequences_logprobs(lm, one, temperature=0.8, shares=prompt_shares([x[:p].tolist() for x, p in one]))
+            plain = sequences_logprobs(lm, one, temperature=0.8)
         assert got.shape == alone.shape and float((got - alone).abs().max()) <= tol
+        assert torch.equal(same[0], plain[0])
 
 
 def test_the_engines_packs_count_a_shared_prompt_once(tiny_model, monkeypatch):

@@ -372,7 +372,10 @@ def _rms_kernel():
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < H
-        eps = eps.to(tl.float32)  # Triton's launcher passes a Python float as fp32, Inductor's as fp64
+        # Triton's launcher passes a Python float as fp32, Inductor's as fp64, and Inductor's analysis of which
+        # arguments the kernel writes traces it with eps a Python float (eps.to(...) failed there, and it treated
+        # every argument as written)
+        eps = tl.cast(eps, tl.float32)
         x = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
         h = (x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)).to(y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + c, mask=m, other=0.0)
@@ -614,8 +617,10 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
     use it; attention then runs over each sequence whole, its rows gathered from the pack (`gather` [sum of lens and
     dummies]: the pack row of each position of each sequence), and its output goes back to the pack rows (`scatter`
     [pack rows]: where each row is in that layout), or on CUDA the queries stay the pack rows, each sequence's own rows
-    one segment (`cu_q`, int32 bounds) against its whole keys. Without sharing the pack is the sequences one after the
-    other and gather / scatter / cu_q are None."""
+    one segment (`cu_q`, int32 bounds) against its whole keys. With shares None the pack is the sequences one after
+    the other and gather / scatter / cu_q are None; shares that are all None keep the gathered layout (each one the
+    identity), so that the engine's compiled layers see one set of arguments whether a pack shares or not (a pack
+    without sharing would otherwise compile graphs of its own mid-run)."""
     n = len(lens)
     L = torch.tensor(list(lens) + list(dummy), dtype=torch.long)
     P = torch.tensor(prompts, dtype=torch.long)
@@ -638,7 +643,7 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
     pre_r = torch.repeat_interleave(pre[:n], R)
     rows = torch.where(q < pre_r, torch.repeat_interleave(start[src[:n]], R) + q,
                        torch.repeat_interleave(start[:n], R) + q - pre_r)
-    if not bool((pre > 0).any()):
+    if shares is None:
         return pos, bounds.to(torch.int32), rows, None, None, None
     p = torch.arange(int(bounds[-1])) - torch.repeat_interleave(bounds[:-1], L)  # each position in its sequence
     pre_g = torch.repeat_interleave(pre, L)
@@ -650,9 +655,9 @@ def pack_layout(lens: list[int], prompts: list[int], shares: list[int | None] | 
 
 
 def own_rows(seqs: list, prompts: list[int], shares: list[int | None] | None) -> tuple[list[int | None] | None, list]:
-    """(shares, or None when no sequence shares; each sequence's tokens that are rows of the pack: all of them, or a
-    sharing sequence's response). seqs: token lists or tensors."""
-    if shares is None or all(j is None for j in shares):
+    """(shares; each sequence's tokens that are rows of the pack: all of them, or a sharing sequence's response).
+    seqs: token lists or tensors."""
+    if shares is None:
         return None, list(seqs)
     return shares, [x if j is None else x[p:] for x, p, j in zip(seqs, prompts, shares)]
 
