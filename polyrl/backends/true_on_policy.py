@@ -85,13 +85,11 @@ def checkpoint_contexts() -> tuple:
     return contextlib.nullcontext(), (invariant() if _active() else contextlib.nullcontext())
 
 
-def block_rows(device) -> int:
-    """The rows of every block (ROWS) on `device`: a trainer's micro-batch is padded to a whole number of them."""
-    return ROWS.get(torch.device(device).type, ROWS["cuda"])
-
-
-def _rows(x: torch.Tensor) -> int:
-    return block_rows(x.device)
+def block_rows(device: torch.device | str) -> int:
+    """The rows of every block (ROWS) on `device`: a trainer's micro-batch is padded to a whole number of them. A
+    torch.device is read as it is (every fixed-block Linear call asks)."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return ROWS.get(kind, ROWS["cuda"])
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -103,7 +101,7 @@ def fixed_rows(fn, x: torch.Tensor):
     """fn over x [N, ...] in blocks of exactly ROWS rows (the last zero-padded), concatenated: [N, ...] (or a tuple of
     such, for an fn that returns one). Autograd runs through the blocks (a norm takes its cheaper gradient from
     _FixedRows instead)."""
-    rows, n = _rows(x), x.shape[0]
+    rows, n = block_rows(x.device), x.shape[0]
     outs = [fn(c) for c in _padded(x, rows).split(rows)]
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
@@ -114,7 +112,7 @@ def fixed_rows(fn, x: torch.Tensor):
 def _blocks_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b on fixed blocks of ROWS rows (the last zero-padded): batched GEMMs whose batch is the blocks
     (BATCHED.run), written into the output in place."""
-    rows, n = _rows(x), x.shape[0]
+    rows, n = block_rows(x.device), x.shape[0]
     xp = _padded(x, rows)
     out = xp.new_empty(xp.shape[0], weight.shape[0])
     BATCHED.run(xp, weight, bias, out, rows)
