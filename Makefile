@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-exact test-gpu-rest
+.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-megatron-families test-gpu-exact test-gpu-rest
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,20 +35,31 @@ test: $(STAMP)
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
-# (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. For one 10-minute device call
-# each, run its three parts with three workers on one H200 (bench/RESULTS.md#gpu-test-runs): test-gpu-megatron
-# (529 s), test-gpu-exact (the --true-on-policy runs of both backends: 193 s and 109 s apart) and test-gpu-rest
-# (445 s with the FSDP exact runs in it).
+# (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. Four parts, each one 10-minute
+# device call with room to spare on one H200 (bench/RESULTS.md#gpu-test-suites): test-gpu-megatron (the parity,
+# resume, offload and CLI runs of tests/backends/megatron/test_megatron_gpu.py), test-gpu-megatron-families (the other
+# families, VL, MTP, LoRA), test-gpu-exact (the --true-on-policy runs of both backends) and test-gpu-rest.
+# Each test's outcome is printed as it ends (-v) and appended to GPU_REPORT as it goes, with a per-test limit
+# (GPU_TEST_TIMEOUT): a run cut short still names what failed and what was running (`python3
+# tests/tools/gpu_report.py GPU_REPORT` summarises it; the target prints that summary at its end).
 GPU_WORKERS ?= 3
+GPU_TEST_TIMEOUT ?= 400
+GPU_REPORT ?= $(if $(OUT),$(OUT),build)/gpu-report.txt
 GPU_EXACT = tests/backends/test_true_on_policy_gpu.py tests/backends/megatron/test_megatron_exact_gpu.py
+GPU_MEGATRON_MAIN = tests/backends/megatron/test_megatron_gpu.py
 GPU_MEGATRON = tests/backends/megatron tests/backends/test_megatron_lora_gpu.py
 GPU_PATHS ?= tests
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH python3 -m pytest $(GPU_PATHS) -m "gpu or multigpu" -p no:cacheprovider -rs \
-		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS))
+	mkdir -p $(dir $(GPU_REPORT))
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH POLYRL_TEST_REPORT=$(GPU_REPORT) python3 -m pytest $(GPU_PATHS) -m "gpu or multigpu" \
+		-p no:cacheprovider -o addopts="" -v -rfEs --timeout=$(GPU_TEST_TIMEOUT) --durations=15 \
+		$(if $(filter-out 0,$(GPU_WORKERS)),-n $(GPU_WORKERS)); rc=$$?; python3 tests/tools/gpu_report.py $(GPU_REPORT); exit $$rc
 
 test-gpu-megatron:
-	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON) $(addprefix --ignore=,$(GPU_EXACT))"
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON_MAIN)"
+
+test-gpu-megatron-families:
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_MEGATRON) $(addprefix --ignore=,$(GPU_MEGATRON_MAIN) $(GPU_EXACT))"
 
 test-gpu-exact:
 	$(MAKE) test-gpu GPU_PATHS="$(GPU_EXACT)"

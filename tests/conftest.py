@@ -202,3 +202,32 @@ def _no_leftover_process_group():
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---- a report written as the run goes (POLYRL_TEST_REPORT=path): a run cut short by a time limit still names what
+# failed and what was running. Written by the controlling process only (pytest-xdist relays every worker's reports).
+def _report(line: str) -> None:
+    path = os.environ.get("POLYRL_TEST_REPORT")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _report(f"START {nodeid}")
+
+
+def pytest_runtest_logreport(report):
+    failed_setup = report.when != "call" and report.outcome == "failed"
+    if report.when == "call" or failed_setup or (report.when == "setup" and report.skipped):
+        where = "" if report.when == "call" else f" ({report.when})"
+        _report(f"{report.outcome.upper()} {report.nodeid}{where} {report.duration:.1f}s")
+        if report.failed:  # the last lines of the failure: its assertion or exception
+            tail = [ln for ln in str(report.longrepr).splitlines() if ln.strip()][-6:]
+            _report("\n".join("    " + ln[:300] for ln in tail))
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            _report(f"    {report.longrepr[2][:200]}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _report(f"END exit status {int(exitstatus)}")
