@@ -1,12 +1,12 @@
 """Atomic checkpoint directories.
 
-Layout: SAVE/step_000010/{dcp/, extra_rank*.pt, loop_state.json, COMPLETE} (plus critic/{dcp/, extra_rank*.pt}
-with PPO's critic) and SAVE/latest
-(the name of the newest complete step). A step is written under a .tmp name and renamed
-when complete, and `latest` is replaced atomically afterwards: a kill at any point leaves
-the previous checkpoint loadable. The next save clears what a killed one left behind, and
-with `keep` (--max-ckpt-to-keep) old complete steps are deleted only after a newer one is
-complete.
+Layout: SAVE/step_000010/{dcp/, extra_rank*.pt, loop_state.json, MANIFEST.json, COMPLETE} (plus critic/{dcp/,
+extra_rank*.pt} with PPO's critic), SAVE/latest (the name of the newest complete step) and SAVE/polyrl.lock (the run
+that owns SAVE). A step is written under a .tmp name and renamed when complete, and `latest` is replaced atomically
+afterwards: a kill at any point leaves the previous checkpoint loadable. COMPLETE is written only after every shard
+that the DCP metadata lists is there and MANIFEST.json records each file's size; loading checks the manifest again.
+The next save clears what a killed one left behind, and with `keep` (--max-ckpt-to-keep) old complete steps are
+deleted only after a newer one is complete. One run at a time owns SAVE (claim_save_dir): a second one is refused.
 
 Loading runs no code from the directory: extras are read with torch.load(weights_only=True), and a file that is
 missing, truncated or holds anything but tensors and plain values is an error naming it. loop_state.json never holds
@@ -15,19 +15,24 @@ a secret (api keys are redacted before it is written).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
+import socket
+import time
 
 import torch
 
 from polyrl.config import ConfigError
 from polyrl.dist import barrier, is_main, rank as trainer_rank, world_size
-from polyrl.metrics import notice, redact_secrets, set_phase
+from polyrl.metrics import notice, redact_secrets, set_phase, writing
 
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+LOCK = "polyrl.lock"
 CRITIC_DIR = "critic"
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -58,13 +63,15 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
         if critic is not None:
             os.makedirs(os.path.join(tmp, CRITIC_DIR))
     barrier()
-    backend.save(tmp)
-    if critic is not None:
-        critic.save(os.path.join(tmp, CRITIC_DIR))
-    barrier()
+    with writing(tmp):
+        backend.save(tmp)
+        if critic is not None:
+            critic.save(os.path.join(tmp, CRITIC_DIR))
+        barrier()
+        if is_main():
+            _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
+            _seal(tmp, step, root)
     if is_main():
-        _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
-        _atomic_write(os.path.join(tmp, MARKER), str(step))
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -77,6 +84,53 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
     return final
 
 
+def _seal(tmp: str, step: int, root: str) -> None:
+    """Mark the step directory `tmp` complete: only once every shard its DCP metadata lists is there, in full, and
+    MANIFEST.json records every file and its size (a file deleted or cut later is found on load)."""
+    try:
+        _check_dcp_files(tmp, what=f"the checkpoint save of step {step}")
+    except CheckpointError as e:
+        latest = latest_complete(root)
+        raise CheckpointError(f"{e}; step {step} was not marked complete (did another process write to --save "
+                              f"{root}?); latest complete checkpoint: {latest or 'none'}") from None
+    files = {}
+    for d, _, names in os.walk(tmp):
+        for n in names:
+            f = os.path.join(d, n)
+            files[os.path.relpath(f, tmp)] = os.path.getsize(f)
+    _atomic_write(os.path.join(tmp, MANIFEST), json.dumps({"step": step, "files": files}, indent=0, sort_keys=True))
+    _atomic_write(os.path.join(tmp, MARKER), str(step))
+
+
+def check_manifest(step_dir: str) -> str | None:
+    """What is wrong with a complete step directory: a file its MANIFEST.json lists that is missing or has another
+    size, or None (also for checkpoints written before manifests, which the DCP metadata check covers)."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"{path} is truncated or not a polyrl manifest"
+    for rel, size in sorted(files.items()):
+        f = os.path.join(step_dir, rel)
+        if not os.path.isfile(f):
+            return f"{f} is missing (listed in {MANIFEST})"
+        if os.path.getsize(f) != size:
+            return f"{f} has {os.path.getsize(f)} bytes, {MANIFEST} lists {size}"
+    return None
+
+
+def previous_complete(step_dir: str) -> str | None:
+    """The newest complete, intact step before `step_dir` in the same save directory."""
+    root, name = os.path.split(os.path.abspath(step_dir))
+    m = STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    return latest_complete(root, before=int(m.group(1)))
+
+
 def complete_steps(root: str) -> list[int]:
     """Steps with a complete checkpoint under `root`, oldest first."""
     out = []
@@ -87,10 +141,14 @@ def complete_steps(root: str) -> list[int]:
     return sorted(out)
 
 
-def latest_complete(root: str | None) -> str | None:
-    """The newest complete step directory under --save `root` (None when there is none)."""
-    steps = complete_steps(root) if root else []
-    return os.path.abspath(os.path.join(root, f"step_{steps[-1]:06d}")) if steps else None
+def latest_complete(root: str | None, before: int | None = None) -> str | None:
+    """The newest complete step directory under --save `root` whose files its manifest finds intact (None when there is
+    none); with `before`, the newest one before that step."""
+    for step in reversed(complete_steps(root) if root else []):
+        path = os.path.abspath(os.path.join(root, f"step_{step:06d}"))
+        if (before is None or step < before) and check_manifest(path) is None:
+            return path
+    return None
 
 
 def _delete_step(path: str) -> None:
@@ -126,6 +184,12 @@ def resolve_checkpoint(path: str) -> str:
                               "was the save interrupted?). Point --load at the save directory or a complete step_* directory.")
     if not os.path.isfile(os.path.join(path, "dcp", ".metadata")):
         raise CheckpointError(f"--load {path}: the DCP shard metadata (dcp/.metadata) is missing; the checkpoint is truncated")
+    problem = check_manifest(path)
+    if problem is not None:
+        prev = previous_complete(path)
+        raise CheckpointError(f"--load {path}: {problem}; this checkpoint is incomplete and polyrl does not load it. "
+                              + (f"The previous complete checkpoint is {prev} (--load {prev})" if prev else
+                                 "There is no earlier complete checkpoint beside it"))
     return path
 
 
@@ -177,9 +241,11 @@ def load_extras(path: str, rank: int | None = None) -> dict:
                               f"{str(e).splitlines()[0][:200] if str(e) else 'end of file'})") from None
 
 
-def _check_dcp_files(step_dir: str) -> None:
+def _check_dcp_files(step_dir: str, what: str | None = None) -> None:
     """Every DCP directory of the step (dcp, dcp_ref, critic/dcp): its .metadata readable and each shard file it names
-    present and as long as the byte ranges it lists, so a torn copy is an error naming the file, not a deep DCP trace."""
+    present and as long as the byte ranges it lists, so a torn copy is an error naming the file, not a deep DCP trace.
+    what: how the error begins (default: --load STEP_DIR)."""
+    what = what or f"--load {step_dir}"
     from torch.distributed.checkpoint import FileSystemReader
     for sub in ("dcp", "dcp_ref", os.path.join(CRITIC_DIR, "dcp")):
         d = os.path.join(step_dir, sub)
@@ -189,7 +255,7 @@ def _check_dcp_files(step_dir: str) -> None:
         try:
             md = FileSystemReader(d).read_metadata()
         except Exception as e:  # noqa: BLE001 - any unpickling failure means the same: the file is damaged
-            raise CheckpointError(f"--load {step_dir}: {meta} is truncated or unreadable ({type(e).__name__})") from None
+            raise CheckpointError(f"{what}: {meta} is truncated or unreadable ({type(e).__name__})") from None
         need: dict[str, int] = {}
         for info in (getattr(md, "storage_data", None) or {}).values():
             rel, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
@@ -198,9 +264,9 @@ def _check_dcp_files(step_dir: str) -> None:
         for rel, end in sorted(need.items()):
             f = os.path.join(d, rel)
             if not os.path.isfile(f):
-                raise CheckpointError(f"--load {step_dir}: {f} is missing (listed in {meta}); the checkpoint is incomplete")
+                raise CheckpointError(f"{what}: {f} is missing (listed in {meta}); the checkpoint is incomplete")
             if os.path.getsize(f) < end:
-                raise CheckpointError(f"--load {step_dir}: {f} is truncated ({os.path.getsize(f)} bytes, {meta} lists data "
+                raise CheckpointError(f"{what}: {f} is truncated ({os.path.getsize(f)} bytes, {meta} lists data "
                                       f"up to byte {end})")
 
 
@@ -217,16 +283,117 @@ def load_checkpoint(path: str, backend, critic=None) -> dict:
     if critic is not None and not os.path.isfile(os.path.join(path, CRITIC_DIR, "dcp", ".metadata")):
         raise CheckpointError(f"--load {path}: no critic in this checkpoint ({CRITIC_DIR}/dcp); it was saved by a run "
                               "without --advantage-estimator gae, whose critic this run would have to start afresh")
+    from torch.distributed.checkpoint.api import CheckpointException as DCPError  # a BaseException, not an Exception
     try:
         backend.load(path)
         if critic is not None:
             critic.load(os.path.join(path, CRITIC_DIR))
     except CheckpointError:
         raise
-    except Exception as e:  # a torn shard file surfaces here; say which checkpoint
-        raise CheckpointError(f"--load {path}: could not read the checkpoint ({type(e).__name__}: {e})") from e
+    except (Exception, DCPError) as e:  # a torn shard or another model's shapes surface here; say which checkpoint
+        raise CheckpointError(_load_error(path, state, e)) from None
     notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")
     return state
+
+
+def first_failure(e: BaseException) -> BaseException:
+    """The exception inside torch's DCP CheckpointException (the first failing rank's), or `e` itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def _load_error(path: str, state: dict, e: BaseException) -> str:
+    inner = first_failure(e)
+    text = str(inner).strip()
+    line = next((ln.strip() for ln in text.splitlines() if "size" in ln.lower() and "mismatch" in ln.lower()), None)
+    base = state.get("base_model") or (state.get("config") or {}).get("model", {}).get("hf_checkpoint")
+    if line is not None:
+        return (f"--load {path}: its tensors do not fit the model built from --hf-checkpoint ({line[:300]}); a "
+                f"checkpoint loads only into the architecture and vocabulary it was trained with"
+                + (f": it was trained from {base}" if base else ""))
+    first = text.splitlines()[0][:300] if text else "no message"
+    return f"--load {path}: could not read the checkpoint ({type(inner).__name__}: {first})"
+
+
+def claim_save_dir(root: str, command: str) -> "SaveDirLock":
+    """Make this process the one run writing --save `root` (SAVE/polyrl.lock, locked with flock: the kernel lets go of
+    it when the process dies, so the lock of a killed run is taken over); a second run is refused naming the first."""
+    return SaveDirLock(root, command)
+
+
+class SaveDirLock:
+    def __init__(self, root: str, command: str):
+        import fcntl
+        os.makedirs(root, exist_ok=True)
+        self.path = os.path.join(root, LOCK)
+        for _ in range(10):  # a racing release may unlink the file between our open and our lock: open it again
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise CheckpointError(f"--save {root} is in use by another run ({_describe(owner)}; lock file "
+                                      f"{self.path}): two runs writing one save directory delete each other's "
+                                      "checkpoints. Wait for that run to end, or pick another --save") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:
+            raise CheckpointError(f"--save {root}: could not lock {self.path} (it kept being replaced)")
+        self.fd = fd
+        before = _read_owner(fd)
+        if before and before.get("pid") is not None and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
+            notice(f"--save {root}: taking over from {_describe(before)}, which is no longer running")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        """Unlink while still holding the lock (a run that opened the file in between finds another inode and retries)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _read_owner(fd: int) -> dict | None:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "null")
+    except (ValueError, UnicodeDecodeError, OSError):
+        return None
+
+
+def _describe(owner: dict | None) -> str:
+    if not owner:
+        return "a run that has not written its name yet"
+    return (f"{owner.get('command', 'polyrl')} pid {owner.get('pid')} on host {owner.get('host')}, started "
+            f"{owner.get('started', '?')}")
+
+
+def export_hf(backend, out: str, tokenizer, *, adapter: bool = False, critic=None) -> None:
+    """--save-hf: the backend writes OUT.tmp and swaps it into place, so a failed export (a full disk) keeps the previous
+    export of OUT; what the failed one wrote is removed here."""
+    try:
+        with writing(out, kind="export"):
+            backend.save_hf(out, tokenizer, adapter=adapter)
+            if critic is not None:  # beside the actor: an HF directory --critic-load reads back
+                critic.save_hf(critic_hf_dir(out), tokenizer)
+    except BaseException:
+        if is_main():
+            for d in (out, critic_hf_dir(out)):
+                shutil.rmtree(d.rstrip("/") + ".tmp", ignore_errors=True)
+        raise
 
 
 def resume_latest(cfg, restart: int, limit) -> None:

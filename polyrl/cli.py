@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -104,24 +105,27 @@ def run_eval(cfg) -> dict:
         score.close()
         engine.close()
     if d.is_main:
+        from polyrl.metrics import writing
         os.makedirs(cfg.log.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.log.run_dir, "eval.json"), "w") as f:
+        path = os.path.join(cfg.log.run_dir, "eval.json")
+        with writing(path, kind="run dir"), open(path, "w") as f:
             json.dump(result, f, indent=1)
     return result
 
 
 def run_export(cfg) -> None:
     from polyrl import assemble as asm
-    from polyrl.checkpoint import critic_hf_dir, has_critic, load_checkpoint
+    from polyrl.checkpoint import critic_hf_dir, export_hf, has_critic, load_checkpoint
+    from polyrl.metrics import notice
 
     device, _ = asm.setup_command(cfg)
     backend = asm.build_backend(cfg, device, total_steps=1, need_ref=False)
     critic = asm.build_critic(cfg, device, total_steps=1) if has_critic(cfg.checkpoint.load) else None  # PPO's, beside it
     load_checkpoint(cfg.checkpoint.load, backend, critic=critic)
     tok = asm.load_tokenizer(cfg)
-    backend.save_hf(cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)
-    if critic is not None:
-        critic.save_hf(critic_hf_dir(cfg.checkpoint.save_hf), tok)
+    out = cfg.checkpoint.save_hf
+    export_hf(backend, out, tok, adapter=cfg.checkpoint.save_hf_adapter, critic=critic)
+    notice(f"wrote {os.path.abspath(out)}" + (f" (critic: {os.path.abspath(critic_hf_dir(out))})" if critic else ""))
 
 
 # signal -> (exit status, how the one line names it)
@@ -171,19 +175,74 @@ def _where(command: str) -> str:
     return f" after step {step}" if step else " while starting up, before the first step"
 
 
-def _interrupt_line(command: str, cfg, how: str) -> str:
-    """One line: what was interrupted (command, step, phase) and the state left behind (the latest complete checkpoint)."""
+def _state_left(command: str, cfg) -> str:
+    """What a stopped run leaves behind: "; latest complete checkpoint: ..." (or that there is none)."""
     from polyrl.checkpoint import latest_complete
     save = cfg.checkpoint.save if cfg is not None else None
-    if save:
+    if save and command in ("train", "sft"):
         latest = latest_complete(save)
-        state = (f"; latest complete checkpoint: {latest} (resume with --load {os.path.abspath(save)})" if latest
-                 else f"; no complete checkpoint in --save {save} yet")
-    elif command in ("train", "sft"):
-        state = "; nothing was saved (no --save)"
-    else:
-        state = ""
-    return f"polyrl {command}: interrupted by {how}{_where(command)}{state}"
+        return (f"; latest complete checkpoint: {latest} (resume with --load {os.path.abspath(save)})" if latest
+                else f"; no complete checkpoint in --save {save} yet")
+    return "; nothing was saved (no --save)" if command in ("train", "sft") else ""
+
+
+def _interrupt_line(command: str, cfg, how: str) -> str:
+    """One line: what was interrupted (command, step, phase) and the state left behind (the latest complete checkpoint)."""
+    return f"polyrl {command}: interrupted by {how}{_where(command)}{_state_left(command, cfg)}"
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+_TORN_WRITE = ("unexpected pos", "file write failed")  # torch.save's zip writer's words for a write that failed
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError of a failed write behind `e` (itself, what it wraps, each rank's failure inside DCP's
+    CheckpointException), or None. torch.save's writer turns a full disk into a RuntimeError without the errno: that
+    one counts as ENOSPC where the file system being written has (almost) no space left."""
+    from polyrl.metrics import PROGRESS
+    stack, seen, torn = [e], set(), False
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _WRITE_ERRNOS:
+            return x
+        torn = torn or (isinstance(x, RuntimeError) and any(t in str(x) for t in _TORN_WRITE))
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [x.__cause__, x.__context__]
+    target = PROGRESS.get("writing")
+    if torn and target:
+        import shutil
+        d = target[0]
+        while d and not os.path.exists(d):
+            d = os.path.dirname(d)
+        if shutil.disk_usage(d or ".").free < 64 * 2**20:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target[0])
+    return None
+
+
+def _write_line(command: str, cfg, oe: OSError) -> str:
+    """One line for a write that failed (a full disk, a quota, a read-only or forbidden directory): what was being
+    written, where the run was, and what is left: the latest complete checkpoint, and for --save-hf the earlier export."""
+    from polyrl.metrics import PROGRESS
+    target = PROGRESS.get("writing")
+    what = oe.strerror or os.strerror(oe.errno)
+    if target is None and oe.errno not in (errno.ENOSPC, errno.EDQUOT):  # not known to be a write: say no more
+        return f"polyrl {command}: error: {what}: {oe.filename}"
+    path, kind = target or (oe.filename, None)
+    line = f"polyrl {command}: error: {what} writing {path}{_where(command)}"
+    if kind == "export" and cfg is not None:
+        out = cfg.checkpoint.save_hf
+        line += (f"; the earlier export in {out} is kept as it was" if os.path.isfile(os.path.join(out, "config.json"))
+                 else f"; no HF export was written to {out}")
+        if command in ("train", "sft") and not cfg.checkpoint.save:
+            return line + "; the trained weights are lost (no --save): free space and run again, with --save DIR to keep a checkpoint"
+        if command in ("train", "sft"):
+            line += f"; export the checkpoint later with polyrl export-hf --load {os.path.abspath(cfg.checkpoint.save)}"
+    return line + _state_left(command, cfg)
 
 
 def _collective_timeout(e: BaseException) -> str | None:
@@ -289,10 +348,11 @@ def _port_line(command: str, cfg, e: BaseException | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import errno
     logging.basicConfig(level=os.environ.get("POLYRL_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
+    from polyrl.metrics import quiet_library_bars
+    quiet_library_bars()  # polyrl's output holds its own lines, not the libraries' weight-loading and saving bars
     from polyrl import hf_families
     hf_families.register()  # model types transformers lacks (MiMo), for every command that loads a checkpoint
     if extras and args.command not in ("train", "eval"):
@@ -312,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.rollout.http_engine import EngineDeadError
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     from polyrl.weight_sync.distributed import WeightSyncError
-    PROGRESS.update(step=None, phase=None, signal=None)
+    PROGRESS.update(step=None, phase=None, signal=None, writing=None)
     old_handlers = _install_signal_handlers()
-    cfg, failed = None, False
+    cfg, failed, owner = None, False, None
 
     def err(msg: str, code: int, every_rank: bool = False) -> int:
         import torch.distributed as dist
@@ -334,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
         check_run_dir(cfg, args.command)
         _check_backend_available(cfg)
+        if args.command in ("train", "sft") and cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
+            from polyrl.checkpoint import claim_save_dir
+            owner = claim_save_dir(cfg.checkpoint.save, f"polyrl {args.command}")  # before anything writes there
         if args.command == "train" and cfg.ray.use_ray:
             from polyrl.orchestration.ray_job import train_on_ray
             out = train_on_ray(cfg)
@@ -349,9 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve":
             if _port_taken(cfg.server.host, cfg.server.port):
                 return err(_port_line("serve", cfg, None), 2)
-            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a server log holds no weight-loading bars
-            from transformers.utils import logging as hf_logging
-            hf_logging.disable_progress_bar()
             from polyrl.rollout.server import serve
             return serve(cfg)
         elif args.command == "eval":
@@ -389,12 +449,24 @@ def main(argv: list[str] | None = None) -> int:
                        f"{cfg.cluster.distributed_timeout_minutes:g} in a collective ({wait}){_where(args.command)} for "
                        "ranks that did not join it: another rank is hung or died, or worked alone longer than that "
                        "(then raise --distributed-timeout-minutes)", 1, every_rank=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) and e.filename:
+        wrote = _write_error(e)
+        if wrote is not None and (wrote.filename or PROGRESS.get("writing")):
             stop_consoles()
-            return err(f"polyrl {args.command}: error: {e.strerror}: {e.filename}", 1)
+            logging.getLogger("polyrl").debug("write failed", exc_info=e)
+            return err(_write_line(args.command, cfg, wrote), 1)
+        if type(e).__name__ == "CheckpointException":  # DCP's, a BaseException: the first failing rank's error
+            from polyrl.checkpoint import first_failure
+            stop_consoles()
+            inner = first_failure(e)
+            logging.getLogger("polyrl").debug("checkpoint failed", exc_info=e)
+            first = (str(inner).strip().splitlines() or ["no message"])[0][:300]
+            return err(f"polyrl {args.command}: error: checkpoint I/O failed{_where(args.command)} "
+                       f"({type(inner).__name__}: {first}){_state_left(args.command, cfg)}", 1)
         raise
     finally:
         import signal
+        if owner is not None:
+            owner.release()
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
         PROGRESS["signal"] = None  # a later run in this process (tests, notebooks) starts unsignalled

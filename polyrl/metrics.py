@@ -18,11 +18,13 @@ CONSOLE_KEYS = [
     ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
 TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "other", "step")
+TIME_LABELS = {"wait_rollout": "wait", "weight_sync": "sync"}  # the console's whole-word names of the longer phases
 SHOW_WHEN_NONZERO = ("reward/errors", "reward/timeouts")  # console keys that say nothing when 0
 
-# Where the run is, for the line an interrupt prints: the last step whose metrics were logged, the phase running now and
-# the signal main's handler received (SIGINT / SIGTERM), if any.
-PROGRESS: dict = {"step": None, "phase": None, "signal": None}
+# Where the run is, for the line an interrupt or a failed write prints: the last step whose metrics were logged, the
+# phase running now, the signal main's handler received (SIGINT / SIGTERM), if any, and what was being written
+# ((path, kind) from `writing`: an OSError from a write names no file).
+PROGRESS: dict = {"step": None, "phase": None, "signal": None, "writing": None}
 _OPEN_LOGGERS: list = []
 # code that Python runs where an exception is printed and dropped (garbage-collector callbacks): a signal that arrives
 # in it only sets PROGRESS["signal"], and the loops stop at the end of the step (stop_if_signalled)
@@ -35,6 +37,24 @@ def stop_if_signalled() -> None:
     catch-all, or in a finalizer, where Python prints and drops it), and the run must stop all the same."""
     if PROGRESS["signal"]:
         raise KeyboardInterrupt(PROGRESS["signal"])
+
+
+@contextmanager
+def writing(path: str, kind: str = "checkpoint"):
+    """What the code inside writes (kind: checkpoint, export or run dir), for the CLI's line when a write fails; left set
+    when it raises."""
+    before = PROGRESS.get("writing")
+    PROGRESS["writing"] = (path, kind)
+    yield
+    PROGRESS["writing"] = before
+
+
+def quiet_library_bars() -> None:
+    """No progress bars of transformers or huggingface_hub ("Loading weights", "Writing model shards") in polyrl's
+    output, in this process and the ones it starts (they read the variable when they import transformers)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
 
 
 def set_phase(name: str | None) -> None:
@@ -401,6 +421,8 @@ class MetricsLogger:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.console = Console()
+            if not self.console.is_terminal:  # a log file: one line per step, however long, never cut at 80 columns
+                self.console = Console(soft_wrap=True, width=1000)
             self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                       TextColumn("[dim]{task.fields[phase]}"),
                                       TimeRemainingColumn(), console=self.console, transient=False)
@@ -441,7 +463,7 @@ class MetricsLogger:
             self._first = False
             self._cut_at(step)
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
+        with writing(self.path, kind="run dir"), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
@@ -455,7 +477,7 @@ class MetricsLogger:
                                         if k in row and (row[k] or k not in SHOW_WHEN_NONZERO)]
             if "eval/accuracy" in row:
                 parts.append(f"[bold green]eval_acc {row['eval/accuracy']:.3f}[/]")
-            times = " ".join(f"{k[:6]} {row['time/' + k]:.1f}s" for k in TIME_KEYS if "time/" + k in row)
+            times = " ".join(f"{TIME_LABELS.get(k, k)} {row['time/' + k]:.1f}s" for k in TIME_KEYS if "time/" + k in row)
             self._progress.console.print(" | ".join(parts) + (f" | [dim]{times}[/]" if times else ""))
             self._progress.update(self._task, completed=step)
 
@@ -523,7 +545,9 @@ def closing_line(cfg) -> str:
     """Where the run's outputs went: metrics, the latest complete checkpoint, the HF export. Printed on rank 0."""
     from polyrl.checkpoint import critic_hf_dir, latest_complete
     run_dir = os.path.abspath(cfg.log.run_dir)
-    parts = [f"metrics {os.path.join(run_dir, 'metrics.jsonl')} (curves: polyrl plot {run_dir})"]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    parts = [f"metrics {metrics} (curves: polyrl plot {run_dir})" if os.path.isfile(metrics) else
+             "no metrics (no step was logged)"]
     ck = cfg.checkpoint
     if ck.save:
         latest = latest_complete(ck.save)

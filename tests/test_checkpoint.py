@@ -10,13 +10,15 @@ from polyrl.checkpoint import MARKER, complete_steps, resolve_checkpoint, save_c
 
 
 class FakeBackend:
+    """Writes a real one-tensor DCP directory, as the backends' save does."""
+
     def __init__(self, fail: bool = False):
         self.fail = fail
 
     def save(self, path: str) -> None:
-        os.makedirs(os.path.join(path, "dcp"))
-        with open(os.path.join(path, "dcp", ".metadata"), "w") as f:
-            f.write("x")
+        import torch
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
         if self.fail:
             raise KeyboardInterrupt("killed mid-save")
 
@@ -130,3 +132,72 @@ def test_latest_complete_names_the_newest_complete_step(tmp_path):
     save(tmp_path, 2)
     os.makedirs(tmp_path / "step_000003.tmp")
     assert latest_complete(str(tmp_path)) == os.path.abspath(tmp_path / "step_000002")
+
+
+# ---- complete means every file is there ----
+
+def test_a_checkpoint_with_a_deleted_shard_is_refused_naming_the_file_and_the_previous_one(tmp_path):
+    from polyrl.checkpoint import CheckpointError, MANIFEST, latest_complete
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    manifest = (tmp_path / "step_000002" / MANIFEST).read_text()
+    (shard,) = [f for f in os.listdir(tmp_path / "step_000002" / "dcp") if f.endswith(".distcp")]
+    assert f"dcp/{shard}" in manifest and "loop_state.json" in manifest
+    os.remove(tmp_path / "step_000002" / "dcp" / shard)
+    with pytest.raises(CheckpointError) as e:
+        resolve_checkpoint(str(tmp_path))  # follows `latest` to step 2
+    msg = str(e.value)
+    assert f"{tmp_path / 'step_000002' / 'dcp' / shard} is missing" in msg
+    assert f"previous complete checkpoint is {tmp_path / 'step_000001'}" in msg
+    assert latest_complete(str(tmp_path)) == str(tmp_path / "step_000001")  # a restart resumes from the intact one
+    assert resolve_checkpoint(str(tmp_path / "step_000001")).endswith("step_000001")
+
+
+def test_a_save_whose_shard_vanished_before_it_was_sealed_is_not_marked_complete(tmp_path):
+    """What a second writer's cleanup did to the first run: the step is never marked complete without its shard."""
+    from polyrl.checkpoint import CheckpointError
+
+    class Vanishing(FakeBackend):
+        def save(self, path):
+            super().save(path)
+            for f in os.listdir(os.path.join(path, "dcp")):
+                if f.endswith(".distcp"):
+                    os.remove(os.path.join(path, "dcp", f))
+
+    save(tmp_path, 1)
+    with pytest.raises(CheckpointError, match=r"is missing .*step 2 was not marked complete.*latest complete "
+                                              r"checkpoint: .*step_000001"):
+        save_checkpoint(str(tmp_path), 2, Vanishing(), {"step": 2})
+    assert complete_steps(str(tmp_path)) == [1]
+    assert not (tmp_path / "step_000002").exists()
+
+
+# ---- one run owns a save directory ----
+
+def test_a_second_process_is_refused_the_save_dir_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from polyrl.checkpoint import LOCK, CheckpointError, claim_save_dir
+    code = ("import sys, time; from polyrl.checkpoint import claim_save_dir; claim_save_dir(sys.argv[1], 'polyrl train'); "
+            "print('owned', flush=True); time.sleep(120)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "owned"  # the other process holds the lock now
+        with pytest.raises(CheckpointError) as e:
+            claim_save_dir(str(tmp_path), "polyrl sft")
+        msg = str(e.value)
+        assert f"--save {tmp_path} is in use by another run (polyrl train pid {other.pid} on host" in msg
+        assert str(tmp_path / LOCK) in msg
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait(timeout=30)
+    lock = claim_save_dir(str(tmp_path), "polyrl sft")  # killed: the kernel let go of its lock
+    assert f"taking over from polyrl train pid {other.pid}" in capsys.readouterr().err
+    assert f'"pid": {os.getpid()}' in (tmp_path / LOCK).read_text()
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
+    claim_save_dir(str(tmp_path), "polyrl sft").release()  # released: free for the next run, nothing to take over
+    assert "taking over" not in capsys.readouterr().err
