@@ -20,6 +20,20 @@ class SamplingParams:
     # depends on (prompt seed, sample index) only, never on which server or batch produced it
     prompt_seeds: list[int] | None = None
     return_routed_experts: bool = False  # MoE: fill Sample.routed_experts (SGLang's request field of that name)
+    # one budget per prompt (overrides max_new_tokens for that prompt's samples): a resumed partial response continues
+    # with what its budget has left, in the same call as fresh prompts
+    prompt_max_new_tokens: list[int] | None = None
+    # per sample (prompt i, sample j at i * n + j): the response ends with EOS once it holds this many tokens, the
+    # tokens before unchanged (polyrl.rollout.lengths: a length-controlled workload); None or 0 for a sample: no cut
+    stop_lengths: list[int] | None = None
+
+    def max_new_tokens_of(self, i: int) -> int:
+        """The budget of prompt i's samples."""
+        return self.prompt_max_new_tokens[i] if self.prompt_max_new_tokens is not None else self.max_new_tokens
+
+    def stop_length_of(self, i: int, j: int) -> int:
+        """Sample j of prompt i: the response length at which EOS is forced (0: none)."""
+        return (self.stop_lengths[i * self.n + j] or 0) if self.stop_lengths is not None else 0
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +62,9 @@ class Sample:
     # image prompts: what the trainer recomputes log-probs with, {"pixel_values": [patches, D], "image_grid_thw":
     # [images, 3]} (polyrl.multimodal); the n samples of one prompt share the tensors
     multimodal: dict | None = None
+    # the weight version of every response token (--partial-rollout: a resumed response spans several); None: every
+    # token is weight_version's
+    token_versions: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

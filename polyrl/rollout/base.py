@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any, Iterable, Protocol, Sequence
 
 import torch
@@ -51,6 +52,18 @@ def wake_tags(tags: Sequence[str] | None) -> set[str]:
     return set(tags)
 
 
+class GenerateWatch:
+    """What a caller of generate() may follow and decide while it runs (--partial-rollout, streaming groups): each
+    sample as it finishes, and a stop. Engines call finished() on their own thread; after stop is set they return every
+    unfinished sample at its next decode step with the tokens it has (finish reason "abort", SGLang's /abort_request)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+
+    def finished(self, index: int, sample: Sample) -> None:
+        """Sample `index` of the call (prompt index * n + sample index) finished ("stop" or "length")."""
+
+
 class RolloutEngine(Protocol):
     """What the loops, the transports and the evaluator use of an engine (in process, or servers behind a client)."""
 
@@ -58,9 +71,10 @@ class RolloutEngine(Protocol):
     concurrent_update: bool  # update_weights may run while a generate is in flight (the async loop relies on it)
     tokenizer: Any  # the HF tokenizer of its model (custom generate functions and cut responses decode with it)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, watch: GenerateWatch | None = None) -> list[Sample]:
         """params.n samples per prompt, grouped: samples[i * n + j] answers prompts[i]
-        (group_index i); each carries response ids, per-token logprobs and finish reason."""
+        (group_index i); each carries response ids, per-token logprobs and finish reason. watch: see GenerateWatch
+        (engines whose capabilities hold "partial_rollout")."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load an HF-named stream in place; `version` is the trainer step it came from. An in-process engine may
@@ -132,6 +146,8 @@ class InProcessEngine:
     # the GPU engine's sleep changes). An engine in its own process (polyrl serve) keeps giving memory back: a trainer in
     # another process could not use its cache.
     shares_allocator = False
+    # the bench's occupancy trace: a list makes every decode step append (time.perf_counter(), sequences decoding)
+    trace: list | None = None
 
     def release_cached_memory(self) -> None:
         """After sleep() freed the engine's tensors: hand the cached memory to the driver unless the trainer shares it."""

@@ -5,6 +5,7 @@ reasons, and finished rows leave the batch so long tails don't pay for short one
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from typing import Callable, Iterable, Sequence
 
@@ -12,9 +13,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache
 
 from polyrl import hf_families, multimodal
-from polyrl.rollout.base import InProcessEngine, wake_tags
+from polyrl.rollout.base import GenerateWatch, InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import decode_all
 from polyrl.rollout.gpu import ops
+from polyrl.rollout.lengths import FORCED_LOGPROB, mark_forced
 from polyrl.rollout.sampling import sample_seed
 from polyrl.types import Sample, SamplingParams
 
@@ -85,9 +87,11 @@ class EmbeddedEngine(InProcessEngine):
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 should_stop: Callable[[int], bool] | None = None, images: list[list | None] | None = None) -> list[Sample]:
+                 should_stop: Callable[[int], bool] | None = None, images: list[list | None] | None = None,
+                 watch: GenerateWatch | None = None) -> list[Sample]:
         """should_stop(prompt index): asked between decode steps; True drops that prompt's rows (finish reason
         "abort", the tokens so far kept), so an aborted or expired server request stops costing compute.
+        watch: told of each sample as it finishes; its stop ends every unfinished row the same way.
         images[i]: prompt i's images (paths, data URLs or PIL images; None: text only), whose expanded image tokens the
         prompt holds; its samples carry the pixel inputs (Sample.multimodal)."""
         for i, p in enumerate(prompts):
@@ -99,6 +103,9 @@ class EmbeddedEngine(InProcessEngine):
         # (prompt index, prompt, sample seed): each sample draws from its own counter-based stream (the GPU path's
         # scheme), so a sample does not depend on the batch it ran in, nor on which server ran it
         flat = [(i, p, sample_seed(params, base, i, j)) for i, p in enumerate(prompts) for j in range(params.n)]
+        # per sample: (budget, stop length): a resumed partial response has its own budget; 0: no forced EOS
+        limits = [(params.max_new_tokens_of(i), params.stop_length_of(i, j)) for i in range(len(prompts))
+                  for j in range(params.n)]
         step = self.max_batch or len(flat)
         if self.true_on_policy and not params.greedy and (0 < params.top_k < logits_dim(self.model) or params.top_p < 1.0):
             raise ValueError("--true-on-policy: top-p / top-k sampling draws from a renormalised distribution, not the "
@@ -106,7 +113,11 @@ class EmbeddedEngine(InProcessEngine):
         out: list[Sample] = []
         try:
             for s in range(0, len(flat), step):
-                batch = self._generate_batch(flat[s:s + step], params, should_stop, mms)
+                if watch is not None and watch.stop.is_set():  # stopped before these rows started: nothing generated
+                    out.extend(Sample(prompt_ids=list(p), response_ids=[], rollout_logprobs=[], finish_reason="abort",
+                                      group_index=g) for g, p, _ in flat[s:s + step])
+                    continue
+                batch = self._generate_batch(flat[s:s + step], params, should_stop, mms, limits[s:s + step], watch, s)
                 out.extend(self._score(batch, params) if self.true_on_policy else batch)
         finally:
             if self.routing is not None:  # a failed request must not leave its route recording armed
@@ -141,8 +152,12 @@ class EmbeddedEngine(InProcessEngine):
 
     @torch.no_grad()
     def _generate_batch(self, flat: list[tuple[int, list[int], int]], sp: SamplingParams,
-                        should_stop: Callable[[int], bool] | None = None, mms: list | None = None) -> list[Sample]:
+                        should_stop: Callable[[int], bool] | None = None, mms: list | None = None,
+                        limits: list[tuple[int, int]] | None = None, watch: GenerateWatch | None = None,
+                        offset: int = 0) -> list[Sample]:
         B = len(flat)
+        limits = limits or [(sp.max_new_tokens, 0)] * B
+        max_new = max(m for m, _ in limits)
         lens = [len(p) for _, p, _ in flat]
         P = max(lens)
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
@@ -187,10 +202,14 @@ class EmbeddedEngine(InProcessEngine):
         responses: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
+        built: dict[int, Sample] = {}  # rows handed to the watch as they finished
+        eos = self.tokenizer.eos_token_id
         # image / video pads are placeholders, never text: a sampled one would take the place of an image feature in the
         # trainer's forward (transformers scatters image features into every pad of the sequence)
         never = (torch.tensor(self.processor.placeholder_ids, device=self.device) if vision else None)
-        for t in range(sp.max_new_tokens):
+        for t in range(max_new):
+            if self.trace is not None:
+                self.trace.append((time.perf_counter(), len(rows)))
             if never is not None:
                 logits = logits.index_fill(1, never, float("-inf"))
             thresh = (ops.filter_thresholds(logits, inv_temp, sp.top_k, sp.top_p) if filtered
@@ -199,6 +218,9 @@ class EmbeddedEngine(InProcessEngine):
             done = torch.isin(tok, stop_t)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
             for j, r in enumerate(rows.tolist()):
+                budget, stop_len = limits[r]
+                if stop_len and len(responses[r]) + 1 == stop_len and eos is not None:
+                    tok_l[j], lp_l[j], done_l[j] = eos, FORCED_LOGPROB, True  # the drawn length: EOS, nothing else changed
                 responses[r].append(tok_l[j])
                 logps[r].append(lp_l[j])
                 if done_l[j]:
@@ -208,13 +230,19 @@ class EmbeddedEngine(InProcessEngine):
                     done_l[j] = True
                 elif self.max_len and lens[r] + len(responses[r]) >= self.max_len:
                     done_l[j] = True  # the context is full: "length"
-            if should_stop is not None:
+                elif len(responses[r]) >= budget:
+                    done_l[j] = True  # its own budget (a resumed response's): "length"
+                if done_l[j] and watch is not None:
+                    built[r] = self._sample(flat, r, responses, logps, finish, routes, mms, limits)
+                    watch.finished(offset + r, built[r])
+            stopped = watch is not None and watch.stop.is_set()
+            if should_stop is not None or stopped:
                 for j, r in enumerate(rows.tolist()):
-                    if not done_l[j] and should_stop(flat[r][0]):
+                    if not done_l[j] and (stopped or should_stop(flat[r][0])):
                         finish[r] = "abort"
                         done_l[j] = True
             keep = [j for j, d in enumerate(done_l) if not d]
-            if not keep or t == sp.max_new_tokens - 1:
+            if not keep or t == max_new - 1:
                 break
             if len(keep) < len(done_l):  # drop finished rows from the batch and the cache
                 kt = torch.tensor(keep, device=self.device)
@@ -235,13 +263,20 @@ class EmbeddedEngine(InProcessEngine):
                     routes[r].append(x)
             next_pos = next_pos + 1
             counters = counters + 1
-        texts = decode_all(self.tokenizer, responses)
-        return [
-            Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
-                   group_index=g, response=texts[r], routed_experts=torch.cat(routes[r]) if routes is not None else None,
+        rest = [r for r in range(B) if r not in built]
+        texts = dict(zip(rest, decode_all(self.tokenizer, [responses[r] for r in rest])))
+        return [built[r] if r in built else self._sample(flat, r, responses, logps, finish, routes, mms, limits, texts[r])
+                for r in range(B)]
+
+    def _sample(self, flat, r: int, responses, logps, finish, routes, mms, limits, text: str | None = None) -> Sample:
+        g, p, _ = flat[r]
+        if text is None:
+            text = self.tokenizer.decode(responses[r], skip_special_tokens=True)
+        s = Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
+                   group_index=g, response=text, routed_experts=torch.cat(routes[r]) if routes is not None else None,
                    multimodal=mms[g] if mms is not None else None)
-            for r, (g, p, _) in enumerate(flat)
-        ]
+        mark_forced(s, limits[r][1])
+        return s
 
     @torch.no_grad()
     def _score(self, samples: list[Sample], sp: SamplingParams) -> list[Sample]:

@@ -40,11 +40,12 @@ import torch
 from transformers import AutoTokenizer
 
 from polyrl.backends.routing_replay import routes_dtype
-from polyrl.rollout.base import InProcessEngine, wake_tags
+from polyrl.rollout.base import GenerateWatch, InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.graphs import GraphSets, capture
 from polyrl.rollout.gpu.kv_cache import KV_CACHE_DTYPES, BlockAllocator, KVCache
+from polyrl.rollout.lengths import FORCED_LOGPROB, mark_forced
 from polyrl.rollout.gpu.model import (DecodeAttn, DenseLM, PrefillAttn, iter_checkpoint, load_config, rope_tables,
                                       spec_from_config)
 from polyrl.rollout.sampling import sample_seed
@@ -63,6 +64,7 @@ class _Group:
     prompt: list[int]
     first: int
     n: int
+    max_new: int  # its budget (a resumed partial response has what is left of its own)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _Seq:
     lps: list[float] = field(default_factory=list)
     done: bool = False
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE, when asked: the prompt's [P, layers, k], then a [layers, k] per decode step
+    stop_len: int = 0  # the length-controlled workload's forced EOS (0: none)
 
 
 @dataclass
@@ -190,6 +193,8 @@ class GPUEngine(InProcessEngine):
         self.running: list[_Seq] = []
         self.last_stats: dict = {}
         self.rescore = None  # --true-on-policy: polyrl.backends.true_on_policy.EngineScorer
+        self._watch: GenerateWatch | None = None
+        self._forced_eos: int | None = None
         self._generate_s = 0.0  # generate calls' wall time since stats(), the scoring pass apart
         log.info("GPU rollout engine: %s, %d layers, weights %.2f GiB%s, KV cache %d blocks x %d tokens (%.2f GiB%s), "
                  "CUDA graphs %s, Triton kernels %s", spec.arch, spec.layers, self.model.nbytes / 2**30,
@@ -246,7 +251,11 @@ class GPUEngine(InProcessEngine):
 
     # ---- generation ------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, should_stop=None,
+                 watch: GenerateWatch | None = None) -> list[Sample]:
+        """should_stop(prompt index): asked between decode steps; True ends that prompt's rows with the tokens they
+        have (finish reason "abort"): an aborted server request. watch: told of each sample as it finishes; its stop
+        ends every unfinished row the same way (rows not admitted yet come back empty)."""
         if self.asleep:
             raise RuntimeError("generate() on a sleeping engine; call wake() first")
         self._restore()
@@ -254,9 +263,9 @@ class GPUEngine(InProcessEngine):
         if M < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for i, p in enumerate(prompts):
-            if not p or len(p) + M > self.max_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + {M} new tokens must be in [1, {self.max_len}] "
-                                 f"(the model's max positions)")
+            if not p or len(p) + sp.max_new_tokens_of(i) > self.max_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + {sp.max_new_tokens_of(i)} new tokens must be in "
+                                 f"[1, {self.max_len}] (the model's max positions)")
         if sp.return_routed_experts and not self.reports_routed_experts:
             raise ValueError("return_routed_experts: this model has no MoE router to report")
         self._want_routes = sp.return_routed_experts
@@ -271,7 +280,9 @@ class GPUEngine(InProcessEngine):
             self.top_p_dev.fill_(sp.top_p)
         self._results: list[Sample | None] = [None] * (len(prompts) * sp.n)
         R = self.max_running
-        waiting = deque(_Group(i, list(p), j, min(sp.n - j, R)) for i, p in enumerate(prompts) for j in range(0, sp.n, R))
+        waiting = deque(_Group(i, list(p), j, min(sp.n - j, R), sp.max_new_tokens_of(i)) for i, p in enumerate(prompts)
+                        for j in range(0, sp.n, R))
+        self._watch, self._forced_eos = watch, self.tokenizer.eos_token_id
         self.running = []
         self._max_ctx = 0
         self.alloc = BlockAllocator(self.alloc.num_blocks)  # nothing outlives a call (also after an exception)
@@ -286,6 +297,8 @@ class GPUEngine(InProcessEngine):
         self._nsteps = 0
         self._detok = Detokenizer(self.tokenizer)
         while waiting or self.running or self._pending:
+            if (watch is not None and watch.stop.is_set()) or should_stop is not None:
+                self._stop_rows(waiting, should_stop, watch is not None and watch.stop.is_set())
             if waiting and self._fits(waiting[0]):
                 self._drain()
                 self._admit(waiting)
@@ -295,7 +308,7 @@ class GPUEngine(InProcessEngine):
                 elif waiting and not self._fits(waiting[0]):
                     g = waiting[0]
                     raise RuntimeError(
-                        f"prompt {g.index} ({len(g.prompt)} tokens, {g.n} samples x {M} new tokens) needs "
+                        f"prompt {g.index} ({len(g.prompt)} tokens, {g.n} samples x {g.max_new} new tokens) needs "
                         f"{self._blocks_needed(len(g.prompt), g.n)} KV blocks but the cache has {self.alloc.num_blocks - 1}; "
                         f"raise --rollout-mem-fraction or lower --n-samples-per-prompt / --rollout-max-response-len")
                 continue
@@ -327,13 +340,31 @@ class GPUEngine(InProcessEngine):
             out.update(self.rescore.stats())
         return out
 
-    def _fits(self, g: _Group) -> bool:
-        return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n) <= self.alloc.num_free
+    def _stop_rows(self, waiting: deque, should_stop, stop_all: bool) -> None:
+        """End the rows the caller stopped (all of them, or those should_stop names) with the tokens they have."""
+        if not stop_all and not any(should_stop(i) for i in {seq.group.index for seq in self.running}
+                                    | {g.index for g in waiting}):
+            return
+        self._drain()  # the look-ahead step's tokens are the rows' own: keep them
+        stopped = lambda i: stop_all or should_stop(i)  # noqa: E731
+        for g in [g for g in waiting if stopped(g.index)]:
+            waiting.remove(g)
+            for j in range(g.n):
+                self._results[g.index * self._sp.n + g.first + j] = Sample(
+                    prompt_ids=list(g.prompt), response_ids=[], rollout_logprobs=[], finish_reason="abort",
+                    group_index=g.index)
+        done = [(seq, "abort") for seq in self.running if not seq.done and stopped(seq.group.index)]
+        for seq, _ in done:
+            seq.done = True
+        self._retire(done)
 
-    def _blocks_needed(self, P: int, n: int) -> int:
+    def _fits(self, g: _Group) -> bool:
+        return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n, g.max_new) <= self.alloc.num_free
+
+    def _blocks_needed(self, P: int, n: int, max_new: int | None = None) -> int:
         bs = self.block_size
         full = P // bs
-        return full + n * (-(-(P + self._sp.max_new_tokens - 1) // bs) - full)
+        return full + n * (-(-(P + (max_new or self._sp.max_new_tokens) - 1) // bs) - full)
 
     def _admit(self, waiting: deque) -> int:
         batch, tokens, admitted = [], 0, 0
@@ -341,7 +372,7 @@ class GPUEngine(InProcessEngine):
         free_blocks = self.alloc.num_free
         while waiting:
             g = waiting[0]
-            need = self._blocks_needed(len(g.prompt), g.n)
+            need = self._blocks_needed(len(g.prompt), g.n, g.max_new)
             if g.n > free_slots or need > free_blocks:
                 break
             if batch and tokens + len(g.prompt) > self.max_prefill_tokens:
@@ -360,12 +391,12 @@ class GPUEngine(InProcessEngine):
     def _prefill(self, groups: list[_Group]) -> None:
         t = time.perf_counter()
         ev = self._event()
-        bs, M, sp, dev = self.block_size, self._sp.max_new_tokens, self._sp, self.device
+        bs, sp, dev = self.block_size, self._sp, self.device
         new: list[_Seq] = []
         ids, slots, lens, bt_rows, seeds, ctxs = [], [], [], [], [], []
         copy_src, copy_dst = [], []
         for g in groups:
-            P = len(g.prompt)
+            P, M = len(g.prompt), g.max_new
             full = P // bs
             own_n = -(-(P + M - 1) // bs) - full
             shared = self.alloc.allocate(full)
@@ -381,7 +412,7 @@ class GPUEngine(InProcessEngine):
                 copy_dst += [o[0] for o in owns[1:]]
             for j in range(g.n):
                 k = g.index * sp.n + g.first + j
-                new.append(_Seq(k, g, shared, owns[j]))
+                new.append(_Seq(k, g, shared, owns[j], stop_len=sp.stop_length_of(g.index, g.first + j)))
                 bt_rows.append(shared + owns[j])
                 seeds.append(sample_seed(sp, self._base_seed, g.index, g.first + j))
                 ctxs.append(P)
@@ -436,6 +467,8 @@ class GPUEngine(InProcessEngine):
 
     def _launch_step(self) -> _Step:
         b = len(self.running)
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), b))
         ev = self._event()
         # the top-k / top-p thresholds, the sampler and the state update are part of the step (of its CUDA graph):
         # one launch per step. Without the Triton threshold kernel (FP32 logits, CPU) the filters run after it.
@@ -476,18 +509,28 @@ class GPUEngine(InProcessEngine):
                  routes: torch.Tensor | None = None) -> list[tuple[_Seq, str]]:
         """Append each live row's new token (and, for a decode step that recorded them, the routes [rows, layers, k]
         of the token it forwarded); return the sequences that finished, with why."""
-        M, stops, stop_ids = self._sp.max_new_tokens, self._sp.stop, self._stop_ids
+        stops, stop_ids = self._sp.stop, self._stop_ids
         done = []
         for j, (seq, t, lp) in enumerate(zip(seqs, toks, lps)):
             if seq.done:  # finished a step earlier; this was the look-ahead step's extra token
                 continue
             if routes is not None:
                 seq.routes.append(routes[j])
+            if seq.stop_len and len(seq.out) + 1 == seq.stop_len and self._forced_eos is not None:
+                # the drawn length: EOS in place of the sampled token; the device's next input is that token, but the
+                # row is done and its look-ahead token dropped, so nothing else changes
+                t, lp = self._forced_eos, FORCED_LOGPROB
+                reason = "stop"
+                seq.out.append(t)
+                seq.lps.append(lp)
+                seq.done = True
+                done.append((seq, reason))
+                continue
             seq.out.append(t)
             seq.lps.append(lp)
             if t in stop_ids or (stops and self._hit_stop_string(seq.out, stops)):
                 reason = "stop"
-            elif len(seq.out) >= M:
+            elif len(seq.out) >= seq.group.max_new:
                 reason = "length"
             else:
                 continue
@@ -511,7 +554,11 @@ class GPUEngine(InProcessEngine):
                 group_index=g.index,
                 routed_experts=(torch.cat([seq.routes[0], *([torch.stack(seq.routes[1:])] if len(seq.routes) > 1 else [])])
                                 if self._want_routes else None)))
+            mark_forced(finished[-1], seq.stop_len)
             self._results[seq.sample] = finished[-1]
+            if self._watch is not None and reason != "abort":  # its reader (a reward function) needs the text now
+                finished[-1].response = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+                self._watch.finished(seq.sample, finished.pop())
             self.alloc.release(seq.shared)
             self.alloc.release(seq.own)
         self._detok.add(finished)  # their texts, on worker threads while the next steps run
