@@ -194,6 +194,9 @@ class ServerConfig:
     allowed_weight_dirs: list[str] = opt([], "directories /update_weights_from_disk may read (symlinks resolved); "
                                              "none: that endpoint is refused")
     max_request_bytes: int = opt(64 * 1024**2, "largest request body accepted")
+    max_text_chars: int = opt(4 * 1024**2, "most characters of 'text' in one /generate request, its prompts together "
+                                           "(400 past it): the server tokenizes them, at ~120 bytes of memory a "
+                                           "character; input_ids bodies are bounded by --max-request-bytes alone")
     max_running_requests: int = opt(1024, "samples (prompts x n) queued or running at once; past it /generate answers "
                                           "429 with Retry-After")
     max_prompts_per_request: int = opt(256, "most prompts in one /generate request (400 past it)")
@@ -725,7 +728,7 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
     "port": "in [0, 65535]", "max_request_bytes": ">= 1", "max_running_requests": ">= 1", "batch_wait_ms": ">= 0",
-    "max_prompts_per_request": ">= 1", "max_n": ">= 1", "request_timeout_s": "> 0",
+    "max_text_chars": ">= 1", "max_prompts_per_request": ">= 1", "max_n": ">= 1", "request_timeout_s": "> 0",
     # batching
     "global_batch_size": ">= 1", "micro_batch_size": ">= 1", "max_tokens_per_gpu": ">= 1", "num_epoch": ">= 1",
     # algorithm

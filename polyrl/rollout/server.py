@@ -224,6 +224,13 @@ class EngineServer:
         self.vocab_size = hf.get_text_config().vocab_size  # a vision-language config keeps it in its text config
         # the context: the GPU path's positions, else the model's; max_new_tokens is cut to what a prompt leaves of it
         self.max_len = engine.max_len or getattr(hf.get_text_config(), "max_position_embeddings", None)
+        # A text of C characters is at least C / max_token_chars tokens: no token covers more characters of the text
+        # than its vocabulary string has (byte-level BPE spells each byte of it as one character, SentencePiece's "▁"
+        # one space, byte fallback's "<0x0A>" one byte in six; added tokens are in the vocabulary), so a text over
+        # max_len * max_token_chars cannot fit the context. Only a normalizer that deletes characters (collapsing
+        # whitespace) breaks this, and then a text that would have fitted is refused, never an unfitting one admitted.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self._tokenizer_thread = Worker("polyrl-tokenizer")  # one text at a time: its memory (~120 B a character) bounded
         self.cancellable = isinstance(engine, EmbeddedEngine)  # the transformers path stops a row between decode steps
         self.allowed_dirs = [os.path.realpath(d) for d in cfg.allowed_weight_dirs]
         self.weight_shapes = engine.weight_shapes()
@@ -336,7 +343,7 @@ class EngineServer:
     # ---- /generate ------------------------------------------------------------------------------------
     async def generate(self, request):
         body = await self._body(request)
-        prompts, single = self._prompts(body)
+        prompts, single = await self._prompts(body)
         images = self._images(body.get("image_data"), prompts, single, from_text=body.get("text") is not None)
         for k, ok in GENERATE_UNSUPPORTED.items():
             if body.get(k) not in (None, ok):
@@ -400,7 +407,7 @@ class EngineServer:
                 outs.append(o)
         return self._json(outs[0] if single and n == 1 else outs)
 
-    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+    async def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         """(prompts as token ids, whether the request was a single prompt)."""
         if (body.get("text") is None) == (body.get("input_ids") is None):
             raise bad("give exactly one of 'text' and 'input_ids'")
@@ -416,7 +423,7 @@ class EngineServer:
                 texts, single = text, False
             else:
                 raise bad("'text' must be a string or a non-empty list of strings")
-            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
+            prompts = await self._tokenize(texts)
         else:
             ids = body["input_ids"]
             if _int_list(ids) and ids:
@@ -434,6 +441,24 @@ class EngineServer:
                 raise bad(f"prompt {i} has {len(p)} tokens; the model's context is {self.max_len} tokens, which leaves "
                           "no room for a new one")
         return prompts, single
+
+    async def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, computed on the tokenizer thread (a long text is seconds of CPU: the event loop keeps
+        answering /health meanwhile). Text over --max-text-chars in all, or longer than the context can hold, is refused
+        before any of it is tokenized."""
+        total = sum(map(len, texts))
+        if total > self.cfg.max_text_chars:
+            raise bad(f"'text' holds {total} characters; at most --max-text-chars {self.cfg.max_text_chars} in one "
+                      "request (or send 'input_ids', tokenized by the client)")
+        if self.max_len:
+            for i, t in enumerate(texts):
+                if len(t) > self.max_len * self.max_token_chars:
+                    raise bad(f"prompt {i} has {len(t)} characters, more than the model's context of {self.max_len} "
+                              f"tokens can hold (no token of this tokenizer spells more than {self.max_token_chars})")
+        return await self._tokenizer_thread.run(self._encode, texts)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer(t)["input_ids"] for t in texts]
 
     def _images(self, data: Any, prompts: list[list[int]], single: bool, from_text: bool = False) -> list[list | None]:
         """SGLang's image_data: one image or a list of them for a single prompt; a list with one entry (None, an image

@@ -188,12 +188,56 @@ def test_concurrent_requests_are_batched(srv, ref):
     (b'{"input_ids": [1, 2]}', {"Authorization": "Bearer wrong"}, 401, "Unauthorized"),
     (b'{"input_ids": [1, 2]}', {"Authorization": f"bearer {KEY}"}, 401, "Unauthorized"),
     (b'{"input_ids": [' + b"1, " * 400000 + b'1]}', None, 413, "max-request-bytes"),
+    # the tiny model's context (64 tokens) holds at most 64 x 13 characters (its longest token is "<|endoftext|>")
+    (b'{"text": "' + b"1" * 2000 + b'"}', None, 400, "2000 characters, more than the model's context of 64 tokens"),
 ], ids=lambda v: None)
 def test_bad_generate_requests_get_4xx_and_the_server_keeps_serving(srv, body, headers, status, msg):
     got, text = raw(srv, "/generate", body, {"Content-Type": "application/json", **(headers or {})})
     assert got == status and msg in text, text
     ok = call(srv, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert len(ok["output_ids"]) >= 1
+
+
+def test_text_over_max_text_chars_is_refused_before_it_is_tokenized(srv, monkeypatch):
+    monkeypatch.setattr(srv.server.cfg, "max_text_chars", 10)
+    monkeypatch.setattr(srv.server, "_encode", lambda texts: pytest.fail("tokenized text over --max-text-chars"))
+    status, text = raw(srv, "/generate", json.dumps({"text": ["1+2=", "3+4=", "5+6="]}).encode(),
+                       {"Content-Type": "application/json"})
+    assert status == 400 and "'text' holds 12 characters; at most --max-text-chars 10" in text, text
+
+
+def test_health_answers_while_a_text_is_tokenized(srv):
+    """The tokenizer blocks until released (a long text takes seconds of CPU): /health keeps answering meanwhile,
+    then the request completes."""
+    real, entered, release = srv.server.tokenizer, threading.Event(), threading.Event()
+
+    class Blocking:
+        def __call__(self, text):
+            entered.set()
+            release.wait(120)
+            return real(text)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    srv.server.tokenizer = Blocking()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(call, srv, "/generate", {"text": "1+2=", "sampling_params": {"max_new_tokens": 2}})
+        assert entered.wait(30), "the request never reached the tokenizer"
+        host, port = srv.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)  # a blocked event loop never answers
+            try:
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 200
+            finally:
+                conn.close()
+    finally:
+        release.set()
+        srv.server.tokenizer = real
+        pool.shutdown(wait=True)
+    assert len(fut.result(60)["output_ids"]) >= 1
 
 
 def test_other_bad_requests(srv):
