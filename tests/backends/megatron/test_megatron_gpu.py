@@ -172,8 +172,8 @@ def _polyrl_train(args: list[str], nproc: int, run_dir) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", HF_HUB_OFFLINE="1")
     # the embedded GPU engine's default share (0.4 of the GPU) is for a run with the GPU to itself: beside two other
-    # test workers' engines a third finds no room, so these tiny-model runs take 5%
-    mem = [] if "--rollout-mem-fraction" in args else ["--rollout-mem-fraction", "0.05"]
+    # test workers' engines a third finds no room, so these tiny-model runs take 5% (a train-only run has no engine)
+    mem = [] if {"--rollout-mem-fraction", "--load-debug-rollout-data"} & set(args) else ["--rollout-mem-fraction", "0.05"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "polyrl", "train", "--run-dir", str(run_dir)] + args + mem
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
