@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from polyrl.backends.base import TrainBackend, load_backend_class
-from polyrl.checkpoint import critic_hf_dir, load_checkpoint
+from polyrl.checkpoint import export_hf, load_checkpoint
 from polyrl.config import Config, ConfigError
 from polyrl.data import PromptDataset, load_records
 from polyrl.debug_rollout import NoEngine, rollout_files
@@ -168,9 +168,7 @@ class Parts:
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         ck = self.cfg.checkpoint
         if finished and ck.save_hf:
-            self.backend.save_hf(ck.save_hf, self.tokenizer, adapter=ck.save_hf_adapter)
-            if self.critic is not None:  # beside the actor: an HF directory --critic-load reads back
-                self.critic.save_hf(critic_hf_dir(ck.save_hf), self.tokenizer)
+            export_hf(self.backend, ck.save_hf, self.tokenizer, adapter=ck.save_hf_adapter, critic=self.critic)
         if finished and self.d.is_main:
             closing_line(self.cfg)
 
@@ -186,7 +184,8 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
         banner(cfg, plan.summary())
     tok = load_tokenizer(cfg)
     cursor = PromptCursor(prompt_dataset(cfg, tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle), d,
-                          per_draw=r.over_sampling_batch_size or r.rollout_batch_size)
+                          per_draw=r.over_sampling_batch_size or r.rollout_batch_size, source=cfg.data.prompt_data,
+                          allow_change=cfg.data.allow_data_change)
     total_steps = r.num_rollout * minibatches_per_step(cfg)
     backend = build_backend(cfg, device, total_steps=total_steps, need_ref=needs_reference(cfg),
                             need_teacher=bool(cfg.model.opd_teacher_load))

@@ -22,19 +22,52 @@ SERVE_FIELDS = frozenset({f"server.{f.name}" for f in dataclasses.fields(ServerC
     "rollout.rollout_quantization",  # the GPU path keeps FP8 weights and runs FP8 linears
     "rollout.kv_cache_dtype",
 })
+
+
+def _fields_of(sections: tuple[str, ...], drop: set[str]) -> frozenset[str]:
+    from polyrl.config import Config
+    return frozenset(f"{sec.name}.{f.name}" for sec in dataclasses.fields(Config) if sec.name in sections
+                     for f in dataclasses.fields(sec.default_factory)) - drop
+
+
+# Settings of training alone: a model that is evaluated or exported takes no step, no reference, critic or teacher
+_TRAINING_ONLY = {
+    "data.response_key", "data.rollout_shuffle", "data.allow_data_change",
+    "model.ref_load", "model.opd_teacher_load", "model.critic_load", "model.offload_train", "model.mtp_loss_scaling_factor",
+    "model.mtp_detach_encoder",
+    "megatron.recompute_granularity", "megatron.recompute_method", "megatron.recompute_num_layers",
+    "megatron.release_grad_buffers", "megatron.gradient_accumulation_fusion",
+}
+_EVAL_SECTIONS = ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "megatron")
+# What `polyrl eval` reads (run_eval: the engine, the data, the reward; with --load the backend that loads it): no
+# optimizer or batching, no sampling settings of training steps (eval samples with --eval-temperature), no outputs
+# but RUN_DIR/eval.json; tests/test_cli.py traces run_eval and fails when it reads a field not accepted here.
+EVAL_FIELDS = _fields_of(_EVAL_SECTIONS, _TRAINING_ONLY | {
+    "rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.rollout_temperature", "rollout.rollout_top_p",
+    "rollout.rollout_top_k", "rollout.num_rollout", "rollout.async_training", "rollout.max_staleness",
+    "rollout.dynamic_sampling_filter_path", "rollout.over_sampling_batch_size", "rollout.max_dynamic_sampling_draws",
+    "reward.max_consecutive_failed_steps",
+    *(f"checkpoint.{f}" for f in ("save", "save_interval", "save_hf", "save_hf_adapter", "max_ckpt_to_keep")),
+    *(f"log.{f}" for f in ("use_tensorboard", "eval_interval", "quiet", "profile_step", "use_wandb", "wandb_project",
+                           "wandb_group", "wandb_run_name", "wandb_mode", "overwrite",
+                           "ci_train_rollout_logprob_abs_diff_threshold")),
+})
+# What `polyrl export-hf` reads (run_export: the backend, the checkpoint, the output directory)
+EXPORT_FIELDS = _fields_of(("cluster", "model", "checkpoint", "megatron"), _TRAINING_ONLY | {
+    "checkpoint.save", "checkpoint.save_interval", "checkpoint.max_ckpt_to_keep",
+})
 # name -> (help, config sections it takes, the only fields it takes of them: None = all)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], frozenset[str] | None]] = {
     "train": ("run the RL loop (GRPO, GSPO, Dr.GRPO, DAPO, CISPO, REINFORCE++, PPO)", ALL + ("ray", "debug"), None),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on response tokens) or conversations (chat messages: "
             "loss on every assistant turn)",
             ("cluster", "data", "batch", "optimizer", "model", "checkpoint", "log", "megatron"), None),
-    "eval": ("score a model (HF directory, or --load checkpoint) on a prompt dataset",
-             ("cluster", "data", "rollout", "engines", "reward", "model", "checkpoint", "log", "batch", "optimizer", "megatron"),
-             None),
+    "eval": ("score a model (an HF directory, or a --load checkpoint: its base model is the one it records unless "
+             "--hf-checkpoint names it) on a prompt dataset", _EVAL_SECTIONS, EVAL_FIELDS),
     "serve": ("SGLang-compatible HTTP server around the embedded engine (rollout engine server)",
               ("cluster", "model", "rollout", "server"), SERVE_FIELDS),
-    "export-hf": ("write an HF directory from a --load checkpoint (needs --hf-checkpoint for the architecture)",
-                  ("cluster", "model", "checkpoint", "batch", "optimizer", "megatron"), None),
+    "export-hf": ("write an HF directory from a --load checkpoint (the architecture and tokenizer: the base model the "
+                  "checkpoint records, or --hf-checkpoint)", ("cluster", "model", "checkpoint", "megatron"), EXPORT_FIELDS),
 }
 
 
@@ -63,6 +96,40 @@ def _sglang_passthrough(extras: list[str]) -> list[str]:
         else:
             raise ConfigError(f"unrecognized argument {tok!r} (see --help; --sglang-X flags pass through to SGLang)")
     return out
+
+
+def _base_model_from_checkpoint(cfg) -> None:
+    """--load alone: the base model (architecture, tokenizer) is the one the checkpoint's run trained from."""
+    from polyrl.checkpoint import resolve_checkpoint
+    from polyrl.metrics import notice
+    with open(os.path.join(resolve_checkpoint(cfg.checkpoint.load), "loop_state.json")) as f:
+        state = json.load(f)
+    base = state.get("base_model") or (state.get("config") or {}).get("model", {}).get("hf_checkpoint")
+    if not base:
+        raise ConfigError(f"--load {cfg.checkpoint.load} records no base model: add --hf-checkpoint BASE (the model it "
+                          "was trained from)")
+    cfg.model.hf_checkpoint = base
+    notice(f"--hf-checkpoint {base}: the base model that --load {cfg.checkpoint.load} was trained from")
+
+
+def _warn_response_cap(cfg) -> None:
+    """Once, at start-up: a response or context cap beyond the model's context cannot be reached; the engine ends
+    responses at the context (finish reason "length")."""
+    from transformers import AutoConfig
+
+    from polyrl.metrics import notice
+    try:
+        ctx = getattr(AutoConfig.from_pretrained(cfg.model.hf_checkpoint).get_text_config(), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return  # the model directory was checked at start-up; a config transformers cannot read is the load's to report
+    r = cfg.rollout
+    for flag, n in (("--rollout-max-response-len", r.rollout_max_response_len), ("--rollout-max-context-len",
+                                                                                 r.rollout_max_context_len)):
+        if ctx and n and n > ctx - (flag == "--rollout-max-response-len"):
+            notice(f"WARNING {flag} {n} is beyond the model's context of {ctx} tokens (max_position_embeddings of "
+                   f"{cfg.model.hf_checkpoint}): responses end where prompt + response fill the context (finish "
+                   "reason length), and the cap is never reached")
+            return
 
 
 def _check_backend_available(cfg) -> None:
@@ -193,12 +260,14 @@ def _interrupt_line(command: str, cfg, how: str) -> str:
 
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 _TORN_WRITE = ("unexpected pos", "file write failed")  # torch.save's zip writer's words for a write that failed
+_FULL_WORDS = ("No space left on device", "StorageFull")  # a full disk in errors that carry no errno (safetensors')
 
 
 def _write_error(e: BaseException) -> OSError | None:
     """The OSError of a failed write behind `e` (itself, what it wraps, each rank's failure inside DCP's
-    CheckpointException), or None. torch.save's writer turns a full disk into a RuntimeError without the errno: that
-    one counts as ENOSPC where the file system being written has (almost) no space left."""
+    CheckpointException), or None. Some writers drop the errno: safetensors' error says "No space left on device" in
+    its text, and torch.save's zip writer raises a RuntimeError that counts as ENOSPC where the file system being
+    written has (almost) no space left."""
     from polyrl.metrics import PROGRESS
     stack, seen, torn = [e], set(), False
     while stack:
@@ -208,6 +277,8 @@ def _write_error(e: BaseException) -> OSError | None:
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in _WRITE_ERRNOS:
             return x
+        if PROGRESS.get("writing") and any(t in str(x) for t in _FULL_WORDS):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), PROGRESS["writing"][0])
         torn = torn or (isinstance(x, RuntimeError) and any(t in str(x) for t in _TORN_WRITE))
         failures = getattr(x, "failures", None)
         if isinstance(failures, dict):
@@ -385,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.engines.sglang_args += _sglang_passthrough(extras)
+        if args.command in ("eval", "export-hf") and cfg.checkpoint.load and not cfg.model.hf_checkpoint:
+            _base_model_from_checkpoint(cfg)
         if args.command == "train":
             resume_after_restart(cfg)
         validate(cfg, args.command)
@@ -394,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("polyrl export-hf needs --load CHECKPOINT and --save-hf OUT_DIR")
         check_run_dir(cfg, args.command)
         _check_backend_available(cfg)
+        if args.command in ("train", "eval"):
+            _warn_response_cap(cfg)
         if args.command in ("train", "sft") and cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
             from polyrl.checkpoint import claim_save_dir
             owner = claim_save_dir(cfg.checkpoint.save, f"polyrl {args.command}")  # before anything writes there

@@ -73,6 +73,8 @@ class DataConfig:
     apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
     rollout_max_prompt_len: int | None = opt(None, "drop (and count) prompts longer than this many tokens")
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded)")
+    allow_data_change: bool = opt(False, "--load: resume at the saved data position even though --prompt-data changed "
+                                         "since the checkpoint (rows, size or first rows differ); refused without it")
     eval_prompt_data: str | None = opt(None, "held-out prompts for --eval-interval and polyrl eval")
     multimodal_keys: str | None = opt(None, "image prompts: JSON map modality -> column, e.g. '{\"image\": \"images\"}' (a "
                                             "column of image paths relative to the data file, data URLs or base64; see "
@@ -1252,6 +1254,19 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _checkpoint_run_dir(load: str) -> str | None:
+    """The run dir of the run that wrote the checkpoint --load names (None when it cannot be told: no such checkpoint,
+    which loading reports, or one whose config names none)."""
+    import json
+    from polyrl.checkpoint import CheckpointError, resolve_checkpoint
+    try:
+        with open(os.path.join(resolve_checkpoint(load), "loop_state.json")) as f:
+            state = json.load(f)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return state.get("run_dir") or (state.get("config") or {}).get("log", {}).get("run_dir")
+
+
 def _validate_outputs(cfg: Config, command: str) -> None:
     """What the run writes must not land on what the user owns, and output flags a command would ignore are refused."""
     ck, m, lg = cfg.checkpoint, cfg.model, cfg.log
@@ -1281,11 +1296,22 @@ def _validate_outputs(cfg: Config, command: str) -> None:
 
 def check_run_dir(cfg: Config, command: str) -> None:
     """A --run-dir whose metrics.jsonl holds an earlier run's steps is refused unless --overwrite (start afresh) or
-    --load (resume: the logger cuts metrics.jsonl at the resumed step), so no curve ever shows steps 1, 2, 3, 1, 2, 3.
-    Called by the CLI, not validate(): it reads the disk where the run would write."""
-    if command not in ("train", "sft") or cfg.log.overwrite or cfg.checkpoint.load:
+    --load of a checkpoint that run wrote (resume: the logger cuts metrics.jsonl at the resumed step), so no curve ever
+    shows steps 1, 2, 3, 1, 2, 3 and no resume cuts another run's rows. Called by the CLI, not validate(): it reads the
+    disk where the run would write."""
+    if command not in ("train", "sft"):
         return
     path = os.path.join(cfg.log.run_dir, "metrics.jsonl")
+    if cfg.checkpoint.load:
+        saved = _checkpoint_run_dir(cfg.checkpoint.load)
+        if (saved is not None and not _same_dir(saved, cfg.log.run_dir) and os.path.isfile(path)
+                and os.path.getsize(path) > 0):
+            raise ConfigError(f"--load {cfg.checkpoint.load} was saved by the run logging to --run-dir {saved}, and "
+                              f"--run-dir {cfg.log.run_dir} holds another run's steps ({path}), which the resume would "
+                              f"cut at the checkpoint's step: resume with --run-dir {saved}, or an empty --run-dir")
+        return
+    if cfg.log.overwrite:
+        return
     if os.path.isfile(path) and os.path.getsize(path) > 0:
         raise ConfigError(f"--run-dir {cfg.log.run_dir} holds an earlier run ({path} has its steps): pass another "
                           "--run-dir, --overwrite to start afresh there (its metrics.jsonl is emptied), or --load "

@@ -10,12 +10,16 @@ import torch
 
 from polyrl import assemble as asm
 from polyrl.algorithms.losses import sft_loss
-from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
 from polyrl.multimodal import VisionProcessor, build_image_sft_example, parse_multimodal_keys
 from polyrl.metrics import Timer, logger_from_config, notice, stop_if_signalled
+from polyrl.step.book import run_identity
+from polyrl.step.cursor import check_same_data, data_identity
 from polyrl.types import TrainBatch
+
+PROGRESS_LINES = 10  # without the live view (--quiet, as `make demo` runs): a line at every tenth of the steps
 
 
 def sft(cfg: Config) -> dict:
@@ -48,8 +52,12 @@ def sft(cfg: Config) -> dict:
     backend = asm.build_backend(cfg, device, total_steps=total, need_ref=False)
     logger = logger_from_config(cfg, total_steps=total, enabled=d.is_main, title="polyrl sft")
     start = 0
+    identity = data_identity([list(r[:2]) for r in rows[:16]], len(examples), cfg.data.prompt_data)
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, backend)["step"]
+        state = load_checkpoint(cfg.checkpoint.load, backend)
+        start = state["step"]
+        if state.get("data_file") is not None:  # the order of step k's rows depends on the row count
+            check_same_data(state["data_file"], identity, f"step {start}", cfg.data.allow_data_change)
         if start >= total:
             notice(f"nothing to train: the checkpoint is at step {start}, at or past the {total} steps of this run "
                    "(--num-epoch x rows / --global-batch-size)")
@@ -67,11 +75,21 @@ def sft(cfg: Config) -> dict:
             m = backend.train_step(batch, sft_loss)
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
+        if logger.quiet and d.is_main and _progress_step(step + 1, start, total):
+            notice(f"sft step {step + 1}/{total} (epoch {epoch + 1}/{cfg.batch.num_epoch}) loss {m.get('loss', float('nan')):.4f}, "
+                   f"{time.perf_counter() - t0:.0f} s")
         if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
-            save_checkpoint(cfg.checkpoint.save, step + 1, backend, {"step": step + 1, "config": dataclasses.asdict(cfg)},
+            save_checkpoint(cfg.checkpoint.save, step + 1, backend,
+                            {"step": step + 1, "data_file": identity, **run_identity(cfg), "config": dataclasses.asdict(cfg)},
                             keep=cfg.checkpoint.max_ckpt_to_keep)
         stop_if_signalled()
     logger.close()
     if cfg.checkpoint.save_hf:
-        backend.save_hf(cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)
+        export_hf(backend, cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)
     return {"steps": total - start, "wall_seconds": time.perf_counter() - t0, "last": m if total > start else {}}
+
+
+def _progress_step(step: int, start: int, total: int) -> bool:
+    """Whether `step` (1-based) crosses one of the PROGRESS_LINES marks of the run's steps (the last step always does)."""
+    n = max(total - start, 1)
+    return step == total or (step - start) * PROGRESS_LINES // n > (step - 1 - start) * PROGRESS_LINES // n

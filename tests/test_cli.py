@@ -271,7 +271,18 @@ def test_unknown_rm_type_is_a_config_error(tiny_model, arith_data, capsys):
 
 def test_num_rollout_0_says_nothing_to_train(tiny_model, arith_data, tmp_path, capsys):
     assert _train(tiny_model, arith_data["train"], tmp_path, "--num-rollout", "0") == 0
-    assert "nothing to train: --num-rollout 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nothing to train: --num-rollout 0" in err
+    assert "no metrics (no step was logged)" in err and "metrics.jsonl" not in err  # none was written
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_response_cap_beyond_the_models_context_is_warned_about_once(tiny_model, arith_data, tmp_path, capsys):
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--num-rollout", "0", "--rollout-max-response-len", "100") == 0
+    err = capsys.readouterr().err
+    assert err.count("WARNING --rollout-max-response-len 100 is beyond the model's context of 64 tokens") == 1
+    assert _train(tiny_model, arith_data["train"], tmp_path, "--num-rollout", "0", "--rollout-max-response-len", "8") == 0
+    assert "WARNING" not in capsys.readouterr().err
 
 
 def test_load_logs_step_and_path_and_says_when_nothing_is_left(tiny_model, arith_data, tmp_path, capsys):
@@ -467,6 +478,71 @@ def test_help_shows_value_kinds_not_config_paths_and_a_short_usage():
     assert out.startswith("usage: polyrl train [options]\n")
     assert "--rollout-batch-size N" in out and "--hf-checkpoint PATH" in out and "--rm-url URL" in out
     assert "ROLLOUT." not in out and "MODEL." not in out and "_" not in out.split("\n", 1)[0]
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("eval", ["--lr", "5"]), ("eval", ["--num-epoch", "3"]), ("eval", ["--micro-batch-size", "2"]),
+    ("eval", ["--save", "CK"]), ("eval", ["--rollout-batch-size", "4"]), ("eval", ["--use-tensorboard"]),
+    ("export-hf", ["--lr", "5"]), ("export-hf", ["--num-epoch", "3"]), ("export-hf", ["--global-batch-size", "2"]),
+    ("export-hf", ["--save", "CK"]),
+])
+def test_eval_and_export_refuse_flags_they_do_not_read(command, flags, tiny_model, arith_data, tmp_path, capsys):
+    from polyrl.cli import main
+    flags = [str(tmp_path / "ck") if f == "CK" else f for f in flags]
+    base = (["--eval-prompt-data", arith_data["eval"], "--rm-type", "arithmetic"] if command == "eval" else
+            ["--load", str(tmp_path), "--save-hf", str(tmp_path / "out")])
+    assert main_exit(main, [command, "--hf-checkpoint", tiny_model, *base, *flags]) == 2
+    assert flags[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *flags])
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_and_export_accept_every_setting_they_read(tiny_model, arith_data, tmp_path, monkeypatch):
+    """Runs run_eval (with and without --load) and run_export on configs whose sections record every field read, and
+    checks that each command accepts every field it read of the sections it takes (outside the backend's optimizer and
+    batching, which a model that takes no step never uses)."""
+    import dataclasses
+
+    from polyrl import assemble as asm
+    from polyrl.checkpoint import save_checkpoint
+    from polyrl.cli import COMMANDS, run_eval, run_export
+    from polyrl.config import Config
+
+    read: set[str] = set()
+
+    def recording(section: str, obj):
+        cls = type(obj)
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def getattribute(self, k):
+            if k in names:
+                read.add(f"{section}.{k}")
+            return object.__getattribute__(self, k)
+        rec = type("Recording" + cls.__name__, (cls,), {"__getattribute__": getattribute})
+        return rec(**{n: object.__getattribute__(obj, n) for n in names})
+
+    def trace(fn, argv):
+        cfg = config_from_args(build_parser().parse_args(argv))
+        validate(cfg, argv[0])
+        for f in dataclasses.fields(Config):
+            setattr(cfg, f.name, recording(f.name, getattr(cfg, f.name)))
+        read.clear()
+        fn(cfg)
+        taken = COMMANDS[argv[0]][1]
+        return {r for r in read if r.split(".")[0] in taken}
+
+    cfg = config_from_args(build_parser().parse_args(["train", "--hf-checkpoint", tiny_model, "--device", "cpu"]))
+    device, _ = asm.setup_command(cfg)
+    save_checkpoint(str(tmp_path / "ck"), 1, asm.build_backend(cfg, device, total_steps=1, need_ref=False),
+                    {"step": 1, "data": {}, "config": {}})
+    ev = ["eval", "--hf-checkpoint", tiny_model, "--eval-prompt-data", arith_data["eval"] + "@[:4]", "--rm-type",
+          "arithmetic", "--device", "cpu", "--run-dir", str(tmp_path / "ev"), "--rollout-max-response-len", "2"]
+    for fn, argv in ((run_eval, ev), (run_eval, ev + ["--load", str(tmp_path / "ck")]),
+                     (run_export, ["export-hf", "--hf-checkpoint", tiny_model, "--load", str(tmp_path / "ck"),
+                                   "--save-hf", str(tmp_path / "out"), "--device", "cpu"])):
+        missing = trace(fn, argv) - COMMANDS[argv[0]][2]
+        assert missing == set(), (argv[0], missing)
 
 
 def test_yaml_settings_a_command_does_not_use_are_refused(tmp_path, tiny_model, capsys):

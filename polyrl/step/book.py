@@ -47,7 +47,7 @@ class Book:
         cfg, d = self.cfg, self.d
         if rollout_s is None:
             rollout_s = timer.times.get("rollout", 0.0)
-        data_state = self.cursor.position_before(step + 1)  # where a resume draws the next step's prompts
+        data_state = self.cursor.checkpoint_state(step + 1)  # where a resume draws the next step's prompts, in which data
         n_resp, n_tok, n_trunc = d.sum([len(samples), sum(len(s.response_ids) for s in samples),
                                         sum(s.finish_reason == "length" for s in samples)])
         m.update(self.engine_stats())
@@ -117,6 +117,14 @@ def checkpoint_saver(cfg: Config, backend, critic=None) -> Callable[[int, dict],
         return None
 
     def save(step: int, data_state: dict) -> None:
-        save_checkpoint(ck.save, step, backend, {"step": step, "data": data_state, "config": dataclasses.asdict(cfg)},
+        save_checkpoint(ck.save, step, backend, {"step": step, "data": data_state, **run_identity(cfg),
+                                                 "config": dataclasses.asdict(cfg)},
                         keep=ck.max_ckpt_to_keep, critic=critic)
     return save
+
+
+def run_identity(cfg: Config) -> dict:
+    """What a checkpoint records of the run that wrote it: the base model (polyrl eval / export-hf --load alone read it)
+    and the run dir (a resume logs into that one only), as absolute paths."""
+    import os
+    return {"base_model": os.path.abspath(cfg.model.hf_checkpoint), "run_dir": os.path.abspath(cfg.log.run_dir)}
