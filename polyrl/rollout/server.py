@@ -64,7 +64,8 @@ HEALTH_CHECK_TIMEOUT = 20.0  # SGLang's: /health_generate fails when nothing was
 WEIGHT_SYNC_TIMEOUT = 600.0  # a receive waits at most this long for the trainer's broadcast
 API_KEY_ENV = "POLYRL_API_KEY"  # how a parent process hands a server its key (never on the command line)
 # what a non-loopback server without a key (--allow-unauthenticated-host) still answers: generation and status
-OPEN_WITHOUT_KEY = frozenset({"/health", "/health_generate", "/generate", "/get_load", "/get_weight_version",
+OPEN_WITHOUT_KEY = frozenset({"/health", "/health_generate", "/generate", "/v1/chat/completions", "/v1/completions",
+                              "/v1/models", "/get_load", "/get_weight_version",
                               "/get_model_info", "/model_info"})
 # safetensors dtypes a weight file may hold (the engine casts them to its own dtype)
 WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
@@ -261,6 +262,8 @@ class EngineServer:
         r = self.app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
+        from polyrl.rollout.gateway import server_routes  # the OpenAI-compatible routes, over submit()
+        server_routes(self).add_to(r)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/get_model_info", self.model_info)
@@ -370,17 +373,29 @@ class EngineServer:
         if body.get("routed_experts_start_len") not in (None, 0):
             raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")
         rids = self._rids(body.get("rid"), B, single)
-        samples, cap = B * n, self.cfg.max_running_requests
+        loop = asyncio.get_running_loop()
+        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future(),
+                      images=images[i]) for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
+        results = await self.submit(items)
+        outs = []
+        for it, res in zip(items, results):
+            for j, o in enumerate(res):
+                o["meta_info"]["id"] = it.rid if n == 1 else f"{it.rid}_{j}"
+                outs.append(o)
+        return self._json(outs[0] if single and n == 1 else outs)
+
+    async def submit(self, items: list[Item]) -> list[list[dict]]:
+        """Queue `items` for the batcher and wait for their outputs (n SGLang output dicts each), within
+        --max-running-requests and --request-timeout-s: the engine call of /generate and of the OpenAI routes."""
+        samples, cap = sum(it.gen.n for it in items), self.cfg.max_running_requests
         if samples > cap:
-            raise bad(f"{B} prompts x n={n} = {samples} samples can never fit --max-running-requests {cap}")
+            raise bad(f"{len(items)} prompts x n={items[0].gen.n} = {samples} samples can never fit "
+                      f"--max-running-requests {cap}")
         if self._inflight + samples > cap:  # full: the client waits and asks again; nothing queues past the cap
             self.stats["rejected_busy"] += 1
             retry = max(1, min(60, round(self._last_call_s + 0.5)))
             raise HTTPError(429, f"server busy: {self._inflight} samples queued or running, {samples} more would pass "
                                  f"--max-running-requests {cap}; retry after {retry} s", {"Retry-After": str(retry)})
-        loop = asyncio.get_running_loop()
-        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future(),
-                      images=images[i]) for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
         self._inflight += samples
         self.stats["requests"] += 1
         futs = [it.future for it in items]
@@ -400,12 +415,7 @@ class EngineServer:
             raise
         finally:
             self._inflight -= samples
-        outs = []
-        for it, res in zip(items, results):
-            for j, o in enumerate(res):
-                o["meta_info"]["id"] = it.rid if n == 1 else f"{it.rid}_{j}"
-                outs.append(o)
-        return self._json(outs[0] if single and n == 1 else outs)
+        return results
 
     async def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         """(prompts as token ids, whether the request was a single prompt)."""

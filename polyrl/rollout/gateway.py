@@ -1,0 +1,407 @@
+"""OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models) over an engine, and the loopback
+gateway that records agents' trajectories for training.
+
+The routes are one thin layer over a backend's `complete(prompt_ids, Call) -> [Completion]`: on `polyrl serve` the
+server's own batcher (the engine call its SGLang /generate routes make), in `polyrl train` the run's RolloutEngine
+(EngineBackend: in this process, launched servers or external ones, behind the same micro-batching). Payload parsing
+and response building live in polyrl/rollout/openai_api.py; trajectory records in polyrl/rollout/trajectory.py.
+
+Under /trajectories/<id>/v1/... a call belongs to trajectory <id>: its prompt is spliced from the tokens already
+sampled (never re-tokenized), its completion recorded with its log-probs, and it takes the run's sampling settings
+(the temperature, top-p and top-k the trainer scores with, and a seed per call) in place of the request's;
+`n` must be 1 there. The gateway `polyrl train` starts only knows the ids its agent rollout opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from polyrl.rollout import openai_api as oa
+from polyrl.rollout.openai_api import APIError, Completion
+from polyrl.rollout.trajectory import Trajectory
+from polyrl.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One prompt's sampling request to a backend."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    seed: int | None
+
+
+@dataclass
+class TrajectorySettings:
+    """How calls under /trajectories/<id>/ sample: the run's settings; `seed(id, call)` gives each call its seed."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: Callable[[str, int], int]
+
+
+class Trajectories:
+    """The gateway's records, by id. open()/close() are the agent rollout's; only opened ids are served."""
+
+    def __init__(self, settings: TrajectorySettings | None = None):
+        self.settings = settings
+        self._records: dict[str, Trajectory] = {}
+        self.overridden = 0  # calls whose temperature / top_p / seed the run's settings replaced
+        self._lock = threading.Lock()
+
+    def open(self, tid: str, record: Trajectory) -> None:
+        with self._lock:
+            self._records[tid] = record
+
+    def close(self, tid: str) -> Trajectory | None:
+        with self._lock:
+            return self._records.pop(tid, None)
+
+    def get(self, tid: str) -> Trajectory:
+        rec = self._records.get(tid)
+        if rec is None:
+            raise APIError(f"no trajectory {tid!r} is open on this gateway", status=404)
+        return rec
+
+
+class OpenAIRoutes:
+    """The /v1 routes for one model. `read_body(request) -> dict` parses a bounded JSON body (the server's rules)."""
+
+    def __init__(self, tokenizer, model_name: str, complete: Callable[[list[int], Call], Awaitable[list[Completion]]],
+                 read_body: Callable, *, max_len: int | None, max_n: int, vocab_size: int,
+                 trajectories: Trajectories | None = None):
+        self.tok, self.model, self.complete, self.read_body = tokenizer, model_name, complete, read_body
+        self.max_len, self.max_n, self.vocab_size, self.trajectories = max_len, max_n, vocab_size, trajectories
+        eos = tokenizer.eos_token_id
+        self.eos_ids = {eos} if eos is not None else set()
+        self.eot_text = tokenizer.decode([eos]) if eos is not None else ""
+
+    def add_to(self, router) -> None:
+        prefixes = ["/v1"] + (["/trajectories/{tid}/v1"] if self.trajectories is not None else [])
+        for p in prefixes:
+            router.add_post(f"{p}/chat/completions", self.chat)
+            router.add_post(f"{p}/completions", self.completions)
+            router.add_get(f"{p}/models", self.models)
+
+    # ---- routes -----------------------------------------------------------------------------------------
+    async def models(self, request):
+        return web.json_response(oa.models_response(self.model))
+
+    async def chat(self, request):
+        body = await self.read_body(request)
+        try:
+            req = oa.parse_chat(body, self.max_n)
+            tid = request.match_info.get("tid")
+            if tid is None:
+                ids = oa.encode(self.tok, oa.render(self.tok, req.messages, req.tools, generation_prompt=True))
+                outs = await self._generate(ids, req, self._call(req, ids, None))
+                prompt_len = len(ids)
+            else:
+                prompt_len, outs = await self._chat_traced(tid, req)
+            choices = [oa.chat_choice(self.tok, c, i, req, self.eos_ids) for i, c in enumerate(outs)]
+            use = oa.usage(prompt_len, outs)
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        if req.stream:
+            return await self._sse(request, oa.chat_chunks(self.model, choices, use if req.include_usage else None))
+        return web.json_response(oa.chat_response(self.model, choices, use))
+
+    async def completions(self, request):
+        body = await self.read_body(request)
+        try:
+            req = oa.parse_completion(body, self.max_n, self.vocab_size)
+            tid = request.match_info.get("tid")
+            if tid is not None and len(req.prompts) != 1:
+                raise APIError("a trajectory's /completions call takes one prompt", param="prompt")
+            choices, total, outs_all = [], 0, []
+            for p in req.prompts:
+                ids = p if isinstance(p, list) else oa.encode(self.tok, p)
+                if not ids:
+                    raise APIError("'prompt' renders to no tokens", param="prompt")
+                if tid is None:
+                    outs = await self._generate(ids, req, self._call(req, ids, None))
+                else:
+                    rec = self.trajectories.get(tid)
+                    ids, kept = rec.plan_ids(list(ids))
+                    outs = await self._generate(ids, req, self._traced_call(tid, rec, req, ids, kept))
+                    rec.record(ids, kept, outs[0])
+                total += len(ids)
+                outs_all += outs
+                choices += [oa.completion_choice(self.tok, c, len(choices) + i, req, self.eos_ids)
+                            for i, c in enumerate(outs)]
+            use = oa.usage(total, outs_all)
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        resp = oa.completion_response(self.model, choices, use)
+        if req.stream:
+            return await self._sse(request, [resp])
+        return web.json_response(resp)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    async def _chat_traced(self, tid: str, req: oa.Request) -> tuple[int, list[Completion]]:
+        rec = self.trajectories.get(tid)
+        if req.n != 1:
+            raise APIError("a trajectory records one completion per call: 'n' must be 1", param="n")
+        ids, kept = rec.plan(self.tok, req.messages, req.tools, self.eot_text)
+        outs = await self._generate(ids, req, self._traced_call(tid, rec, req, ids, kept))
+        c = outs[0]
+        reply = oa.chat_choice(self.tok, c, 0, req, self.eos_ids)["message"]
+        norm = oa.normalize_messages([{k: v for k, v in reply.items() if k != "refusal"}])[0]
+        ended = c.finish == "stop" and bool(c.ids) and c.ids[-1] in self.eos_ids
+        rec.record(ids, kept, c, messages=req.messages, tools=req.tools, reply=norm, ended=ended)
+        return len(ids), outs
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if self.max_len and len(ids) >= self.max_len:
+            raise APIError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_len} tokens, which "
+                           "leaves no room for a new one", param="messages", code="context_length_exceeded")
+
+    def _call(self, req: oa.Request, ids: list[int], room: int | None) -> Call:
+        self._check_prompt(ids)
+        left = [x for x in (room, self.max_len - len(ids) if self.max_len else None) if x is not None]
+        mnt = req.max_tokens if req.max_tokens is not None else min(left) if left else 1024
+        mnt = min([mnt, *left])
+        return Call(req.n, 1.0 if req.temperature is None else float(req.temperature),
+                    1.0 if req.top_p is None else float(req.top_p), -1, mnt, tuple(req.stop), req.seed)
+
+    def _traced_call(self, tid: str, rec: Trajectory, req: oa.Request, ids: list[int], kept: int) -> Call:
+        call = self._call(req, ids, rec.room(len(ids), kept))
+        s = self.trajectories.settings
+        if s is None:
+            return call
+        if (req.temperature, req.top_p, req.seed) != (None, None, None):
+            self.trajectories.overridden += 1
+        return dataclasses.replace(call, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                   seed=s.seed(tid, rec.calls))
+
+    async def _generate(self, ids: list[int], req: oa.Request, call: Call) -> list[Completion]:
+        if call.max_new_tokens <= 0:  # the budget is spent: what the engine would answer, without asking it
+            return [Completion([], [], "length") for _ in range(call.n)]
+        outs = await self.complete(ids, call)
+        if any(c.finish == "abort" for c in outs):
+            raise APIError("the request was aborted (weight update, shutdown or deadline)", status=503)
+        return outs
+
+    @staticmethod
+    async def _sse(request, events: list[dict]):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(f"data: {json.dumps(e)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+# ---- backends -------------------------------------------------------------------------------------------
+def finish_of(tokenizer, ids: list[int], finish_reason: str, stop: tuple[str, ...], stop_ids: set[int]) -> str | None:
+    """The stop string that ended a "stop" completion (None: a stop token ended it, or it ran out of length)."""
+    if finish_reason != "stop" or not stop or (ids and ids[-1] in stop_ids):
+        return None
+    tail = tokenizer.decode(ids[-16:], skip_special_tokens=True)
+    return next((x for x in stop if x in tail), None)
+
+
+class EngineBackend:
+    """A RolloutEngine as the routes' backend: concurrent calls with the same settings (all but the seed) that arrive
+    within `window_s` of each other share one engine.generate, each prompt with its own seed. An engine in this
+    process runs one generate at a time on one thread of our own; engine servers take them concurrently."""
+
+    def __init__(self, engine, window_s: float = 0.002):
+        self.engine, self.window_s = engine, window_s
+        self._pool = ThreadPoolExecutor(1 if not engine.concurrent_update else 16, thread_name_prefix="polyrl-gateway")
+        self._lock = asyncio.Lock() if not engine.concurrent_update else None
+        self._pending: list[tuple[list[int], Call, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        eos = engine.tokenizer.eos_token_id
+        self._stop_ids = {eos} if eos is not None else set()
+
+    async def complete(self, ids: list[int], call: Call) -> list[Completion]:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((ids, call, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(self.window_s)
+        while self._pending:
+            key = dataclasses.replace(self._pending[0][1], seed=None)
+            batch = [p for p in self._pending if dataclasses.replace(p[1], seed=None) == key]
+            self._pending = [p for p in self._pending if dataclasses.replace(p[1], seed=None) != key]
+            batch = [p for p in batch if not p[2].done()]  # the agent hung up while it waited
+            if not batch:
+                continue
+            if self._lock is None:
+                asyncio.create_task(self._run(batch, key))
+            else:
+                async with self._lock:
+                    await self._run(batch, key)
+
+    async def _run(self, batch, c: Call) -> None:
+        import random
+        seeds = [p[1].seed if p[1].seed is not None else random.getrandbits(62) for p in batch]
+        sp = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
+                            stop=list(c.stop), n=c.n, prompt_seeds=seeds)
+        version = self.engine.version
+        try:
+            samples = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.engine.generate, [p[0] for p in batch], sp)
+        except Exception as e:
+            log.exception("engine.generate failed for %d gateway calls", len(batch))
+            for p in batch:
+                if not p[2].done():
+                    p[2].set_exception(APIError(f"generation failed: {type(e).__name__}: {e}", status=500))
+            return
+        for i, p in enumerate(batch):
+            outs = [Completion(list(s.response_ids), list(s.rollout_logprobs), s.finish_reason,
+                               finish_of(self.engine.tokenizer, s.response_ids, s.finish_reason, c.stop, self._stop_ids),
+                               s.weight_version if s.weight_version is not None else version)
+                    for s in samples[i * c.n:(i + 1) * c.n]]
+            if not p[2].done():
+                p[2].set_result(outs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- the loopback gateway ---------------------------------------------------------------------------------
+class Gateway:
+    """An aiohttp app with the OpenAI routes (and the trajectory routes) over a backend, behind a Bearer key; JSON
+    bodies only, at most `max_request_bytes`."""
+
+    def __init__(self, tokenizer, model_name: str, complete, *, api_key: str, max_len: int | None, vocab_size: int,
+                 trajectories: Trajectories | None = None, max_request_bytes: int = 16 * 1024**2, max_n: int = 64):
+        self.api_key, self.max_request_bytes = api_key, max_request_bytes
+        self.app = web.Application(client_max_size=max_request_bytes, middlewares=[self._guard])
+        self.routes = OpenAIRoutes(tokenizer, model_name, complete, self._body, max_len=max_len, max_n=max_n,
+                                   vocab_size=vocab_size, trajectories=trajectories)
+        self.routes.add_to(self.app.router)
+
+    @web.middleware
+    async def _guard(self, request, handler):
+        try:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
+                raise APIError("Unauthorized: this gateway needs 'Authorization: Bearer <api key>'", status=401)
+            return await handler(request)
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:  # aiohttp's own: 404, 405, 413
+            if e.status < 400:
+                raise
+            msg = f"request body over {self.max_request_bytes} bytes" if e.status == 413 else e.reason
+            return web.json_response(APIError(msg, status=e.status).body(), status=e.status)
+        except Exception as e:  # a bug or an engine failure: answer, log, keep serving
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response(APIError(f"{type(e).__name__}: {e}", status=500).body(), status=500)
+
+    async def _body(self, request) -> dict:
+        raw = await request.read()
+        if request.content_type != "application/json":
+            raise APIError(f"request bodies must be JSON (Content-Type: application/json), got {request.content_type!r}",
+                           status=415)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+
+class GatewayThread:
+    """A Gateway on 127.0.0.1 (any free port) on its own event loop in a daemon thread: `.url`, `.stop()`."""
+
+    def __init__(self, make_gateway: Callable[[], Gateway], timeout: float = 60):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="polyrl-gateway", daemon=True)
+        self._thread.start()
+
+        async def start() -> str:
+            self.gateway = make_gateway()
+            self._runner = web.AppRunner(self.gateway.app, access_log=None, handle_signals=False,
+                                         handler_cancellation=True)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+        try:
+            self.url = asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the agent gateway did not start listening within {timeout:g} s") from None
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+
+def served_name(model_path: str) -> str:
+    """The model name the routes report: the checkpoint directory's name."""
+    import os
+    return os.path.basename(os.path.normpath(model_path)) or model_path
+
+
+def context_len(model_path: str, engine) -> int | None:
+    """Most tokens a sequence may hold: an in-process engine's limit, else the model config's."""
+    from transformers import AutoConfig
+
+    from polyrl.rollout.base import InProcessEngine
+    own = engine.max_len if isinstance(engine, InProcessEngine) else None
+    return own or getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+
+
+class ServerBackend:
+    """`polyrl serve`'s batcher as the routes' backend: each call is one queued item, batched with /generate's."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def complete(self, ids: list[int], call: Call) -> list[Completion]:
+        import uuid
+
+        from polyrl.rollout.server import GenSettings, Item, OutSettings
+        s = self.server
+        gen = GenSettings(call.temperature, call.top_p, call.top_k, call.max_new_tokens, call.stop, (), call.n)
+        seed = call.seed if call.seed is not None else s._rng.getrandbits(62)
+        item = Item(list(ids), gen, OutSettings(skip_special_tokens=True, no_stop_trim=True, return_logprob=True,
+                                                return_text_in_logprobs=False),
+                    seed, f"oai-{uuid.uuid4().hex}", asyncio.get_running_loop().create_future())
+        (outs,) = await s.submit([item])
+        res = []
+        for o in outs:
+            meta, fin = o["meta_info"], o["meta_info"]["finish_reason"]
+            matched = fin.get("matched") if fin["type"] == "stop" else None
+            version = meta["weight_version"]
+            res.append(Completion(list(o["output_ids"]), [x[0] for x in meta.get("output_token_logprobs", [])],
+                                  fin["type"], matched if isinstance(matched, str) else None,
+                                  int(version) if str(version).isdigit() else None))
+        return res
+
+
+def server_routes(server) -> OpenAIRoutes:
+    """The OpenAI routes of a `polyrl serve` EngineServer (its key, body rules and batcher)."""
+    return OpenAIRoutes(server.tokenizer, served_name(server.model_path), ServerBackend(server).complete, server._body,
+                        max_len=server.max_len, max_n=server.cfg.max_n, vocab_size=server.vocab_size)

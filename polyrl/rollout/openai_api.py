@@ -1,0 +1,378 @@
+"""The OpenAI API's payloads (Chat Completions, Completions, Models), as polyrl's OpenAI-compatible routes parse and
+answer them: request checking, chat rendering with the model's own chat template, tool-call parsing and response
+building. No HTTP here (polyrl/rollout/gateway.py serves it), no engine (a backend's `complete` generates).
+
+What the engine cannot do is refused with a 400 naming the field, never ignored: `top_logprobs` > 0 (the engine reports
+the sampled token's log-prob only), penalties and `logit_bias`, `tool_choice` "required" or a named function (no
+constrained decoding), `response_format` other than text, non-text content parts, `echo`, `suffix`, `best_of` > 1.
+Fields that change nothing the model does (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`,
+`model`: every name is served by the one model) are accepted.
+
+Tool calls are parsed in the format of Qwen2.5 / Qwen3 (and Hermes-style) templates: `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks, any number, the text around them being the message's content. A block that is
+not a JSON object with a string `name` and object `arguments`, names a tool the request did not offer, or is left
+unclosed makes the whole completion plain text with finish_reason "stop". Other families' formats (Llama 3.1's bare
+JSON, Mistral's [TOOL_CALLS]) are not parsed: their calls come back as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# fields that change nothing the engine does: accepted whatever their value
+INERT = frozenset({"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options"})
+# fields the engine cannot honour: accepted only at these values (OpenAI's defaults)
+UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "prediction": None, "audio": None,
+               "modalities": None, "reasoning_effort": None, "web_search_options": None, "functions": None,
+               "function_call": None}
+CHAT_FIELDS = frozenset({"messages", "tools", "tool_choice", "n", "temperature", "top_p", "max_tokens",
+                         "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "stream",
+                         "response_format"})
+COMPLETION_FIELDS = frozenset({"prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs",
+                               "stream", "echo", "suffix", "best_of"})
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """A request the routes refuse: HTTP status and OpenAI's error object."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _get(body: dict, key: str, ok, what: str, default=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not ok(v):
+        raise APIError(f"'{key}' must be {what}, got {json.dumps(v)[:80]}", param=key)
+    return v
+
+
+@dataclass
+class Request:
+    """What either API asks of the engine, checked."""
+
+    n: int = 1
+    temperature: float | None = None  # None: the served default (1.0)
+    top_p: float | None = None
+    max_tokens: int | None = None  # None: what the context leaves (chat) / 16 (completions)
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    # chat only
+    messages: list[dict] = field(default_factory=list)  # normalized (normalize_messages)
+    tools: list[dict] | None = None  # None: no tools offered (or tool_choice "none")
+    # completions only: one or more prompts, each text or token ids
+    prompts: list[str | list[int]] = field(default_factory=list)
+
+
+def _check_fields(body: dict, known: frozenset) -> None:
+    for k, v in body.items():
+        if k in UNSUPPORTED:
+            if v is not None and v != UNSUPPORTED[k]:
+                raise APIError(f"'{k}' is not supported by this server (only {json.dumps(UNSUPPORTED[k])})", param=k)
+        elif k not in known and k not in INERT:
+            raise APIError(f"unknown field '{k}'", param=k)
+
+
+def _common(body: dict, max_n: int) -> Request:
+    r = Request()
+    r.n = _get(body, "n", lambda v: _int(v) and 1 <= v <= max_n, f"an integer in [1, {max_n}]", 1)
+    r.temperature = _get(body, "temperature", lambda v: _num(v) and 0 <= v <= 2, "a number in [0, 2]")
+    r.top_p = _get(body, "top_p", lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1]")
+    stop = _get(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and len(v) <= 4 and all(
+        isinstance(s, str) for s in v)), "a string or a list of at most 4 strings", [])
+    r.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+    r.seed = _get(body, "seed", lambda v: _int(v) and -2**63 <= v < 2**63, "a 64-bit integer")
+    if r.seed is not None:
+        r.seed %= 2**62
+    r.stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    r.include_usage = bool(opts.get("include_usage", False))
+    return r
+
+
+def parse_chat(body: dict, max_n: int) -> Request:
+    """A /v1/chat/completions body, checked (APIError on anything wrong)."""
+    _check_fields(body, CHAT_FIELDS)
+    r = _common(body, max_n)
+    mt = _get(body, "max_completion_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1")
+    r.max_tokens = mt if mt is not None else _get(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1")
+    r.logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    if _get(body, "top_logprobs", lambda v: _int(v) and 0 <= v <= 20, "an integer in [0, 20]", 0):
+        raise APIError("'top_logprobs' > 0 is not supported: the engine reports the sampled token's log-prob only "
+                       "(logprobs: true)", param="top_logprobs")
+    fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
+    if fmt is not None and fmt.get("type") != "text":
+        raise APIError("'response_format' other than {\"type\": \"text\"} is not supported (no constrained decoding)",
+                       param="response_format")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("'messages' must be a non-empty list of message objects", param="messages")
+    r.messages = normalize_messages(msgs)
+    tools = _get(body, "tools", lambda v: isinstance(v, list), "a list of tool objects")
+    if tools:
+        for i, t in enumerate(tools):
+            f = t.get("function") if isinstance(t, dict) else None
+            if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(f, dict)
+                    and isinstance(f.get("name"), str) and f["name"]):
+                raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               "\"parameters\": {...}}}}", param="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise APIError("'tool_choice' must be \"auto\" or \"none\": \"required\" and named functions need constrained "
+                       "decoding, which this server lacks", param="tool_choice")
+    r.tools = tools or None if choice != "none" else None
+    return r
+
+
+def parse_completion(body: dict, max_n: int, vocab_size: int) -> Request:
+    """A /v1/completions body, checked."""
+    _check_fields(body, COMPLETION_FIELDS)
+    r = _common(body, max_n)
+    r.max_tokens = _get(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    lp = _get(body, "logprobs", lambda v: _int(v) and 0 <= v <= 5, "an integer in [0, 5]")
+    if lp:
+        raise APIError("'logprobs' > 0 (top alternatives) is not supported: logprobs 0 returns the sampled tokens' "
+                       "log-probs", param="logprobs")
+    r.logprobs = lp == 0
+    for k, ok in (("echo", False), ("suffix", None), ("best_of", 1)):
+        if body.get(k) not in (None, ok):
+            raise APIError(f"'{k}' is not supported (only {json.dumps(ok)})", param=k)
+    p = body.get("prompt")
+    ids_list = isinstance(p, list) and p and all(_int(x) for x in p)
+    if isinstance(p, str) and p:
+        r.prompts = [p]
+    elif ids_list:
+        r.prompts = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) and x for x in p)
+                                        or all(isinstance(x, list) and x and all(_int(t) for t in x) for x in p)):
+        r.prompts = list(p)
+    else:
+        raise APIError("'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either",
+                       param="prompt")
+    for x in r.prompts:
+        if isinstance(x, list) and (min(x) < 0 or max(x) >= vocab_size):
+            raise APIError(f"'prompt' has token ids outside [0, {vocab_size})", param="prompt")
+    return r
+
+
+# ---- messages and the chat template ---------------------------------------------------------------
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for c in content:
+            if not (isinstance(c, dict) and c.get("type") in ("text", "input_text", "output_text")
+                    and isinstance(c.get("text"), str)):
+                raise APIError(f"{where}: only text content parts are supported", param="messages")
+            parts.append(c["text"])
+        return "".join(parts)
+    raise APIError(f"{where}: 'content' must be a string, null or a list of text parts", param="messages")
+
+
+def _arguments(raw: Any) -> Any:
+    """A tool call's arguments as templates render them: the parsed object when the JSON string holds one."""
+    if isinstance(raw, str):
+        try:
+            v = json.loads(raw)
+        except ValueError:
+            return raw
+        return v if isinstance(v, dict) else raw
+    return raw
+
+
+def normalize_messages(msgs: list) -> list[dict]:
+    """OpenAI messages as HF chat templates take them: text content, `developer` as `system`, tool calls with their
+    arguments parsed."""
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(f"{where} must be an object with 'role' one of {', '.join(ROLES)}", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict = {"role": role, "content": _text(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list):
+                raise APIError(f"{where}.tool_calls must be a list", param="messages")
+            msg["tool_calls"] = []
+            for c in calls:
+                f = c.get("function") if isinstance(c, dict) else None
+                if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
+                    raise APIError(f"{where}.tool_calls: each needs function.name and function.arguments", param="messages")
+                msg["tool_calls"].append({"id": c.get("id"), "type": "function",
+                                          "function": {"name": f["name"], "arguments": _arguments(f.get("arguments", {}))}})
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+            if m.get("name"):
+                msg["name"] = m["name"]
+        elif m.get("name") and isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def message_key(m: dict) -> tuple:
+    """What two versions of one message must share to count as the same turn (ids and whitespace aside)."""
+    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                  for c in m.get("tool_calls") or ())
+    return m["role"], (m.get("content") or "").strip(), calls
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+    """The chat template's text of `messages` (APIError when the model has no template or the template refuses them)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError("the served model's tokenizer has no chat template: use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                             tokenize=False)
+    except Exception as e:  # jinja's own errors and the template's raise_exception()
+        raise APIError(f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---- completions and tool calls -------------------------------------------------------------------
+@dataclass
+class Completion:
+    """One sampled completion as a backend returns it."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish: str  # "stop" | "length" | "abort"
+    stop_text: str | None = None  # the stop string that ended it, if one did
+    weight_version: int | None = None
+
+
+def completion_text(tokenizer, c: Completion, eos_ids: set[int]) -> str:
+    """What the client reads: the sampled text without the end-of-turn token, cut before a matched stop string."""
+    ids = c.ids[:-1] if c.finish == "stop" and c.ids and c.ids[-1] in eos_ids else c.ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if c.stop_text and (pos := text.find(c.stop_text)) >= 0:
+        text = text[:pos]
+    return text
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str | None, list[dict]]:
+    """(content, OpenAI tool_calls) of a completion's text; ([the text], []) when it holds no well-formed call."""
+    if not tools or "<tool_call>" not in text:
+        return text, []
+    names = {t["function"]["name"] for t in tools}
+    calls = []
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1).strip())
+        except ValueError:
+            return text, []
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in names):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = _arguments(args)
+        if not isinstance(args, dict):
+            return text, []
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    rest = TOOL_CALL.sub("", text)
+    if not calls or "<tool_call>" in rest or "</tool_call>" in rest:  # an unclosed or stray tag
+        return text, []
+    return rest.strip() or None, calls
+
+
+def _logprobs(tokenizer, c: Completion) -> dict:
+    toks = [tokenizer.decode([t]) for t in c.ids]
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(toks, c.logprobs)]}
+
+
+def chat_choice(tokenizer, c: Completion, index: int, req: Request, eos_ids: set[int]) -> dict:
+    text = completion_text(tokenizer, c, eos_ids)
+    content, calls = parse_tool_calls(text, req.tools)
+    msg: dict = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        msg["tool_calls"] = calls
+    finish = "tool_calls" if calls else "length" if c.finish == "length" else "stop"
+    return {"index": index, "message": msg, "logprobs": _logprobs(tokenizer, c) if req.logprobs else None,
+            "finish_reason": finish}
+
+
+def usage(prompt_tokens: int, completions: list[Completion]) -> dict:
+    n = sum(len(c.ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def chat_response(model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": use, "system_fingerprint": None}
+
+
+def chat_chunks(model: str, choices: list[dict], use: dict | None) -> list[dict]:
+    """The chat.completion.chunk events of finished choices: role, content, tool calls, finish reason (the engine
+    returns whole completions, so each choice streams in a few chunks rather than token by token)."""
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(i: int, delta: dict, finish=None, lp=None) -> dict:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": None, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                                         "finish_reason": finish}]}
+
+    out = []
+    for ch in choices:
+        i, msg = ch["index"], ch["message"]
+        out.append(chunk(i, {"role": "assistant", "content": ""}))
+        if msg["content"]:
+            out.append(chunk(i, {"content": msg["content"]}, lp=ch["logprobs"]))
+        for k, call in enumerate(msg.get("tool_calls") or ()):
+            out.append(chunk(i, {"tool_calls": [{"index": k, **call}]}))
+        out.append(chunk(i, {}, ch["finish_reason"]))
+    if use is not None:
+        out.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "system_fingerprint": None, "choices": [], "usage": use})
+    return out
+
+
+def completion_choice(tokenizer, c: Completion, index: int, req: Request, eos_ids: set[int]) -> dict:
+    lp = None
+    if req.logprobs:
+        toks = [tokenizer.decode([t]) for t in c.ids]
+        lp = {"tokens": toks, "token_logprobs": list(c.logprobs), "top_logprobs": None, "text_offset": None}
+    return {"index": index, "text": completion_text(tokenizer, c, eos_ids), "logprobs": lp,
+            "finish_reason": "length" if c.finish == "length" else "stop"}
+
+
+def completion_response(model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use, "system_fingerprint": None}
+
+
+def models_response(model: str) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "polyrl"}]}

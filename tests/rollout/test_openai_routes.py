@@ -1,0 +1,183 @@
+"""The OpenAI-compatible routes with the official `openai` client: on `polyrl serve` (an EngineServer in a thread,
+sharing /generate's batcher) and on the loopback gateway `polyrl train` starts (EngineBackend over the engine), with
+its token-exact trajectory records. A tiny random chat model (tests/chat_model.py); ScriptedEngine answers chosen
+texts where a test needs the model to call a tool."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import openai
+import pytest
+import torch
+
+from chat_model import ScriptedEngine, make_chat_model
+from polyrl.config import ServerConfig
+from polyrl.rollout.gateway import EngineBackend, Gateway, GatewayThread, Trajectories, TrajectorySettings
+from polyrl.rollout.server import ServerThread
+from polyrl.rollout.trajectory import Trajectory
+
+KEY = "test-key"
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
+                                           "parameters": {"type": "object", "properties": {"e": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "what is 12+30?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return make_chat_model(str(tmp_path_factory.mktemp("chat_model")))
+
+
+@pytest.fixture(scope="module")
+def engine(chat_dir):
+    return ScriptedEngine(chat_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def served(engine, chat_dir):
+    st = ServerThread(engine, ServerConfig(port=0, api_key=KEY, batch_wait_ms=1), model_path=chat_dir, seed=0)
+    client = openai.OpenAI(base_url=st.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        yield client
+    finally:
+        client.close()
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine, chat_dir):
+    trajectories = Trajectories(TrajectorySettings(temperature=1.0, top_p=1.0, top_k=-1, seed=lambda tid, k: 7 + k))
+    gt = GatewayThread(lambda: Gateway(engine.tokenizer, "chat_model", EngineBackend(engine).complete, api_key=KEY,
+                                       max_len=256, vocab_size=len(engine.tokenizer), trajectories=trajectories))
+    gt.trajectories = trajectories
+    try:
+        yield gt
+    finally:
+        gt.stop()
+
+
+def test_chat_completion_schema_usage_and_logprobs(served, engine, chat_dir):
+    r = served.chat.completions.create(model="anything", messages=ASK, max_tokens=8, seed=3, logprobs=True, n=2)
+    assert r.object == "chat.completion" and len(r.choices) == 2 and r.model == os.path.basename(chat_dir)
+    prompt = engine.tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    assert r.usage.prompt_tokens == len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    for c in r.choices:
+        assert c.finish_reason in ("stop", "length") and c.message.role == "assistant"
+        assert all(t.logprob <= 0 for t in c.logprobs.content)
+    again = served.chat.completions.create(model="m", messages=ASK, max_tokens=8, seed=3, n=2)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # the seed decides
+    assert [m.id for m in served.models.list().data] == [os.path.basename(chat_dir)]
+
+
+def test_streaming_gives_the_same_text_as_a_plain_call(served):
+    plain = served.chat.completions.create(model="m", messages=ASK, max_tokens=10, seed=5)
+    chunks = list(served.chat.completions.create(model="m", messages=ASK, max_tokens=10, seed=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (plain.choices[0].message.content or "")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
+
+
+def test_completions_with_text_and_token_ids(served, engine):
+    a = served.completions.create(model="m", prompt="1+2=", max_tokens=4, seed=1, logprobs=0)
+    ids = engine.tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    b = served.completions.create(model="m", prompt=ids, max_tokens=4, seed=1)
+    assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
+    assert len(a.choices[0].logprobs.token_logprobs) == a.usage.completion_tokens
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_are_text(served, engine):
+    engine.script = ['let me see<tool_call>{"name": "calc", "arguments": {"e": "12+30"}}</tool_call>']
+    r = served.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=80)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "let me see"
+    (call,) = c.message.tool_calls
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {"e": "12+30"}
+    for bad in ('<tool_call>{"name": "calc", "arguments": {"e": </tool_call>',  # not JSON
+                '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # a tool the request did not offer
+                '<tool_call>{"name": "calc", "arguments": {}}'):  # never closed
+        engine.script = [bad]
+        r = served.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=80)
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == bad
+        assert not r.choices[0].message.tool_calls
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, chat_dir):
+    for kwargs in ({"top_logprobs": 2, "logprobs": True}, {"tool_choice": "required", "tools": TOOLS},
+                   {"frequency_penalty": 0.5}, {"temperature": 3}, {"n": 0}):
+        with pytest.raises(openai.BadRequestError) as e:
+            served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **kwargs)
+        assert e.value.status_code == 400 and e.value.message
+    with pytest.raises(openai.BadRequestError):
+        served.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        served.chat.completions.create(model="m", messages=[{"role": "user", "content": "9" * 400}])
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        served.chat.completions.create(model="m", messages=ASK, extra_body={"bogus": 1})
+    wrong = openai.OpenAI(base_url=str(served.base_url), api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="m", messages=ASK)
+    assert served.chat.completions.create(model="m", messages=ASK, max_tokens=2).choices
+
+
+def open_trajectory(gateway, tid: str, **limits) -> tuple[openai.OpenAI, Trajectory]:
+    rec = Trajectory(**limits)
+    gateway.trajectories.open(tid, rec)
+    return openai.OpenAI(base_url=f"{gateway.url}/trajectories/{tid}/v1", api_key=KEY, max_retries=0, timeout=60), rec
+
+
+def tool_turns(client, answer: str = "42") -> list[dict]:
+    """A two-call tool conversation through `client`: the call, the tool's result, the answer."""
+    r1 = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, temperature=0.0)
+    msg = r1.choices[0].message
+    history = [*ASK, msg.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"}]
+    r2 = client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+    return [*history, r2.choices[0].message.model_dump(exclude_none=True)]
+
+
+def test_a_tool_conversation_is_one_token_exact_sample(gateway, engine):
+    client, rec = open_trajectory(gateway, "t1")
+    call = 'sure <tool_call>{"name":"calc","arguments":{"e":"12+30"}}</tool_call>'  # not the template's spacing
+    engine.script, engine.prompts = [call, "it is 42"], []
+    tool_turns(client)
+    tok, eos = engine.tokenizer, engine.tokenizer.eos_token_id
+    (seg,) = rec.segments
+    first, second = engine.prompts
+    call_ids = tok.encode(call, add_special_tokens=False) + [eos]
+    assert first == seg.prompt_ids and second[:len(first) + len(call_ids)] == first + call_ids  # spliced, not re-tokenized
+    s = rec.samples()[0]
+    assert s.prompt_ids + s.response_ids == second + tok.encode("it is 42", add_special_tokens=False) + [eos]
+    between = second[len(first) + len(call_ids):]  # the template's tool turn and generation prompt
+    assert tok.decode(between) == "<|im_start|>user\n<tool_response>42</tool_response><eos><|im_start|>assistant\n"
+    assert s.loss_mask == [1] * len(call_ids) + [0] * len(between) + [1] * (len(s.response_ids) - len(call_ids) - len(between))
+    assert [lp for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m] == [-0.25] * sum(s.loss_mask)
+    assert rec.rewrites == 0 and rec.calls == 2 and gateway.trajectories.overridden == 1  # temperature=0.0 replaced
+
+
+def test_a_rewritten_history_splits_the_trajectory(gateway, engine):
+    client, rec = open_trajectory(gateway, "t2")
+    engine.script = ["first answer", "second answer"]
+    r1 = client.chat.completions.create(model="m", messages=ASK)
+    summary = [{"role": "user", "content": "summary: " + r1.choices[0].message.content}]  # history rewritten
+    client.chat.completions.create(model="m", messages=summary)
+    assert len(rec.segments) == 2 and rec.rewrites == 1
+    assert [s.loss_mask.count(1) for s in rec.samples()] == [len("first answer") + 1, len("second answer") + 1]
+
+
+def test_trajectory_budgets_and_unknown_ids(gateway, engine):
+    client, rec = open_trajectory(gateway, "t3", max_response=5, max_calls=1)
+    engine.script = []
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=50)
+    assert r.usage.completion_tokens <= 5
+    with pytest.raises(openai.BadRequestError, match="max-turns"):
+        client.chat.completions.create(model="m", messages=ASK)
+    stray = openai.OpenAI(base_url=f"{gateway.url}/trajectories/nope/v1", api_key=KEY, max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError):
+        stray.chat.completions.create(model="m", messages=ASK)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        open_trajectory(gateway, "t4")[0].chat.completions.create(model="m", messages=ASK, n=2)
