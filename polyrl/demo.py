@@ -91,4 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from polyrl.cpu_env import apply_cpu_defaults
+    apply_cpu_defaults()  # before build_model imports torch; the polyrl commands it runs inherit it
     sys.exit(main())

@@ -144,12 +144,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (taskset, a container's cpuset), not the machine's count,
+    which would put more threads than cores on a process restricted to a few."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_threads(world_size: int) -> int:
     """Intra-op threads of a CPU rank: POLYRL_CPU_THREADS when set (make test sets 1: its workers share two cores),
     else the cores split over the ranks. Not OMP_NUM_THREADS: torchrun sets it to 1 for every multi-process job."""
     raw = os.environ.get("POLYRL_CPU_THREADS", "")
     if not raw:
-        return max(1, (os.cpu_count() or 1) // world_size)
+        return max(1, usable_cores() // world_size)
     if not raw.isdigit() or int(raw) < 1:
         from polyrl.config import ConfigError  # a one-line error at the command line, as a bad flag gets
         raise ConfigError(f"POLYRL_CPU_THREADS={raw!r}: give a whole number of threads, 1 or more")
