@@ -27,6 +27,7 @@ import asyncio
 import base64
 import atexit
 import collections
+import concurrent.futures
 import importlib.util
 import logging
 import os
@@ -45,8 +46,9 @@ import torch.distributed as dist
 from polyrl.config import Config
 from polyrl.dist import free_port, group_timeout_minutes, rank as trainer_rank
 from polyrl.placement import num_engines, plan_here
-from polyrl.rollout.base import wake_tags
+from polyrl.rollout.base import GenerateWatch, wake_tags
 from polyrl.rollout.http_client import EngineHTTPError, HTTPClient, normalize_url
+from polyrl.rollout.lengths import mark_forced
 from polyrl.rollout.router import spawn
 from polyrl.rollout.sampling import prompt_seed, sample_seed
 from polyrl.types import Sample, SamplingParams
@@ -60,6 +62,10 @@ SGLANG_HINT = ("--rollout-engine sglang needs SGLang in this Python environment:
 
 class EngineDeadError(RuntimeError):
     """An engine server died or stopped answering and fault tolerance is off (or nothing is left to retry on)."""
+
+
+class RouterDeadError(EngineDeadError):
+    """The sglang-router in front of the engines died or failed (and fault tolerance is off, or could not restart it)."""
 
 
 def wait_healthy(s: Server, http, timeout: float) -> None:
@@ -291,6 +297,9 @@ class HTTPEngine:
         self._weight_source = None  # (source, transport): how a restarted server gets the current weights
         self._resync_lock = threading.Lock()
         self._processor = None  # image prompts: the model's VisionProcessor, loaded at the first one
+        self._router_restart: concurrent.futures.Future | None = None  # rank 0: the router's restart under way
+        self._router_lost = False  # another rank: a request through the router failed; rank 0 restarts it
+        self._router_gave_up: str | None = None  # why the router's restart failed
         atexit.register(self.close)
         try:
             self._start_servers(cfg, device)
@@ -306,11 +315,13 @@ class HTTPEngine:
     # ---- start-up ------------------------------------------------------------------------------
     def _start_servers(self, cfg: Config, device: str) -> None:
         e = cfg.engines
+        log_dir = e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
+        self.router_log = os.path.join(log_dir, "router.log")
         if e.rollout_external:
             self.servers = [Server(k, normalize_url(a)) for k, a in enumerate(e.rollout_external_engine_addrs)]
+            self._probe_external(e.rollout_external_startup_timeout)
         else:
             n = num_engines(cfg)
-            log_dir = e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines")
             urls: list = [None, None, None]  # (server urls, colocated, key): the same length on every rank
             if self.rank == 0:  # one set of servers for the whole job; every trainer rank sends its own requests
                 self.servers = self._launch(cfg, device, n, log_dir)
@@ -319,6 +330,10 @@ class HTTPEngine:
                 budget = cfg.engines.rollout_engine_startup_timeout
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     budget = min(budget, 30 * group_timeout_minutes())
+                from polyrl.metrics import notice
+                notice(f"waiting for {n} engine server{'s' * (n > 1)} ({', '.join(s.url for s in self.servers)}; logs in "
+                       f"{log_dir}){' and the sglang-router' * e.use_sglang_router} to answer /health, up to "
+                       f"{budget:.0f} s (--rollout-engine-startup-timeout)")
                 deadline = time.monotonic() + budget
                 self.servers = [self._up(s, cfg, device, log_dir, deadline) for s in self.servers]
                 urls = [[s.url for s in self.servers], self.shares_devices, self.api_key]
@@ -332,20 +347,52 @@ class HTTPEngine:
                     self.http.close()
                     self.http = HTTPClient(self.api_key)
         for s in self.servers:
-            self._wait_healthy(s, e.rollout_engine_startup_timeout)
+            if not e.rollout_external:  # launched ones (attached ones were probed above)
+                self._wait_healthy(s, e.rollout_engine_startup_timeout)
         if e.use_sglang_router and self.rank == 0:
-            from polyrl.rollout.router import launch_router
-            self.router = launch_router([s.url for s in self.servers], policy=e.sglang_router_policy,
-                                        api_key=self.api_key,
-                                        log_path=os.path.join(e.rollout_engine_log_dir or os.path.join(cfg.log.run_dir, "engines"),
-                                                              "router.log"),
-                                        timeout=e.rollout_engine_startup_timeout)
+            self.router = self._launch_router()
         if e.use_sglang_router and dist.is_initialized() and dist.get_world_size() > 1:
             box = [self.router.url if self.router else None]
             dist.broadcast_object_list(box, src=0)
             self.router_url = box[0]
         else:
             self.router_url = self.router.url if self.router else None
+
+    def _probe_external(self, timeout: float) -> None:
+        """--rollout-external servers run already: each must answer /health within `timeout` s; the ones that do not
+        answer at once are named in one line while they are waited for, and one still silent is an EngineDeadError."""
+        late = {s: self._health_error(s, min(2.0, timeout)) for s in self.servers}
+        late = {s: err for s, err in late.items() if err is not None}
+        if not late:
+            return
+        from polyrl.metrics import notice
+        notice(f"waiting for --rollout-external engine{'s' * (len(late) > 1)} {', '.join(s.url for s in late)} to answer "
+               f"/health, up to {timeout:g} s (--rollout-external-startup-timeout)")
+        deadline = time.monotonic() + timeout
+        while late:
+            if time.monotonic() > deadline:
+                s, err = next(iter(late.items()))
+                raise EngineDeadError(f"--rollout-external {s.name} did not answer /health within {timeout:g} s "
+                                      f"(--rollout-external-startup-timeout): {err}; is it running, and reachable from "
+                                      "this host?")
+            time.sleep(0.5)
+            late = {s: self._health_error(s, 5.0) for s in late}
+            late = {s: err for s, err in late.items() if err is not None}
+
+    def _health_error(self, s: Server, timeout: float) -> str | None:
+        try:
+            self.http.call(s.url, "/health", timeout=timeout)
+            return None
+        except (EngineHTTPError, TimeoutError) as err:
+            return str(err)
+
+    def _launch_router(self, port: int | None = None):
+        """The sglang-router in front of every server (rank 0), ready once it routes to all of them; `port`: the one a
+        dead router held, so that every rank keeps its address."""
+        from polyrl.rollout.router import launch_router
+        e = self.cfg.engines
+        return launch_router([s.url for s in self.servers], policy=e.sglang_router_policy, api_key=self.api_key,
+                             log_path=self.router_log, timeout=e.rollout_engine_startup_timeout, port=port)
 
     def _launch(self, cfg: Config, device: str, n: int, log_dir: str) -> list[Server]:
         env = dict(os.environ)
@@ -402,14 +449,16 @@ class HTTPEngine:
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 images: list[list | None] | None = None) -> list[Sample]:
+                 images: list[list | None] | None = None, watch: GenerateWatch | None = None) -> list[Sample]:
         """images[i]: prompt i's images, sent as SGLang's `image_data` (data URLs); the samples carry the pixel inputs
-        the trainer recomputes log-probs with, made here by the model's processor."""
+        the trainer recomputes log-probs with, made here by the model's processor. watch: told of each sample as its
+        answer arrives; once it stops, every request still out is aborted (/abort_request by rid, on every server) and
+        comes back with the tokens it generated (finish reason "abort")."""
         data, mms = self._image_data(prompts, images)
         base = params.seed if params.seed is not None else random.getrandbits(62)
         jobs = []  # (prompt index, first sample index, n, seed)
         for i in range(len(prompts)):
-            if self.split_samples:
+            if self.split_samples or params.stop_lengths is not None:  # a stop length is one sample's
                 jobs += [(i, j, 1, sample_seed(params, base, i, j)) for j in range(params.n)]
             else:
                 jobs.append((i, 0, params.n, prompt_seed(params, base, i)))
@@ -417,15 +466,51 @@ class HTTPEngine:
         # each attempt may wait for a restart (startup timeout) before its request (request timeout)
         budget = (self.request_timeout + (self.cfg.engines.rollout_engine_startup_timeout if self.fault_tolerant else 0)) \
             * attempts + 60
-        async def all_jobs():
-            return await asyncio.gather(*(self._one(prompts[i], params, n, seed, data[i]) for i, _, n, seed in jobs))
-        outs = self.http.run(all_jobs(), timeout=budget)
         samples: list[Sample] = [None] * (len(prompts) * params.n)  # type: ignore[list-item]
-        for (i, j, n, _), got in zip(jobs, outs):
-            for k, o in enumerate(got):
-                samples[i * params.n + j + k] = self._to_sample(prompts[i], i, o)
-                samples[i * params.n + j + k].multimodal = mms[i]
+        tag = secrets.token_hex(6)
+        rids = [f"polyrl-{tag}-{k}" for k in range(len(jobs))] if watch is not None else [None] * len(jobs)
+        out_rids = set(r for r in rids if r is not None)  # requests not answered yet (the ones a stop aborts)
+
+        def place(k: int, got: list[dict]) -> list[dict]:
+            i, j, n, _ = jobs[k]
+            for m, o in enumerate(got):
+                s = samples[i * params.n + j + m] = self._to_sample(prompts[i], i, o)
+                s.multimodal = mms[i]
+                mark_forced(s, params.stop_length_of(i, j + m))
+                if watch is not None and s.finish_reason != "abort":
+                    watch.finished(i * params.n + j + m, s)
+            out_rids.discard(rids[k])
+            return got
+
+        async def job(k: int):
+            i, j, n, seed = jobs[k]
+            stop_len = params.stop_length_of(i, j) if params.stop_lengths is not None else 0
+            return place(k, await self._one(prompts[i], params, n, seed, data[i], max_new=params.max_new_tokens_of(i),
+                                            stop_length=stop_len, rid=rids[k], watch=watch))
+
+        async def all_jobs():
+            aborter = asyncio.ensure_future(self._abort_on_stop(watch, out_rids)) if watch is not None else None
+            try:
+                return await asyncio.gather(*(job(k) for k in range(len(jobs))))
+            finally:
+                if aborter is not None:
+                    aborter.cancel()
+        self.http.run(all_jobs(), timeout=budget)
         return samples
+
+    async def _abort_on_stop(self, watch: GenerateWatch, out_rids: set) -> None:
+        """Once the watch stops: /abort_request for every request still out, on every live server (behind the router
+        too: a server that does not hold a rid ignores it), again every 0.5 s for any that had not reached its server."""
+        while not watch.stop.is_set():
+            await asyncio.sleep(0.02)
+        urls = [s.url for s in self.servers if s.alive] or ([self.router_url] if self.router_url else [])
+        while out_rids:
+            calls = [self.http.request(u, "/abort_request", {"rid": r}, timeout=10) for r in list(out_rids) for u in urls]
+            for res in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(res, EngineHTTPError):
+                    log.debug("abort_request failed: %s", res)
+            self._stats["rollout/abort_requests"] += len(calls)
+            await asyncio.sleep(0.5)
 
     def _image_data(self, prompts: list[list[int]], images: list[list | None] | None) -> tuple[list, list]:
         """(image_data per prompt: a list of data URLs or None, pixel inputs per prompt or None)."""
@@ -448,11 +533,18 @@ class HTTPEngine:
     def _max_attempts(self) -> int:
         return 2 * len(self.servers) + 1 if self.fault_tolerant else 1
 
-    def _payload(self, prompt: list[int], p: SamplingParams, n: int, seed: int, image_data: list | None = None) -> dict:
-        sp = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
+    def _payload(self, prompt: list[int], p: SamplingParams, n: int, seed: int, image_data: list | None = None,
+                 max_new: int | None = None, stop_length: int = 0, rid: str | None = None) -> dict:
+        sp = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+              "max_new_tokens": max_new if max_new is not None else p.max_new_tokens,
               "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "n": n, "sampling_seed": seed,
               "no_stop_trim": True, "skip_special_tokens": True}
+        if stop_length:
+            from polyrl.rollout.server import STOP_LENGTH_KEY
+            sp[STOP_LENGTH_KEY] = stop_length
         out = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        if rid is not None:
+            out["rid"] = rid
         if image_data:  # SGLang's form for one request: its images in order; input_ids hold their expanded pads
             out["image_data"] = image_data
         if p.return_routed_experts:
@@ -460,10 +552,15 @@ class HTTPEngine:
         return out
 
     async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int,
-                   image_data: list | None = None) -> list[dict]:
-        payload = self._payload(prompt, params, n, seed, image_data)
+                   image_data: list | None = None, max_new: int | None = None, stop_length: int = 0,
+                   rid: str | None = None, watch: GenerateWatch | None = None) -> list[dict]:
+        payload = self._payload(prompt, params, n, seed, image_data, max_new, stop_length, rid)
         last: Exception | None = None
+        stopped = watch is not None and watch.stop.is_set
         for attempt in range(self._max_attempts()):
+            if stopped and stopped():  # stopped before it was (re)sent: nothing generated
+                return [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+                        for _ in range(n)]
             s = None if self.router_url else await self._pick()
             url = self.router_url or s.url
             task = asyncio.ensure_future(self._generate_when_free(url, payload))
@@ -480,6 +577,8 @@ class HTTPEngine:
                                           "answer to /health) while the request was in flight") from None
                 outs = out if isinstance(out, list) else [out]
                 if any(o.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" for o in outs):
+                    if stopped and stopped():  # our own stop: the tokens so far are the answer
+                        return outs
                     raise EngineHTTPError(url, "/generate", "request aborted by the server")
                 return outs
             except EngineHTTPError as err:
@@ -497,6 +596,8 @@ class HTTPEngine:
     async def _generate_when_free(self, url: str, payload: dict):
         """POST /generate; a server that answers 429 (full: its --max-running-requests samples are queued or running)
         is asked again after a backoff (0.05 s doubling to 1 s), within one --rollout-request-timeout: busy is not dead."""
+        if url == self.router_url:
+            await self._router_back()
         deadline = time.monotonic() + self.request_timeout
         wait = 0.05
         while True:
@@ -538,14 +639,86 @@ class HTTPEngine:
 
     def _failed(self, s: Server | None, err: Exception) -> None:
         if s is None:  # behind the router: it retries on its workers; health checks find the dead one
-            if not self.fault_tolerant:
-                raise EngineDeadError(f"the sglang-router at {self.router_url} failed: {err}") from None
+            self._router_failed(err)
             return
         if not self.fault_tolerant:
             s.alive = False
             raise EngineDeadError(f"{s.name} failed: {err}. Last log lines:\n{s.tail()}\n"
                                   "(--use-fault-tolerance re-sends its requests to the other engines and restarts it)") from None
         self._mark_down(s, str(err))
+
+    # ---- the router ----------------------------------------------------------------------------------
+    def _router_name(self) -> str:
+        return self.router.name if self.router else f"sglang-router ({self.router_url}, log {self.router_log} on rank 0)"
+
+    def _router_failed(self, err: Exception) -> None:
+        """A request through the sglang-router failed. Without fault tolerance a RouterDeadError names the router, its
+        log and whether it exited; with it, rank 0 checks the router and restarts one that exited or hung (requests
+        wait for that in _router_back), and the others wait for it to answer again."""
+        r = self.router
+        exited = r is not None and r.proc.poll() is not None
+        if not self.fault_tolerant:
+            why = f"exited with code {r.proc.returncode}" if exited else f"failed: {err}"
+            raise RouterDeadError(f"{self._router_name()} {why} (--use-fault-tolerance restarts a dead router and "
+                                  "re-sends its requests)") from None
+        if self._router_gave_up:
+            raise RouterDeadError(f"{self._router_name()} died and could not be restarted: {self._router_gave_up}") from None
+        if r is None:
+            self._router_lost = True
+        else:
+            self._restart_router_soon()
+
+    def _restart_router_soon(self) -> concurrent.futures.Future:
+        """One check-and-restart of the router at a time; every request that failed meanwhile waits for the same one."""
+        with self._lock:
+            if self._router_restart is None or self._router_restart.done():
+                self._router_restart = concurrent.futures.Future()
+                threading.Thread(target=self._restart_router, args=(self._router_restart,), name="polyrl-router-restart",
+                                 daemon=True).start()
+            return self._router_restart
+
+    def _restart_router(self, done: concurrent.futures.Future) -> None:
+        """Rank 0: a router that exited, or that does not answer /health within 5 s (then killed), is started again on
+        its port; the engines it routes to are alive and keep their addresses."""
+        r = self.router
+        try:
+            if r.proc.poll() is None:
+                try:
+                    self.http.call(r.url, "/health", timeout=5.0)
+                    return  # alive: the failure was a worker's, which the router and the health checks handle
+                except (EngineHTTPError, TimeoutError):
+                    r.proc.kill()
+                    r.proc.wait(10)
+            if self._closed:
+                return
+            log.warning("%s exited with code %s; starting it again on its port (the engines are up)", r.name,
+                        r.proc.returncode)
+            port = int(r.url.rsplit(":", 1)[1])
+            self.router = self._launch_router(port)
+            self._stats["rollout/router_restarts"] += 1
+            log.warning("%s restarted", self.router.name)
+        except Exception as err:  # the next request through it names the router and this
+            self._router_gave_up = str(err).splitlines()[0]
+            log.error("%s could not be restarted: %s", r.name, err)
+        finally:
+            done.set_result(None)
+
+    async def _router_back(self) -> None:
+        """Before a request through the router: the restart under way (rank 0), or, on another rank after a failure,
+        until the router answers /health again (rank 0 restarts it at its address), within
+        --rollout-engine-startup-timeout."""
+        fut = self._router_restart
+        if fut is not None and not fut.done():
+            await asyncio.wrap_future(fut)
+        elif self._router_lost:
+            deadline = time.monotonic() + self.cfg.engines.rollout_engine_startup_timeout
+            while time.monotonic() < deadline:
+                try:
+                    await self.http.request(self.router_url, "/health", timeout=5.0)
+                    self._router_lost = False
+                    return
+                except EngineHTTPError:
+                    await asyncio.sleep(0.5)
 
     def _mark_down(self, s: Server, why: str) -> None:
         """s is down: its in-flight requests are cancelled (each is re-sent, or names s without fault tolerance)
@@ -603,8 +776,8 @@ class HTTPEngine:
         mi = o["meta_info"]
         ids = list(o["output_ids"])
         lps = [float(x[0]) for x in mi["output_token_logprobs"]]
-        fr = mi["finish_reason"]
-        return ids, lps, ("stop" if (fr or {}).get("type") == "stop" else "length")
+        kind = (mi["finish_reason"] or {}).get("type")
+        return ids, lps, (kind if kind in ("stop", "abort") else "length")
 
     def _to_sample(self, prompt: list[int], i: int, o: dict) -> Sample:
         ids, lps, finish = self._to_sample_fields(o)
@@ -631,6 +804,8 @@ class HTTPEngine:
         # detection anyway for a server with requests in flight
         timeout = min(max(self.request_timeout / 3, 1.0), 10.0)
         while not self._stop_health.wait(interval):
+            if self.router is not None and self.fault_tolerant and not self._closed and self.router.proc.poll() is not None:
+                self._restart_router_soon()  # before the next request finds it dead
             for s in list(self.servers):
                 if s.restarting or self._closed:
                     continue

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import logging
@@ -52,7 +53,9 @@ import torch
 from aiohttp import web
 
 from polyrl.config import Config, ConfigError, ServerConfig
+from polyrl.rollout.base import GenerateWatch
 from polyrl.rollout.embedded import EmbeddedEngine
+from polyrl.rollout.gpu.engine import GPUEngine
 from polyrl.types import SamplingParams
 from polyrl.weight_sync.distributed import (WeightReceiver, digest, dtype_from_name, dtype_name, encode_tensor,
                                             is_loopback)
@@ -69,9 +72,13 @@ OPEN_WITHOUT_KEY = frozenset({"/health", "/health_generate", "/generate", "/v1/c
                               "/get_model_info", "/model_info"})
 # safetensors dtypes a weight file may hold (the engine casts them to its own dtype)
 WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
+# polyrl's one sampling parameter of its own (polyrl.rollout.lengths): the response ends with EOS at this many tokens
+# (n = 1 requests). Prefixed so that it never means something else: a real SGLang refuses the unknown key outright
+STOP_LENGTH_KEY = "polyrl_stop_length"
 # SGLang sampling parameters the engine implements, with SGLang's defaults (None = the default)
 SAMPLING_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
-                     "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False}
+                     "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False,
+                     STOP_LENGTH_KEY: None}
 # SGLang sampling parameters the engine does not implement: accepted only at their defaults, never ignored
 SAMPLING_UNSUPPORTED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                         "min_new_tokens": 0, "ignore_eos": False, "json_schema": None, "regex": None, "ebnf": None,
@@ -179,6 +186,8 @@ class Item:
     future: asyncio.Future  # done (answered, aborted, past its deadline, client gone): the engine stops its rows
     t0: float = field(default_factory=time.perf_counter)
     images: list | None = None  # SGLang's image_data of this prompt, decoded (PIL images)
+    stop_length: int = 0  # polyrl_stop_length (0: none)
+    aborted: str | None = None  # /abort_request while running: the engine answers with the tokens so far, and this
 
 
 # ---- the engine thread -----------------------------------------------------------------------------
@@ -214,6 +223,24 @@ def _settle(fut: asyncio.Future, res: Any, err: BaseException | None) -> None:
         fut.set_result(res)
 
 
+class _Answerer(GenerateWatch):
+    """Answers each prompt of an engine call once its n samples have finished (on the engine thread)."""
+
+    def __init__(self, server: "EngineServer", batch: list[Item], n: int, version: str, loop) -> None:
+        super().__init__()
+        self.server, self.batch, self.n, self.version, self.loop = server, batch, n, version, loop
+        self.got: dict[int, dict[int, Any]] = {}
+
+    def finished(self, index: int, sample) -> None:
+        i, j = divmod(index, self.n)
+        done = self.got.setdefault(i, {})
+        done[j] = sample
+        if len(done) == self.n:
+            it, now = self.batch[i], time.perf_counter()
+            res = [self.server._output(done[k], it, self.version, now) for k in range(self.n)]
+            self.loop.call_soon_threadsafe(_settle, it.future, res, None)
+
+
 # ---- the server ----------------------------------------------------------------------------------------
 class EngineServer:
     def __init__(self, engine, cfg: ServerConfig, *, model_path: str, seed: int | None = None, device: str = "cpu"):
@@ -232,7 +259,8 @@ class EngineServer:
         # whitespace) breaks this, and then a text that would have fitted is refused, never an unfitting one admitted.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._tokenizer_thread = Worker("polyrl-tokenizer")  # one text at a time: its memory (~120 B a character) bounded
-        self.cancellable = isinstance(engine, EmbeddedEngine)  # the transformers path stops a row between decode steps
+        # both paths of the embedded engine stop a row between decode steps (and hand back what it generated)
+        self.cancellable = isinstance(engine, (EmbeddedEngine, GPUEngine))
         self.allowed_dirs = [os.path.realpath(d) for d in cfg.allowed_weight_dirs]
         self.weight_shapes = engine.weight_shapes()
         # FP8 weight sync (SGLang's block-FP8 names): 2-D weights may also arrive as FP8 + weight_scale_inv, dequantized
@@ -363,6 +391,9 @@ class EngineServer:
         if len({g.n for g, _, _ in settings}) > 1:
             raise bad("every prompt of a request must have the same 'n'")
         n = settings[0][0].n
+        stop_lens = [_field(sp, STOP_LENGTH_KEY, lambda v: _is_int(v) and v >= 1, "an int >= 1", None) or 0 for sp in sps]
+        if any(stop_lens) and n != 1:
+            raise bad(f"sampling_params.{STOP_LENGTH_KEY} is one sample's length: send it with n 1")
         lp = _field(body, "return_logprob", lambda v: isinstance(v, bool) or (isinstance(v, list) and len(v) == B and all(
             isinstance(x, bool) for x in v)), f"a bool or a list of {B} bools", False)
         lps = lp if isinstance(lp, list) else [lp] * B
@@ -375,7 +406,8 @@ class EngineServer:
         rids = self._rids(body.get("rid"), B, single)
         loop = asyncio.get_running_loop()
         items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future(),
-                      images=images[i]) for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
+                      images=images[i], stop_length=stop_lens[i])
+                 for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
         results = await self.submit(items)
         outs = []
         for it, res in zip(items, results):
@@ -564,16 +596,18 @@ class EngineServer:
                         if len(self._pending) == before or time.monotonic() > t_end:
                             break
                 continue
-            gen = self._pending[0].gen
-            batch = [it for it in self._pending if it.gen == gen]
-            self._pending = [it for it in self._pending if it.gen != gen]
+            # one engine call per sampling setting; budgets and stop lengths are per prompt within it
+            key = dataclasses.replace(self._pending[0].gen, max_new_tokens=0)
+            batch = [it for it in self._pending if dataclasses.replace(it.gen, max_new_tokens=0) == key]
+            self._pending = [it for it in self._pending if dataclasses.replace(it.gen, max_new_tokens=0) != key]
+            gen = batch[0].gen
             self._running = batch
             self._idle.clear()
             log.debug("engine call: %d prompts x n=%d (%d more queued), arrived over %.1f ms", len(batch), gen.n,
                       len(self._pending), 1e3 * (max(it.t0 for it in batch) - min(it.t0 for it in batch)))
             t0 = time.perf_counter()
             try:
-                results = await self._engine.run(self._run_batch, batch)
+                results = await self._engine.run(self._run_batch, batch, asyncio.get_running_loop())
             except Exception as e:
                 log.exception("engine.generate failed for a batch of %d prompts", len(batch))
                 for it in batch:
@@ -601,18 +635,27 @@ class EngineServer:
         self._pending = [it for it in self._pending if not it.future.done()]  # aborted while queued
         return bool(self._pending) and not self._paused and not self._asleep
 
-    def _run_batch(self, batch: list[Item]) -> list[list[dict]]:
-        """On the engine thread: one engine.generate, then SGLang's output dicts per prompt."""
+    def _run_batch(self, batch: list[Item], loop: asyncio.AbstractEventLoop | None = None) -> list[list[dict]]:
+        """On the engine thread: one engine.generate, then SGLang's output dicts per prompt. On an engine that stops
+        rows (cancellable), a prompt whose samples have all finished is answered at once, as SGLang answers a request,
+        not when the call's last row ends."""
         g = batch[0].gen
-        sp = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+        budgets = [it.gen.max_new_tokens for it in batch]
+        sp = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=max(budgets),
                             stop=list(g.stop), stop_token_ids=list(g.stop_token_ids), n=g.n,
                             prompt_seeds=[it.seed for it in batch],
-                            return_routed_experts=any(it.out.return_routed_experts for it in batch))
+                            return_routed_experts=any(it.out.return_routed_experts for it in batch),
+                            prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
+                            stop_lengths=[it.stop_length for it in batch for _ in range(g.n)]
+                            if any(it.stop_length for it in batch) else None)
         version = self.weight_version
-        # an item answered already (aborted, past its deadline, its client gone) needs no more tokens
-        stop = {"should_stop": lambda i: batch[i].future.done()} if self.cancellable else {}
+        # an item answered already (past its deadline, its client gone) needs no more tokens; one aborted by
+        # /abort_request stops too and is answered with what it generated
+        stop = {"should_stop": lambda i: batch[i].future.done() or batch[i].aborted is not None} if self.cancellable else {}
         if any(it.images for it in batch):
             stop["images"] = [it.images for it in batch]
+        if self.cancellable and loop is not None:
+            stop["watch"] = _Answerer(self, batch, g.n, version, loop)
         samples = self.engine.generate([it.prompt for it in batch], sp, **stop)
         self.stats["engine_calls"] += 1
         self.stats["prompts"] += len(batch)
@@ -630,6 +673,8 @@ class EngineServer:
                 tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
                 matched = next((x for x in g.stop if x in tail), None)
             finish = {"type": "stop", "matched": matched}
+        elif s.finish_reason == "abort":
+            finish = {"type": "abort", "message": it.aborted or "aborted"}
         else:
             finish = {"type": "length", "length": g.max_new_tokens}
         # SGLang's text: the matched stop token and the stop string (and what follows it) trimmed, unless no_stop_trim
@@ -646,9 +691,17 @@ class EngineServer:
             meta["routed_experts"] = encode_routed_experts(s.routed_experts)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
-    def _abort(self, which: Callable[[Item], bool], message: str) -> int:
+    def _abort(self, which: Callable[[Item], bool], message: str, partial: bool = False) -> int:
+        """partial: a running item on an engine that stops rows (cancellable) is answered by the engine at its next
+        decode step with the tokens it generated (SGLang's /abort_request; partial rollout continues them)."""
         n = 0
+        running = {id(it) for it in self._running}
         for it in self._pending + self._running:
+            if partial and self.cancellable and id(it) in running and which(it) and not it.future.done():
+                if it.aborted is None:
+                    it.aborted = message
+                    n += 1
+                continue
             if which(it) and not it.future.done():
                 # SGLang answers an aborted request with finish_reason abort; a running call on the transformers path
                 # drops the item's rows at its next decode step (should_stop), the GPU path's finishes and is dropped
@@ -719,9 +772,10 @@ class EngineServer:
         body = await self._body(request)
         rid = _field(body, "rid", lambda v: isinstance(v, str), "a string", "")
         if _field(body, "abort_all", lambda v: isinstance(v, bool), "a bool", False):
-            self._abort(lambda it: True, "aborted by /abort_request (abort_all)")
+            self._abort(lambda it: True, "aborted by /abort_request (abort_all)", partial=True)
         elif rid:  # a prompt's rid, or a prefix of a batch's per-prompt rids (SGLang expands "r" to "r_0", "r_1", ...)
-            self._abort(lambda it: it.rid == rid or it.rid.startswith(rid + "_"), f"aborted by /abort_request ({rid})")
+            self._abort(lambda it: it.rid == rid or it.rid.startswith(rid + "_"), f"aborted by /abort_request ({rid})",
+                        partial=True)
         return web.Response(status=200)
 
     async def pause_generation(self, request):

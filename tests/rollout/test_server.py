@@ -35,9 +35,9 @@ LOGPROB_TOL = 1e-4
 class CountingEngine(EmbeddedEngine):
     """The embedded engine, counting generate calls and the prompts in each."""
 
-    def generate(self, prompts, params, should_stop=None):
+    def generate(self, prompts, params, should_stop=None, **kw):
         self.calls.append(len(prompts))
-        return super().generate(prompts, params, should_stop)
+        return super().generate(prompts, params, should_stop, **kw)
 
 
 def wait_for(cond, what: str, timeout: float = 30.0) -> None:
