@@ -131,9 +131,9 @@ class GcWatch:
     """The cyclic garbage collector's pauses, and the objects alive after a run's first step frozen out of its scans.
     After the first step the model, its compiled graphs and the engine are alive for the whole run: a full collection
     would walk them all again (an exact 0.5B step once waited 0.48 s on one,
-    bench/RESULTS.md#true-on-policy-tenth-2026-11-29), so, as SGLang and vLLM do after their start-up, they move to
-    the permanent generation (`gc.freeze()`); close() gives them back to the collector, so that a process running
-    several runs (tests, a notebook) frees each run's cycles. A signal that arrives inside the pause callback is
+    bench/history/2026-11.md#true-on-policy-exact-decode-2026-11-29), so, as SGLang and vLLM do after their start-up,
+    they move to the permanent generation (`gc.freeze()`); close() gives them back to the collector, so that a process
+    running several runs (tests, a notebook) frees each run's cycles. A signal that arrives inside the pause callback is
     deferred to the end of the step (SIGNAL_DEFERRED): an exception raised there would be printed and dropped."""
 
     def __init__(self):

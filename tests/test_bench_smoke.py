@@ -12,6 +12,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+PROBES = os.path.join(BENCH, "probes")
 SCRIPTS = ["compare_trl.py", "weight_sync.py", "train_throughput.py", "offload_train.py"]
 # Runs a script with `import trl` (and torch, for --help) made to fail, as on a machine without them.
 NO_TRL = ("import sys, runpy; sys.modules['trl'] = None; sys.modules['torch'] = None; "
@@ -330,7 +331,7 @@ def test_pack_host_prints_a_row_per_thread_count_on_cpu():
 
 def test_block_gemm_prints_a_row_per_linear_on_cpu():
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "block_gemm.py"), "--device", "cpu", "--blocks", "2",
+    out = subprocess.run([sys.executable, os.path.join(PROBES, "block_gemm.py"), "--device", "cpu", "--blocks", "2",
                           "--max-count", "2", "--repeats", "1", "--rows", "8"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
@@ -339,35 +340,35 @@ def test_block_gemm_prints_a_row_per_linear_on_cpu():
 
 
 def test_score_pass_classes_kernels_and_refuses_a_cpu_machine():
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, PROBES)
     import score_pass
     assert [score_pass.kernel_class(n) for n in ("nvjet_sm90_tst_96x128_64x7", "pytorch_flash::flash_fwd_kernel",
                                                   "rms_rows_kernel", "_row_stats_kernel", "triton_poi_fused_add_0",
                                                   "Memcpy DtoD", "vectorized_gather_kernel")] == [
         "gemm", "attention", "rms", "head", "elementwise/reduce", "copy", "elementwise/reduce"]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "score_pass.py")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, os.path.join(PROBES, "score_pass.py")], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 
 def test_prefix_attention_refuses_a_machine_without_the_varlen_kernel():
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_attention.py"), "--prompt-lens", "3"],
+    out = subprocess.run([sys.executable, os.path.join(PROBES, "prefix_attention.py"), "--prompt-lens", "3"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "prefix_attention.py"), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, os.path.join(PROBES, "prefix_attention.py"), "--help"], capture_output=True,
                          text=True, timeout=60, env=env)
     assert out.returncode == 0 and "bottom right" in out.stdout
 
 
 def test_exact_decode_reproduces_the_scoring_functions_log_probs_on_cpu():
-    """bench/exact_decode.py on CPU (FP32, a 2-layer model): the step-by-step decode through the KV slots gives every
+    """probes/exact_decode.py on CPU (FP32, a 2-layer model): the step-by-step decode through the KV slots gives every
     sampled token the scoring function's log-prob up to FP32 rounding (a decode row's CPU attention is not the
     trainer's per-sequence call, so bits may differ; ~1e-7 for 2 layers). A wrong slot, position, mask or head would
     move a log-prob by far more than the 1e-5 allowed. The GPU run is where it is checked bit for bit."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "exact_decode.py"), "--shape", "tiny", "--device", "cpu",
+    out = subprocess.run([sys.executable, os.path.join(PROBES, "exact_decode.py"), "--shape", "tiny", "--device", "cpu",
                           "--prompts", "2", "--samples", "2", "--prompt", "5", "--new", "12"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr

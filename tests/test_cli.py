@@ -347,7 +347,7 @@ def test_gpu_token_budget_follows_memory_model_and_state():
     from polyrl.config import GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET_MAX, BatchConfig, gpu_token_budget
     q05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24, intermediate_size=4864)
     q15 = SimpleNamespace(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960)
-    h100, h200 = 81079 * 2**20, 143771 * 2**20  # total_memory of the lent H100 / H200
+    h100, h200 = 81079 * 2**20, 143771 * 2**20  # total_memory of an H100 80 GB / an H200
     kw = dict(checkpointing=False, offload=False)
     full = 16  # bytes per trained parameter: FP32 weight, grad, two Adam moments
     b05 = gpu_token_budget(q05, h100, state_bytes=full * 494_032_768, **kw)

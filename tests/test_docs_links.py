@@ -1,6 +1,6 @@
-"""Links in the README, docs/ and the recipes' READMEs resolve: every relative link names a file that exists, every
-#anchor names a heading or an `<a id>` of its target page, and every figure's source row in bench/RESULTS.md gives a
-date, a device and a command. Reads text only, so it runs in well under a second."""
+"""Links in the README, docs/, bench/ and the recipes' READMEs resolve: every relative link names a file that
+exists, every #anchor names a heading or an `<a id>` of its target page, and every figure's source row in
+bench/RESULTS.md gives a date, a device and a command. Reads text only, so it runs in well under a second."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
-PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *ROOT.glob("docs/*.md"),
+PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", RESULTS, *ROOT.glob("bench/history/*.md"),
+                *ROOT.glob("docs/*.md"),
                 *ROOT.glob("examples/README.md"), *ROOT.glob("examples/*/README.md")])
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
@@ -20,8 +21,8 @@ LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 EXPLICIT_ANCHOR = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
-# a device named the way RESULTS.md names them: a GPU model, a lent machine kind, or the CPU it ran on
-DEVICE = re.compile(r"H100|H200|nvidia-h|\bCPU\b|vCPU", re.I)
+# a device named the way RESULTS.md names them: a GPU model or the CPU it ran on
+DEVICE = re.compile(r"H100|H200|\bCPU\b|vCPU", re.I)
 # a command: a code span that runs a script, a polyrl command or a make target
 COMMAND = re.compile(r"`[^`]*(?:python3? |bench/|examples/|polyrl |torchrun |make |pytest )[^`]*`")
 

@@ -4,7 +4,7 @@ Per weight: which batch counts gave other bits than one block alone (those the m
 call (what bounded the mode's training forward) and its device time, against one whole GEMM over the pack (the
 default mode's arithmetic, not batch-invariant).
 
-    python3 bench/block_gemm.py --shape qwen2.5-0.5b --blocks 19
+    python3 bench/probes/block_gemm.py --shape qwen2.5-0.5b --blocks 19
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def parse_args(argv=None):
 
 def linears(shape: str) -> dict[str, tuple[int, int, bool]]:
     """name -> (out features, in features, bias) of a decoder layer's Linear layers (Qwen2: q/k/v have biases)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/common.py
     from common import QWEN_SHAPES
     c = QWEN_SHAPES[shape]
     h, i = c["hidden_size"], c["intermediate_size"]

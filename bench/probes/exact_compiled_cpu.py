@@ -3,7 +3,7 @@ emulate_precision_casts gives the same log-probs (bit for bit) from its inferenc
 and eager; without the setting (--no-emulate) the two compiled graphs differ. Compiling on a 2-vCPU machine takes
 4-7 minutes.
 
-    PYTHONPATH=. python3 bench/exact_compiled_cpu.py [--arch qwen3] [--no-emulate]
+    PYTHONPATH=. python3 bench/probes/exact_compiled_cpu.py [--arch qwen3] [--no-emulate]
 """
 
 import argparse

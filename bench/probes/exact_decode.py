@@ -22,7 +22,7 @@ scoring of the same samples. On CPU (FP32, `--shape tiny`) it
 checks the plumbing only: CPU attention over a decode row is not the trainer's per-sequence call, so values agree to
 FP32 rounding, not bit for bit.
 
-    python3 bench/exact_decode.py --shape qwen2.5-0.5b qwen2.5-1.5b
+    python3 bench/probes/exact_decode.py --shape qwen2.5-0.5b qwen2.5-1.5b
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ def run_shape(a, shape: str) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     import polyrl.backends.true_on_policy as top
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # score_pass, beside it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/common.py
     from common import QWEN_SHAPES
     dev = torch.device(a.device)
     top.pin_threads(dev)

@@ -7,7 +7,7 @@ style online softmax turns such a block into exact zeros, which leaves the bits 
 This script measures it on the GPU's varlen kernel (polyrl.backends.varlen.causal) for random BF16 q / k / v laid out
 as a GRPO step: one table row per prompt length, the response rows compared and how many differ.
 
-    python3 bench/prefix_attention.py --heads 14 --kv-heads 2 --head-dim 64
+    python3 bench/probes/prefix_attention.py --heads 14 --kv-heads 2 --head-dim 64
 """
 
 from __future__ import annotations

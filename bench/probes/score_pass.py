@@ -6,7 +6,7 @@ the last column is the pass's model FLOPs (2 x matmul parameters per body token 
 once per sample; the LM head's on response tokens)
 over its wall time, as a share of `--peak-tflops`.
 
-    python3 bench/score_pass.py --shape qwen2.5-0.5b --graph-rows 4096 2048 --pack-tokens 16384 40960
+    python3 bench/probes/score_pass.py --shape qwen2.5-0.5b --graph-rows 4096 2048 --pack-tokens 16384 40960
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     import polyrl.backends.true_on_policy as top
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/common.py
     from common import QWEN_SHAPES
     if not torch.cuda.is_available():
         print("score_pass: needs a CUDA GPU (the graphed scoring pass)", file=sys.stderr)

@@ -226,7 +226,7 @@ def _define(lib, schema: str, impl, fake, backward, setup) -> None:
     """One operator of `lib` with its kernel registered straight with the dispatcher for CPU and CUDA, its fake
     (shape) function for torch.compile and its autograd formula. torch.library.custom_op would wrap the kernel in
     Python layers of its own (a dynamo-disabled wrapper, an aliasing check) on every call, and the mode's forward
-    makes ~9 calls a layer (bench/RESULTS.md#true-on-policy-eleventh-2026-11-29)."""
+    makes ~9 calls a layer (bench/history/2026-11.md#true-on-policy-gc-freeze-2026-11-29)."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
     for key in ("CPU", "CUDA"):
@@ -298,7 +298,7 @@ def _ops():
     if _rms_kernel() is not None:
         # the CUDA row kernel as a triton_op: in a compiled layer Inductor launches it from its own generated code
         # (the JIT launcher's per-call argument binding was the largest host cost of the exact forward,
-        # bench/RESULTS.md#true-on-policy-twelfth-2026-11-29); eager calls launch it as rms_rows does
+        # bench/history/2026-11.md#true-on-policy-inductor-norm-2026-11-29); eager calls launch it as rms_rows does
         @torch.library.triton_op("polyrl::rms_rows_launch", mutates_args=())
         def rms_rows_launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return rms_rows(x, weight, eps, wrap=torch.library.wrap_triton)
@@ -503,7 +503,7 @@ def compile_layers(lm: torch.nn.Module, device) -> bool:
     RMSNorm stay their own kernels (custom ops; the norm's Triton kernel launched, never fused, by Inductor),
     attention its varlen call; Inductor fuses the elementwise work between them (RoPE, SiLU * up, residual adds). On
     an H100 in BF16 the mode's GPU tests pass compiled (tests/backends/test_true_on_policy_gpu.py: pack invariance,
-    3-step GRPO runs of the 0.5B shape, Qwen3, Llama, through polyrl serve); on CPU in BF16 (bench/exact_compiled_cpu.py) compiled inference == compiled
+    3-step GRPO runs of the 0.5B shape, Qwen3, Llama, through polyrl serve); on CPU in BF16 (bench/probes/exact_compiled_cpu.py) compiled inference == compiled
     training forward == eager for Qwen3, while without the setting two compiled Qwen2 graphs differed by 2e-3. The
     setting is process-wide: every compiled graph of a process in this mode rounds like eager."""
     if not compiles(lm, device):
@@ -537,7 +537,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             return varlen.causal(q, k, v, cu, cu, n, n, scale=scaling)[None], None
         # shared prompt rows: a sequence's queries are its own rows (polyrl_cu_q), its keys the whole sequence, the
         # causal mask aligned at the end; a key block past a query row is fully masked for it and adds exact zeros,
-        # so the row keeps the bits of the whole sequence's call (bench/prefix_attention.py, and the GPU tests)
+        # so the row keeps the bits of the whole sequence's call (bench/probes/prefix_attention.py, and the GPU tests)
         k, v = k.index_select(0, gather), v.index_select(0, gather)
         return varlen.causal(q, k, v, kwargs["polyrl_cu_q"], cu, n, n, scale=scaling)[None], None
     if gather is not None:  # CPU: the queries gathered whole too, the output taken back to the pack rows
@@ -724,7 +724,7 @@ def graph_inputs(seqs: list[list[int]], prompts: list[int], shares: list[int | N
     scored and those targets [T] (zero past the real ones), and with shared prompts (shares, pack_layout) gather [G]
     and the int32 bounds of each sequence's own rows [slots + 1] (no scatter: only the CPU attention reads it, and the
     graphs are CUDA's). Built with array operations: a Python loop over every token of a step's packs was the graphed
-    pass's largest host cost (bench/RESULTS.md#true-on-policy-idle-2026-11-28)."""
+    pass's largest host cost (bench/history/2026-11.md#true-on-policy-idle-2026-11-28)."""
     import numpy as np
     shares, own = own_rows(seqs, prompts, shares)
     lens = [len(x) for x in seqs]

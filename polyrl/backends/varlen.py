@@ -8,7 +8,7 @@ attention, Megatron's THD core attention, the GPU engine's prefill), across the 
   function takes it, PyTorch >= 2.12; PyTorch 2.11's wrapper passes fewer kv heads straight to the same FlashAttention
   kernel), else the kv heads are repeated (an expand + reshape, no host sync). Sharing saved the repeat's copies:
   0.68 -> 0.46 ms for the forward of a 1.5B-shaped attention (12 query, 2 kv heads) over 37.9k tokens on an H200,
-  with the same output bits and the same dk / dv (bench/RESULTS.md#true-on-policy-thirteenth-2026-11-29).
+  with the same output bits and the same dk / dv (bench/history/2026-11.md#true-on-policy-kv-heads-2026-11-29).
 """
 
 from __future__ import annotations

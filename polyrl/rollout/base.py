@@ -141,7 +141,7 @@ class InProcessEngine:
     # True when the trainer runs in this process (polyrl.assemble.build_engine): sleep() then leaves what it frees in PyTorch's
     # caching allocator, where the train phase's allocations find it, instead of handing it back to the CUDA driver.
     # Emptying the cache also dropped the trainer's cached blocks, so every train phase paid a few hundred cudaMallocs
-    # and every wake re-mapped the KV cache (GRPO 16x8x256 on one H100, bench/RESULTS.md 2026-11-24, fourth session:
+    # and every wake re-mapped the KV cache (GRPO 16x8x256 on one H100, bench/history/2026-11.md, 2026-11-24:
     # 1.5B weight sync 0.162 -> 0.021 s; 0.5B train phase 0.317-0.375 -> 0.292-0.301 s in alternated runs, together with
     # the GPU engine's sleep changes). An engine in its own process (polyrl serve) keeps giving memory back: a trainer in
     # another process could not use its cache.
