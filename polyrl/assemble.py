@@ -2,7 +2,8 @@
 train backend, rollout engine, weight transport, rewards and the step parts. Nothing here runs a step.
 
 Debug modes are substitutions made here: --debug-train-only gets a FileRollout, no engine and no transport;
---debug-rollout-only a ScoringLearner and a FrozenHandoff."""
+--debug-rollout-only a ScoringLearner and a FrozenHandoff. --agent-function-path hands the rollout and the evaluator an
+AgentRunner (agents against a loopback OpenAI-compatible gateway) and scores with the agents' own rewards."""
 
 from __future__ import annotations
 
@@ -100,6 +101,14 @@ def engine_needs_first_push(cfg: Config, plan: Plan) -> bool:
     return plan.engine == "external" or cfg.rollout.rollout_quantization != "none"
 
 
+def build_agents(cfg: Config, engine: RolloutEngine, rewards: RewardManager | None):
+    """(the AgentRunner of --agent-function-path or None, the reward the Scorer calls: the agents' own numbers first)."""
+    if not cfg.rollout.agent_function_path:
+        return None, rewards
+    from polyrl.rollout.agent import AgentRewards, AgentRunner
+    return AgentRunner(cfg, engine), AgentRewards(rewards)
+
+
 def load_tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
 
@@ -141,6 +150,7 @@ class Parts:
     score: Scorer
     logger: MetricsLogger
     tokenizer: object
+    agents: object = None  # polyrl.rollout.agent.AgentRunner of --agent-function-path
 
     def begin(self) -> int:
         """Resume from --load (backend, critic, data position), hand the engine the trainer's weights where it needs
@@ -165,6 +175,8 @@ class Parts:
         self.book.close()
         self.logger.close()
         self.score.close()
+        if self.agents is not None:
+            self.agents.close()  # the gateway first: it talks to the engine
         self.engine.close()  # launched servers stop here (and at exit, on an error)
         ck = self.cfg.checkpoint
         if finished and ck.save_hf:
@@ -195,7 +207,9 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
     # the async loop's rollout thread and its trainer take turns on it
     engine_lock = (threading.Lock() if r.async_training and not engine.concurrent_update else contextlib.nullcontext())
     rc = cfg.reward  # --debug-train-only without a reward flag keeps the rewards saved with the samples
-    score = Scorer(cfg, RewardManager.from_config(rc) if (rc.rm_type or rc.custom_rm_path or rc.rm_url) else None)
+    agents, rewards = build_agents(cfg, engine, RewardManager.from_config(rc) if (rc.rm_type or rc.custom_rm_path or
+                                                                                  rc.rm_url) else None)
+    score = Scorer(cfg, rewards)
     files = rollout_files(cfg, tok, d.rank, d.world)  # --save/--load-debug-rollout-data
     transport = build_transport(cfg, plan)
     g = cfg.debug
@@ -204,7 +218,7 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
     else:
         group_filter = GroupFilter(r.dynamic_sampling_filter_path, d) if r.dynamic_sampling_filter_path else None
         rollout = EngineRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
-                                saver=files if g.save_debug_rollout_data else None)
+                                saver=files if g.save_debug_rollout_data else None, agents=agents)
     learner = ScoringLearner(d) if g.debug_rollout_only else Learner(cfg, backend, d, critic)
     handoff_cls = FrozenHandoff if (g.debug_rollout_only or g.train_only) else Handoff
     handoff = handoff_cls(backend, engine, transport, engine_lock, push_at_start=engine_needs_first_push(cfg, plan))
@@ -212,6 +226,6 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
     evaluate = None
     if cfg.data.eval_prompt_data and cfg.log.eval_interval:
         evaluate = Evaluator(cfg, engine, prompt_dataset(cfg, tok, cfg.data.eval_prompt_data, shuffle=False), score, d,
-                             engine_lock)
+                             engine_lock, agents=agents)
     book = Book(cfg, d, logger, cursor, engine, evaluate, checkpoint_saver(cfg, backend, critic), device)
-    return Parts(cfg, plan, d, cursor, rollout, learner, handoff, book, backend, critic, engine, score, logger, tok)
+    return Parts(cfg, plan, d, cursor, rollout, learner, handoff, book, backend, critic, engine, score, logger, tok, agents)

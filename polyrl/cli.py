@@ -165,11 +165,16 @@ def run_eval(cfg) -> dict:
             load_checkpoint(cfg.checkpoint.load, backend)
         asm.build_transport(cfg, plan).push(backend.export_weights(), engine, version=0)
     ds = asm.prompt_dataset(cfg, engine.tokenizer, cfg.data.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
-    score = Scorer(cfg, RewardManager.from_config(cfg.reward))
+    rw = cfg.reward
+    agents, rewards = asm.build_agents(cfg, engine, RewardManager.from_config(rw) if (
+        rw.rm_type or rw.custom_rm_path or rw.rm_url or not cfg.rollout.agent_function_path) else None)
+    score = Scorer(cfg, rewards)
     try:
-        result = Evaluator(cfg, engine, ds, score, d)()
+        result = Evaluator(cfg, engine, ds, score, d, agents=agents)()
     finally:
         score.close()
+        if agents is not None:
+            agents.close()
         engine.close()
     if d.is_main:
         from polyrl.metrics import writing

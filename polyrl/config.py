@@ -145,6 +145,19 @@ class RolloutConfig:
               "are dropped; each engine call generates at most what is left of it; a sample past it, or past "
               "--rollout-max-response-len, is cut to fit and gets finish reason 'length' (unset: no budget beyond "
               "--rollout-max-response-len)")
+    agent_function_path: str | None = opt(
+        None, "agents as they are written: 'module:fn' or 'file.py:fn', `async def fn(task, client) -> float | "
+              "list[dict]` called --n-samples-per-prompt times per prompt with the prompt record (task.messages, "
+              "task.label, task.metadata) and an OpenAI client configuration (client.base_url, client.api_key, "
+              "client.model) of a loopback gateway that records the trajectory token for token; it returns the reward, "
+              "or the final messages for the reward function to score (docs/agents.md)")
+    agent_concurrency: int = opt(16, "--agent-function-path: most agent calls in flight at once per rank")
+    agent_timeout: float = opt(300.0, "--agent-function-path: seconds one agent call may take; past it (or when it "
+                                      "raises) its trajectory is a failed sample: reward 0, nothing of it trained, "
+                                      "counted in agent/failed")
+    agent_samples_per_trajectory: int = opt(1, "--agent-function-path: samples each trajectory gives the step (its "
+                                               "last segments; a trajectory splits where the agent rewrote its history, "
+                                               "fewer segments are padded with samples that train nothing)")
 
 
 @dataclass
@@ -725,7 +738,8 @@ VALUE_RANGES: dict[str, str] = {
     "rollout_stop_token_ids": ">= 0", "rollout_seed": "in [0, 2**32)", "num_rollout": ">= 0", "eval_temperature": ">= 0",
     "rollout_batch_generate": ">= 0", "rollout_mem_fraction": "in (0, 1]", "max_staleness": ">= 1",
     "over_sampling_batch_size": ">= 1", "max_dynamic_sampling_draws": ">= 1", "custom_generate_concurrency": ">= 1",
-    "max_turns": ">= 1", "rollout_max_context_len": "> 1",
+    "max_turns": ">= 1", "rollout_max_context_len": "> 1", "agent_concurrency": ">= 1", "agent_timeout": "> 0",
+    "agent_samples_per_trajectory": ">= 1",
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
@@ -830,7 +844,8 @@ def validate(cfg: Config, command: str = "train") -> None:
     if sum((cfg.model.fp16, cfg.model.bf16, cfg.model.fp32)) > 1:
         raise ConfigError("--fp16, --bf16 and --fp32 are exclusive; pick one")
     rw = cfg.reward
-    if command == "train" and not (rw.rm_type or rw.custom_rm_path or rw.rm_url) and not cfg.debug.train_only:
+    if command == "train" and not (rw.rm_type or rw.custom_rm_path or rw.rm_url) and not cfg.debug.train_only \
+            and not cfg.rollout.agent_function_path:  # an agent may return its reward
         raise ConfigError("a reward is required: --rm-type {math,gsm8k,exact,arithmetic}, --custom-rm-path module:function "
                           "or --rm-url URL")
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
@@ -887,6 +902,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command in ("train", "eval"):
         _validate_engines(cfg)
         _validate_turns(cfg)
+        _validate_agent(cfg, command)
     if command == "train":
         _validate_ray(cfg)
     if c.device == "cuda" or c.dist_backend == "nccl":
@@ -1050,9 +1066,32 @@ def _validate_rl_extras(cfg: Config) -> None:
                           f"({r.rollout_max_response_len}): the penalty starts that many tokens before the limit")
 
 
+def _validate_agent(cfg: Config, command: str) -> None:
+    r = cfg.rollout
+    if not r.agent_function_path:
+        for flag, name in (("--agent-concurrency", "agent_concurrency"), ("--agent-timeout", "agent_timeout"),
+                           ("--agent-samples-per-trajectory", "agent_samples_per_trajectory")):
+            if getattr(r, name) != getattr(RolloutConfig, name):
+                raise ConfigError(f"{flag} configures the agents of --agent-function-path: set it or drop {flag}")
+        return
+    if r.custom_generate_function_path:
+        raise ConfigError("--agent-function-path and --custom-generate-function-path both generate the rollouts: keep one")
+    if cfg.debug.train_only:
+        raise ConfigError("--agent-function-path generates the rollouts, and --debug-train-only reads them from "
+                          "--load-debug-rollout-data files instead: drop one")
+    if cfg.data.multimodal_keys:
+        raise ConfigError("--agent-function-path with --multimodal-keys: the gateway's chat routes take text only")
+    if command in ("train", "eval"):
+        from polyrl.rollout.agent import resolve_agent_fn
+        try:
+            resolve_agent_fn(r.agent_function_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _validate_turns(cfg: Config) -> None:
     r, ctx = cfg.rollout, cfg.rollout.rollout_max_context_len
-    if r.max_turns is not None and not r.custom_generate_function_path:
+    if r.max_turns is not None and not (r.custom_generate_function_path or r.agent_function_path):
         raise ConfigError(f"--max-turns {r.max_turns} limits the turns of a --custom-generate-function-path; a plain "
                           "rollout is one turn: set the function or drop --max-turns")
     if ctx is not None and (cfg.data.rollout_max_prompt_len or 0) >= ctx:

@@ -45,6 +45,7 @@ class Call:
     max_new_tokens: int
     stop: tuple[str, ...]
     seed: int | None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -55,6 +56,8 @@ class TrajectorySettings:
     top_p: float
     top_k: int
     seed: Callable[[str, int], int]
+    stop: tuple[str, ...] = ()  # --rollout-stop, added to the request's
+    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids
 
 
 class Trajectories:
@@ -189,7 +192,8 @@ class OpenAIRoutes:
         if (req.temperature, req.top_p, req.seed) != (None, None, None):
             self.trajectories.overridden += 1
         return dataclasses.replace(call, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                   seed=s.seed(tid, rec.calls))
+                                   seed=s.seed(tid, rec.calls), stop=tuple(dict.fromkeys(call.stop + s.stop)),
+                                   stop_token_ids=s.stop_token_ids)
 
     async def _generate(self, ids: list[int], req: oa.Request, call: Call) -> list[Completion]:
         if call.max_new_tokens <= 0:  # the budget is spent: what the engine would answer, without asking it
@@ -259,7 +263,7 @@ class EngineBackend:
         import random
         seeds = [p[1].seed if p[1].seed is not None else random.getrandbits(62) for p in batch]
         sp = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                            stop=list(c.stop), n=c.n, prompt_seeds=seeds)
+                            stop=list(c.stop), stop_token_ids=list(c.stop_token_ids), n=c.n, prompt_seeds=seeds)
         version = self.engine.version
         try:
             samples = await asyncio.get_running_loop().run_in_executor(
@@ -272,7 +276,8 @@ class EngineBackend:
             return
         for i, p in enumerate(batch):
             outs = [Completion(list(s.response_ids), list(s.rollout_logprobs), s.finish_reason,
-                               finish_of(self.engine.tokenizer, s.response_ids, s.finish_reason, c.stop, self._stop_ids),
+                               finish_of(self.engine.tokenizer, s.response_ids, s.finish_reason, c.stop,
+                                         self._stop_ids | set(c.stop_token_ids)),
                                s.weight_version if s.weight_version is not None else version)
                     for s in samples[i * c.n:(i + 1) * c.n]]
             if not p[2].done():
@@ -384,7 +389,8 @@ class ServerBackend:
 
         from polyrl.rollout.server import GenSettings, Item, OutSettings
         s = self.server
-        gen = GenSettings(call.temperature, call.top_p, call.top_k, call.max_new_tokens, call.stop, (), call.n)
+        gen = GenSettings(call.temperature, call.top_p, call.top_k, call.max_new_tokens, call.stop,
+                          tuple(sorted(set(call.stop_token_ids))), call.n)
         seed = call.seed if call.seed is not None else s._rng.getrandbits(62)
         item = Item(list(ids), gen, OutSettings(skip_special_tokens=True, no_stop_trim=True, return_logprob=True,
                                                 return_text_in_logprobs=False),

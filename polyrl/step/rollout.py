@@ -90,18 +90,24 @@ class Scorer:
 
 class EngineRollout:
     """Generates each step's samples on the engine and scores them. Returns this rank's reward metrics unreduced: the
-    async loop collects on a thread of its own, and collectives on the default group run on the trainer's thread."""
+    async loop collects on a thread of its own, and collectives on the default group run on the trainer's thread.
+    `agents`: an --agent-function-path runner (polyrl.rollout.agent.AgentRunner) generates instead, and its counters
+    join the step's metrics."""
 
     def __init__(self, cfg: Config, engine: RolloutEngine, cursor: PromptCursor, score: Scorer, d: Dist,
-                 engine_lock: ContextManager, group_filter: GroupFilter | None = None, saver: RolloutFiles | None = None):
+                 engine_lock: ContextManager, group_filter: GroupFilter | None = None, saver: RolloutFiles | None = None,
+                 agents=None):
         self.cfg, self.engine, self.cursor, self.score, self.d = cfg, engine, cursor, score, d
-        self.engine_lock, self.group_filter, self.saver = engine_lock, group_filter, saver
+        self.engine_lock, self.group_filter, self.saver, self.agents = engine_lock, group_filter, saver, agents
 
     def generate(self, items: list, step: int, draw: int = 0) -> list[Sample]:
         r, d = self.cfg.rollout, self.d
         seed = r.rollout_seed + step * d.world + d.rank + draw * r.num_rollout * d.world  # distinct for every (draw, step, rank)
+        params = sampling_params(self.cfg, seed=seed)
         with self.engine_lock:  # with a --custom-generate-function-path, the user's function drives the engine
-            return generate_items(self.cfg, self.engine, items, sampling_params(self.cfg, seed=seed))
+            if self.agents is not None:
+                return self.agents.generate(items, params)
+            return generate_items(self.cfg, self.engine, items, params)
 
     def collect(self, step: int, timer: Timer) -> tuple[list[Sample], dict, dict]:
         """(samples, this rank's reward metrics, step metrics) of `step`, with `timer`'s rollout and reward phases."""
@@ -118,6 +124,8 @@ class EngineRollout:
                                                keep=self.group_filter)
         if self.saver is not None:
             self.saver.save(step, samples)
+        if self.agents is not None:
+            m.update(self.agents.pop_metrics())
         return samples, scored, m
 
 
@@ -142,9 +150,9 @@ class Evaluator:
     (a custom generate function included: tool use is measured as it is trained)."""
 
     def __init__(self, cfg: Config, engine: RolloutEngine, dataset: PromptDataset, score: Scorer, d: Dist,
-                 engine_lock: ContextManager | None = None):
+                 engine_lock: ContextManager | None = None, agents=None):
         self.cfg, self.engine, self.dataset, self.score, self.d = cfg, engine, dataset, score, d
-        self.engine_lock = engine_lock or contextlib.nullcontext()
+        self.engine_lock, self.agents = engine_lock or contextlib.nullcontext(), agents
 
     def __call__(self) -> dict[str, float]:
         cfg, d = self.cfg, self.d
@@ -153,9 +161,11 @@ class Evaluator:
         mine = items[d.rank * per:(d.rank + 1) * per]
         params = sampling_params(cfg, seed=cfg.rollout.rollout_seed, eval_mode=True)
         with self.engine_lock:
-            samples = generate_items(cfg, self.engine, mine, params) if mine else []
+            gen = self.agents.evaluate if self.agents is not None else lambda *a: generate_items(cfg, self.engine, *a)
+            samples = gen(mine, params) if mine else []
         m = self.score.rewards.score(samples) if samples and self.score.rewards is not None else {}
-        custom = bool(cfg.rollout.custom_generate_function_path)  # its samples count their engine calls in "turns"
+        # custom generate functions and agents: their samples count their engine calls in "turns"
+        custom = bool(cfg.rollout.custom_generate_function_path or self.agents is not None)
         correct, total, length, turns, errors, timeouts = d.sum([
             sum(s.reward > 0.5 for s in samples), len(samples), sum(len(s.response_ids) for s in samples),
             sum(s.metadata["turns"] if custom else 1 for s in samples), m.get("reward/errors", 0.0),
