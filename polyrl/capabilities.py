@@ -65,6 +65,7 @@ NEEDS: dict[str, Need] = {
     "rollout_engine_log_dir": Need("engine", "launch"),
     # Ray waits on its placement group with this timeout whatever the engine
     "rollout_engine_startup_timeout": Need("engine", "launch", unless=lambda c: c.ray.use_ray),
+    "rollout_external_startup_timeout": Need("engine", "attach"),
     "rollout_health_check_interval": Need("engine", "servers"),
     "api_key": Need("engine", "servers"),
     "api_key_file": Need("engine", "servers"),
@@ -182,6 +183,8 @@ _HINTS = {
     ("micro_batch_layout", "megatron"): " (Megatron packs micro-batches as THD sequences)",
     ("check_weight_update_equal", "embedded"): " (the embedded engine takes the trainer's tensors in its own process)",
     ("use_fault_tolerance", "embedded"): " (the embedded engine lives in the trainer's process: nothing to restart)",
+    ("rollout_engine_startup_timeout", "external"): " (attached servers run already: "
+                                                    "--rollout-external-startup-timeout bounds the wait for them)",
     ("kv_cache_dtype", "external"): " (an attached server keeps the KV cache it was started with: start SGLang with "
                                     "--kv-cache-dtype fp8_e4m3 yourself, or let polyrl launch it)",
     ("rollout_quantization", "external"): " unless every server loads block-FP8 weights: an SGLang server launched on a "

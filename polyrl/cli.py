@@ -510,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
             # file DCP has closed by now: a std::terminate (SIGABRT) if it ever runs
             _INTERRUPTED.append(e)
             return err(_interrupt_line(args.command, cfg, how), code)
-        if isinstance(e, (EngineDeadError, WeightSyncError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
+        if isinstance(e, EngineDeadError):  # the run ends here: where it was, and what it leaves to resume from
+            first, _, rest = str(e).partition("\n")
+            return err(f"polyrl {args.command}: error: {first}{_where(args.command)}{_state_left(args.command, cfg)}"
+                       + (f"\n{rest}" if rest else ""), 1)
+        if isinstance(e, (WeightSyncError, CustomGenerateTimeout, TurnLimitError, RunStopped)):
             return err(f"polyrl {args.command}: error: {e}", 1)
         if isinstance(e, (ConfigError, DataError, CheckpointError)):
             return err(f"polyrl {args.command}: error: {e}", 2)

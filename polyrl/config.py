@@ -188,6 +188,9 @@ class EnginesConfig:
     rollout_health_check_interval: float = opt(5.0, "seconds between health checks of engine servers")
     rollout_request_timeout: float = opt(600.0, "seconds one /generate request may take before its engine counts as hung")
     rollout_engine_startup_timeout: float = opt(300.0, "seconds to wait for a launched engine's /health")
+    rollout_external_startup_timeout: float = opt(30.0, "seconds to wait at start-up for each --rollout-external "
+                                                        "server to answer /health (it runs already: a short wait, then "
+                                                        "an error naming its URL)")
     rollout_engine_log_dir: str | None = opt(None, "engine server logs (default: RUN_DIR/engines)")
     sglang_args: list[str] = opt([], "extra server flags: every --sglang-X VALUE on the command line reaches "
                                      "sglang.launch_server as --X VALUE", flag="--sglang-extra-args")
@@ -743,6 +746,7 @@ VALUE_RANGES: dict[str, str] = {
     # engine servers
     "rollout_num_engines": ">= 1", "rollout_num_gpus": ">= 1", "rollout_num_gpus_per_engine": ">= 1",
     "rollout_health_check_interval": "> 0", "rollout_request_timeout": "> 0", "rollout_engine_startup_timeout": "> 0",
+    "rollout_external_startup_timeout": "> 0",
     "port": "in [0, 65535]", "max_request_bytes": ">= 1", "max_running_requests": ">= 1", "batch_wait_ms": ">= 0",
     "max_text_chars": ">= 1", "max_prompts_per_request": ">= 1", "max_n": ">= 1", "request_timeout_s": "> 0",
     # batching

@@ -40,3 +40,23 @@ def test_two_runs_against_one_server_each_sample_from_their_own_trainer(tiny_mod
     # bound in tests/test_loop.py); the first run's trained weights would differ by far more than that
     for rows in (first, second):
         assert rows[0]["train_rollout_logprob_abs_diff_max"] < 1e-4, rows[0]
+
+
+def test_an_unreachable_external_engine_is_named_after_a_short_wait(tiny_model, arith_data, tmp_path, capsys):
+    """Nothing listens at the --rollout-external address: one line says what is waited for, and after
+    --rollout-external-startup-timeout the run stops with one line naming the URL and that flag (not
+    --rollout-engine-startup-timeout, which attached servers refuse, naming the one that applies)."""
+    from polyrl.dist import free_port
+    url = f"http://127.0.0.1:{free_port()}"  # free now: nothing answers there
+    common = ["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rollout-external",
+              "--rollout-external-engine-addrs", url, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+              "--rm-type", "arithmetic", "--num-rollout", "1", "--quiet", "--device", "cpu"]
+    assert main(common + ["--rollout-external-startup-timeout", "1", "--run-dir", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert f"polyrl: waiting for --rollout-external engine {url} to answer /health, up to 1 s " \
+           "(--rollout-external-startup-timeout)" in err, err
+    line = [x for x in err.splitlines() if x.startswith("polyrl train: error:")]
+    assert len(line) == 1 and f"engine 0 ({url}) did not answer /health within 1 s " \
+                              "(--rollout-external-startup-timeout)" in line[0] and "reachable" in line[0], err
+    assert main(common + ["--rollout-engine-startup-timeout", "5", "--run-dir", str(tmp_path / "b")]) == 2
+    assert "--rollout-external-startup-timeout bounds the wait" in capsys.readouterr().err

@@ -34,7 +34,8 @@ ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
     # sglang "fp8_rollout": launched on a block-FP8 copy of the checkpoint (polyrl.weight_sync.fp8_checkpoint)
     "sglang": frozenset({"servers", "launch", "sglang_args", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
                          "routed_experts", "memory_tags", "images", "fp8_rollout", "kv_cache_dtype"}),
-    "external": frozenset({"servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
+    # "attach": waits --rollout-external-startup-timeout for servers it did not start
+    "external": frozenset({"attach", "servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
                            "images"}),
     "none": frozenset(),
 }

@@ -361,23 +361,21 @@ class HTTPEngine:
     def _probe_external(self, timeout: float) -> None:
         """--rollout-external servers run already: each must answer /health within `timeout` s; the ones that do not
         answer at once are named in one line while they are waited for, and one still silent is an EngineDeadError."""
-        late = {s: self._health_error(s, min(2.0, timeout)) for s in self.servers}
-        late = {s: err for s, err in late.items() if err is not None}
+        late = [(s, err) for s in self.servers if (err := self._health_error(s, min(2.0, timeout))) is not None]
         if not late:
             return
         from polyrl.metrics import notice
-        notice(f"waiting for --rollout-external engine{'s' * (len(late) > 1)} {', '.join(s.url for s in late)} to answer "
-               f"/health, up to {timeout:g} s (--rollout-external-startup-timeout)")
+        notice(f"waiting for --rollout-external engine{'s' * (len(late) > 1)} {', '.join(s.url for s, _ in late)} to "
+               f"answer /health, up to {timeout:g} s (--rollout-external-startup-timeout)")
         deadline = time.monotonic() + timeout
         while late:
             if time.monotonic() > deadline:
-                s, err = next(iter(late.items()))
+                s, err = late[0]
                 raise EngineDeadError(f"--rollout-external {s.name} did not answer /health within {timeout:g} s "
-                                      f"(--rollout-external-startup-timeout): {err}; is it running, and reachable from "
-                                      "this host?")
+                                      f"(--rollout-external-startup-timeout): {err} (is it running, and reachable from "
+                                      "this host?)")
             time.sleep(0.5)
-            late = {s: self._health_error(s, 5.0) for s in late}
-            late = {s: err for s, err in late.items() if err is not None}
+            late = [(s, err) for s, _ in late if (err := self._health_error(s, 5.0)) is not None]
 
     def _health_error(self, s: Server, timeout: float) -> str | None:
         try:

@@ -101,13 +101,13 @@ class Router:
 
 
 def launch_router(worker_urls: list[str], *, log_path: str, policy: str = "cache_aware", api_key: str | None = None,
-                  timeout: float = 300.0, extra_args: tuple[str, ...] = ()) -> Router:
-    """Start sglang-router for `worker_urls` (which must already answer /health) and wait, at most
-    `timeout` seconds, until it routes to all of them. Raises RuntimeError naming the router and its
+                  timeout: float = 300.0, extra_args: tuple[str, ...] = (), port: int | None = None) -> Router:
+    """Start sglang-router for `worker_urls` (which must already answer /health) on `port` (default: a free one) and
+    wait, at most `timeout` seconds, until it routes to all of them. Raises RuntimeError naming the router and its
     log when it exits or is not ready in time (it is stopped then)."""
     if importlib.util.find_spec("sglang_router") is None:
         raise ImportError(ROUTER_HINT)
-    port = free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "polyrl.rollout.router", "--worker-urls", *worker_urls, "--policy", policy,
            "--host", "127.0.0.1", "--port", str(port),
            # its metrics endpoint defaults to 0.0.0.0:29000: loopback, and a port of its own per router

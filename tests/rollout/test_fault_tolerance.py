@@ -284,3 +284,43 @@ def test_two_engines_one_killed_during_the_sync(tiny_model, tmp_path):
     finally:
         tr.close()
         eng.close()
+
+
+def test_a_killed_router_is_restarted_with_fault_tolerance_and_named_without_it(tiny_model, tmp_path, capsys):
+    """kill -9 of the sglang-router: with --use-fault-tolerance it is started again on its port (the engine is alive)
+    and the rollout goes on with the same samples; without it the error is one line naming the router and its log.
+    While the servers and the router start, one line says what is waited for."""
+    pytest.importorskip("sglang_router")
+    cfg = engine_cfg(tiny_model, tmp_path / "ft", 1, fault_tolerant=True)
+    cfg.engines.use_sglang_router = True
+    eng = HTTPEngine(cfg, "cpu")
+    said = capsys.readouterr().err
+    assert said.count("waiting for") == 1 and re.search(
+        r"polyrl: waiting for 1 engine server \(http://127\.0\.0\.1:\d+; logs in [^)]*engines\) and the sglang-router "
+        r"to answer /health, up to 180 s \(--rollout-engine-startup-timeout\)", said), said
+    try:
+        ps = prompts(eng, 6)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=5)
+        want = reference(tiny_model, None, 0, ps, sp)
+        same_samples(eng.generate(ps, sp), want)
+        old = eng.router
+        old.proc.kill()
+        old.proc.wait(10)
+        same_samples(eng.generate(ps, sp), want)
+        assert eng.router is not old and eng.router.url == old.url and eng.router.proc.poll() is None
+        assert eng.stats()["rollout/router_restarts"] == 1
+    finally:
+        eng.close()
+
+    cfg = engine_cfg(tiny_model, tmp_path / "no_ft", 1, fault_tolerant=False)
+    cfg.engines.use_sglang_router = True
+    eng = HTTPEngine(cfg, "cpu")
+    try:
+        eng.router.proc.kill()
+        eng.router.proc.wait(10)
+        with pytest.raises(EngineDeadError, match=r"sglang-router \(http://127\.0\.0\.1:\d+, log [^)]*router\.log\) "
+                                                  r"exited with code -9") as err:
+            eng.generate(prompts(eng, 2), SamplingParams(temperature=1.0, max_new_tokens=4, n=1, seed=5))
+        assert "\n" not in str(err.value) and str(tmp_path / "no_ft" / "engines" / "router.log") in str(err.value)
+    finally:
+        eng.close()
