@@ -354,8 +354,14 @@ class SaveDirLock:
             notice(f"--save {root}: taking over from {_describe(before)}, which is no longer running")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        try:
+            with writing(self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            self.fd = None
+            raise
 
     def release(self) -> None:
         """Unlink while still holding the lock (a run that opened the file in between finds another inode and retries)."""

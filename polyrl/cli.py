@@ -309,7 +309,7 @@ def _write_line(command: str, cfg, oe: OSError) -> str:
     if target is None and oe.errno not in (errno.ENOSPC, errno.EDQUOT):  # not known to be a write: say no more
         return f"polyrl {command}: error: {what}: {oe.filename}"
     path, kind = target or (oe.filename, None)
-    line = f"polyrl {command}: error: {what} writing {path}{_where(command)}"
+    line = f"polyrl {command}: error: {what} writing {path or 'a file (the error names none)'}{_where(command)}"
     if kind == "export" and cfg is not None:
         out = cfg.checkpoint.save_hf
         line += (f"; the earlier export in {out} is kept as it was" if os.path.isfile(os.path.join(out, "config.json"))
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                        "ranks that did not join it: another rank is hung or died, or worked alone longer than that "
                        "(then raise --distributed-timeout-minutes)", 1, every_rank=True)
         wrote = _write_error(e)
-        if wrote is not None and (wrote.filename or PROGRESS.get("writing")):
+        if wrote is not None:
             stop_consoles()
             logging.getLogger("polyrl").debug("write failed", exc_info=e)
             return err(_write_line(args.command, cfg, wrote), 1)

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   dcp:SUBSTR     DCP's shard streams of paths containing SUBSTR fail on their first write
 #   metrics        appending to RUN_DIR/metrics.jsonl fails
 #   safetensors    transformers' shard writer fails with safetensors' error (which carries no errno)
+#   lock           writing the owner into SAVE/polyrl.lock fails
 INJECT = r'''
 import contextlib, errno, io, os, sys
 where = os.environ["FULL_AT"]
@@ -50,6 +51,11 @@ elif where == "metrics":
             return FullFile(builtins.open(path, mode + "b" if "b" not in mode else mode))
         return builtins.open(path, mode, *a, **k)
     polyrl.metrics.open = fake_open
+elif where == "lock":
+    import polyrl.checkpoint
+    def pwrite(*a):
+        raise full
+    polyrl.checkpoint.os.pwrite = pwrite
 elif where == "safetensors":
     import safetensors, transformers.modeling_utils as mu
     def save_file(*a, **k):
@@ -93,6 +99,14 @@ def test_disk_full_during_save_is_one_line_naming_the_latest_complete_checkpoint
     assert f"latest complete checkpoint: {ck / 'step_000001'} (resume with --load {ck})" in line
     assert open(ck / "latest").read() == "step_000001" and not (ck / "step_000002").exists()
     assert not (ck / "polyrl.lock").exists()  # the failed run let go of the directory
+
+
+def test_disk_full_when_taking_the_save_dir_is_one_line(tiny_model, arith_data, tmp_path):
+    ck = tmp_path / "ck"
+    p = _run(tmp_path, "lock", *_train_args(tiny_model, arith_data["train"], tmp_path / "run", "--save", str(ck)))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert _last_line(p) == (f"polyrl train: error: No space left on device writing {ck / 'polyrl.lock'} while starting "
+                             f"up, before the first step; no complete checkpoint in --save {ck} yet")
 
 
 def test_disk_full_in_the_run_dir_is_one_line(tiny_model, arith_data, tmp_path):
