@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -60,3 +61,22 @@ def test_an_unreachable_external_engine_is_named_after_a_short_wait(tiny_model, 
                               "(--rollout-external-startup-timeout)" in line[0] and "reachable" in line[0], err
     assert main(common + ["--rollout-engine-startup-timeout", "5", "--run-dir", str(tmp_path / "b")]) == 2
     assert "--rollout-external-startup-timeout bounds the wait" in capsys.readouterr().err
+
+
+def test_an_external_server_of_another_vocabulary_is_named_as_refusing_the_weights(tiny_model, arith_data, tmp_path,
+                                                                                  capsys):
+    """The trainer's model has one token more than the served one: the first weight push is refused by the live
+    server, and the one line says so (with the server's reason), not that the server is gone."""
+    from polyrl.tasks.arithmetic import build_model, build_tokenizer
+    wider = tmp_path / "wider"
+    build_model(str(wider), hidden=64, layers=2, tokenizer=build_tokenizer(extra_tokens=("<tool_call>",)))
+    with serving(tiny_model, tmp_path, 1) as (srv,):
+        assert main(["train", "--hf-checkpoint", str(wider), "--prompt-data", arith_data["train"], "--rm-type",
+                     "arithmetic", "--rollout-external", "--rollout-external-engine-addrs", srv.url,
+                     "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                     "--num-rollout", "1", "--quiet", "--device", "cpu", "--run-dir", str(tmp_path / "run")]) == 1
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("polyrl train: error:")]
+    assert len(line) == 1, line
+    assert f"{srv.url} refused it" in line[0], line
+    assert re.search(r"model\.embed_tokens\.weight: shape \[(\d+), 64\] announced, the model's is \[(\d+), 64\]", line[0]), line
+    assert "gone" not in line[0], line

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.dist import rank as trainer_rank, world_size as trainer_world
+from polyrl.rollout.http_client import EngineHTTPError
 from polyrl.weight_sync import buckets
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,12 @@ def _shutdown(pg) -> None:
 
 def _failed(ans: Any) -> bool:
     return isinstance(ans, dict) and ans.get("success") is False
+
+
+def _refused(f: concurrent.futures.Future) -> bool:
+    """A weight-update call that a live server answered with an error (not one that got no answer)."""
+    e = f.exception()
+    return _failed(f.result()) if e is None else isinstance(e, EngineHTTPError) and e.status is not None
 
 
 def _answers(futs: dict, wait_s: float) -> str:
@@ -489,7 +496,8 @@ class DistributedTransport(_ServerTransport):
         deadline = time.monotonic() + self.timeout_s
         next_look = time.monotonic() + 0.5
         while not all(w.is_completed() for w in works):
-            gave_up = [u for u, f in futs.items() if f.done() and (f.exception() is not None or _failed(f.result()))]
+            refused = [u for u, f in futs.items() if f.done() and _refused(f)]  # live, but will not take this bucket
+            gave_up = refused or [u for u, f in futs.items() if f.done() and f.exception() is not None]
             if not gave_up and time.monotonic() > next_look:  # the engine's health checks see a hung server
                 gave_up, next_look = t.gone(), time.monotonic() + 0.5
             if gave_up or time.monotonic() > deadline:
@@ -497,7 +505,8 @@ class DistributedTransport(_ServerTransport):
                 # the others leave the abandoned group first (each answers once it has destroyed it), so that a
                 # rebuilt group of the same name is not destroyed by their late answer
                 concurrent.futures.wait([f for u, f in futs.items() if u not in gave_up], timeout=10)
-                why = f"{', '.join(gave_up)} gone; " if gave_up else f"not finished within {self.timeout_s:.0f} s; "
+                why = (f"{', '.join(refused)} refused it; " if refused else f"{', '.join(gave_up)} gone; " if gave_up
+                       else f"not finished within {self.timeout_s:.0f} s; ")
                 raise WeightSyncError(f"broadcasting {what} failed: {why}servers: {_answers(futs, 0)}")
             time.sleep(0.0005)
         try:
