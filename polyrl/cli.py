@@ -11,6 +11,7 @@ import os
 import sys
 
 from polyrl.config import ConfigError, ServerConfig, add_config_args, config_from_args, validate
+from polyrl.cpu_env import CPU_HELP
 
 ALL = ("cluster", "data", "rollout", "engines", "batch", "algorithm", "reward", "optimizer", "model", "checkpoint", "log", "megatron")
 # What `polyrl serve` reads (polyrl.rollout.server.serve and the embedded engine it builds): every server setting and
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polyrl", description="RL post-training for LLMs", allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, sections, only) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_, usage=f"polyrl {name} [options]", allow_abbrev=False)
+        sp = sub.add_parser(name, help=help_, description=help_, usage=f"polyrl {name} [options]", allow_abbrev=False,
+                            epilog=CPU_HELP)
         add_config_args(sp, sections, only)
     pp = sub.add_parser("plot", help="write PNG curves of a run directory", usage="polyrl plot RUN_DIR [--out PNG]",
                         allow_abbrev=False)

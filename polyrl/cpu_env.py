@@ -19,6 +19,12 @@ from collections.abc import MutableMapping
 # wait policy's spin count in libgomp, and KMP_BLOCKTIME is the same choice for an Intel OpenMP build of torch.
 WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# the environment paragraph of `polyrl train | sft | eval | serve | export-hf --help`
+CPU_HELP = ("CPU threads: a CPU rank computes on the cores this process may use (its affinity mask) split over the "
+            "ranks; POLYRL_CPU_THREADS=N sets the count (OMP_NUM_THREADS does not: torchrun sets it to 1). Their "
+            "OpenMP runtime waits passively at barriers (OMP_WAIT_POLICY=PASSIVE, set unless OMP_WAIT_POLICY, "
+            "GOMP_SPINCOUNT or KMP_BLOCKTIME is set): threads that spin there run a CPU step many times slower "
+            "beside any other busy process (docs/operations.md, Precision and memory, has the figures).")
 
 
 def apply_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

@@ -375,3 +375,32 @@ def test_exact_decode_reproduces_the_scoring_functions_log_probs_on_cpu():
     head, row = [l for l in out.stdout.splitlines() if l.startswith("| ") and ("shape" in l or "tiny" in l)]
     r = dict(zip([c.strip() for c in head.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
     assert r["tokens"] == "48" and float(r["max_abs_diff"]) < 1e-5
+
+
+def test_cpu_contention_help_and_flags_without_torch():
+    out = subprocess.run([sys.executable, "-c", NO_TRL, os.path.join(BENCH, "cpu_contention.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--quick" in out.stdout and "--cores" in out.stdout, out.stderr
+    cc = load("cpu_contention.py")
+    a = cc.parse_args(["--quick"])
+    assert (a.sft_rows, a.grpo_steps, a.repeats, a.load_list, a.setting_list) == (256, 4, 1, [0, 1], ["old", "new"])
+    for bad in (["--loads", "one"], ["--settings", "old,fast"], ["--grpo-steps", "2"], ["--cores", "100000"]):
+        with pytest.raises(SystemExit) as e:
+            cc.parse_args(bad)
+        assert e.value.code == 2
+    env = cc.child_env("old", 2)  # torch's defaults on 2 cores, whatever this shell sets
+    assert env["POLYRL_CPU_THREADS"] == "2" and env["GOMP_SPINCOUNT"] == "300000" and "OMP_WAIT_POLICY" not in env
+
+
+@pytest.mark.slow
+def test_cpu_contention_runs_the_demo_phases_and_prints_one_table(tmp_path):
+    """The new setting on an unloaded run, on one core: two SFT steps and four GRPO steps of the demo, read back from
+    their metrics.jsonl into the table."""
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "cpu_contention.py"), "--cores", "1", "--settings", "new",
+                          "--loads", "0", "--repeats", "1", "--sft-rows", "128", "--grpo-steps", "4",
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = [l for l in out.stdout.splitlines() if l.startswith("| ")]
+    assert len(table) == 2 and table[1].split("|")[1].strip() == "new" and "1.00x / 1.00x" in table[1]
+    rows = json.load(open(tmp_path / "r.json"))
+    assert rows["cores"] == 1 and rows["rows"][0]["sft_s"] > 0 and rows["rows"][0]["grpo_step_s"] > 0

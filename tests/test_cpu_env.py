@@ -92,3 +92,12 @@ def test_a_ray_cluster_gets_the_wait_setting_of_this_process(monkeypatch):
     cfg.ray.ray_address = "127.0.0.1:6379"
     assert ray_job._init(cfg, 1) is False
     assert calls[-1]["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "serve"])
+def test_help_says_what_the_cpu_threads_and_their_wait_are(command, capsys):
+    from polyrl.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "POLYRL_CPU_THREADS=N sets the count" in text and "OMP_WAIT_POLICY=PASSIVE, set unless" in text
