@@ -29,6 +29,7 @@ from polyrl.step.book import Book, checkpoint_saver
 from polyrl.step.cursor import PromptCursor
 from polyrl.step.handoff import FrozenHandoff, Handoff
 from polyrl.step.learner import Learner, ScoringLearner, minibatches_per_step, needs_reference
+from polyrl.step.partial_rollout import BufferedCursor, PartialRollout
 from polyrl.step.rollout import EngineRollout, Evaluator, FileRollout, Scorer
 from polyrl.weight_sync import FP8Transport, InMemoryTransport, NoTransport, WeightTransport
 
@@ -140,7 +141,7 @@ class Parts:
     plan: Plan
     d: Dist
     cursor: PromptCursor
-    rollout: EngineRollout | FileRollout
+    rollout: EngineRollout | FileRollout | PartialRollout
     learner: Learner | ScoringLearner
     handoff: Handoff
     book: Book
@@ -192,10 +193,14 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
     for flag, n in (("--rollout-batch-size", r.rollout_batch_size), ("--over-sampling-batch-size", r.over_sampling_batch_size)):
         if (n or 0) % d.world:
             raise ConfigError(f"{flag} {n} must be a multiple of the {d.world} ranks (each rank samples whole prompt groups)")
+    if r.partial_rollout and d.world > 1:
+        raise ConfigError(f"--partial-rollout runs on one trainer rank for now ({d.world} here): each rank's buffer would "
+                          "draw a different number of prompts and the data position would part between the ranks")
     if d.is_main:
         banner(cfg, plan.summary())
     tok = load_tokenizer(cfg)
-    cursor = PromptCursor(prompt_dataset(cfg, tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle), d,
+    cursor_cls = BufferedCursor if r.partial_rollout else PromptCursor  # the buffer is part of the data position
+    cursor = cursor_cls(prompt_dataset(cfg, tok, cfg.data.prompt_data, shuffle=cfg.data.rollout_shuffle), d,
                           per_draw=r.over_sampling_batch_size or r.rollout_batch_size, source=cfg.data.prompt_data,
                           allow_change=cfg.data.allow_data_change)
     total_steps = r.num_rollout * minibatches_per_step(cfg)
@@ -217,8 +222,12 @@ def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
         rollout = FileRollout(files, cursor, score)
     else:
         group_filter = GroupFilter(r.dynamic_sampling_filter_path, d) if r.dynamic_sampling_filter_path else None
-        rollout = EngineRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
-                                saver=files if g.save_debug_rollout_data else None, agents=agents)
+        if r.partial_rollout:
+            rollout = PartialRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
+                                     saver=files if g.save_debug_rollout_data else None)
+        else:
+            rollout = EngineRollout(cfg, engine, cursor, score, d, engine_lock, group_filter,
+                                    saver=files if g.save_debug_rollout_data else None, agents=agents)
     learner = ScoringLearner(d) if g.debug_rollout_only else Learner(cfg, backend, d, critic)
     handoff_cls = FrozenHandoff if (g.debug_rollout_only or g.train_only) else Handoff
     handoff = handoff_cls(backend, engine, transport, engine_lock, push_at_start=engine_needs_first_push(cfg, plan))

@@ -74,6 +74,9 @@ NEEDS: dict[str, Need] = {
     "use_sglang_router": Need("engine", "router"),
     "sglang_router_policy": Need("engine", "router"),
     "sglang_args": Need("engine", "sglang_args"),
+    "partial_rollout": Need("engine", "partial_rollout"),
+    # a real SGLang refuses polyrl_stop_length (polyrl.rollout.server.STOP_LENGTH_KEY): polyrl's own engines only
+    "rollout_length_distribution": Need("engine", "length_control"),
 }
 # every field of --train-backend megatron's own section
 NEEDS.update({f.name: Need("backend", "megatron_parallelism") for f in dataclasses.fields(Config().megatron)})
@@ -92,7 +95,7 @@ UNIVERSAL_FIELDS = {
                 "eval_temperature", "rollout_engine", "async_training", "max_staleness", "dynamic_sampling_filter_path",
                 "over_sampling_batch_size", "max_dynamic_sampling_draws", "custom_generate_function_path",
                 "custom_generate_concurrency", "max_turns", "rollout_max_context_len", "agent_function_path",
-                "agent_concurrency", "agent_timeout", "agent_samples_per_trajectory"},
+                "agent_concurrency", "agent_timeout", "agent_samples_per_trajectory", "mask_offpolicy_in_partial_rollout"},
     "engines": {"rollout_external", "rollout_external_engine_addrs", "weight_sync", "rollout_request_timeout"},
     "batch": {"global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "num_epoch"},
     "model": {"hf_checkpoint", "ref_load", "opd_teacher_load", "critic_load", "fp16", "bf16", "fp32",

@@ -120,15 +120,32 @@ class RolloutConfig:
     async_training: bool = opt(False, "asynchronous training (polyrl/loop_async.py): the rollout of later steps runs on the "
                                       "engines while the trainer trains; weights go to the engines after every step",
                                flag="--async")
-    max_staleness: int = opt(1, "--async: how many policy versions a sample may lag the policy it trains (1 = one-step-off; "
-                                "K > 1: generation runs up to K steps ahead and never waits for training within that bound)")
+    max_staleness: int | None = opt(
+        None, "--async: how many policy versions a sample may lag the policy it trains (unset: 1, one-step-off; K > 1: "
+              "generation runs up to K steps ahead and never waits for training within that bound). --partial-rollout: "
+              "a resumed sample whose oldest token would lag the policy that trains it by more than this is dropped "
+              "and generated anew (counted in partial_rollout/stale_dropped; unset without --async: no bound)")
     dynamic_sampling_filter_path: str | None = opt(
         None, "dynamic sampling (DAPO): 'module:fn' or 'file.py:fn' taking one prompt group's scored samples "
               "(list[Sample]) and returning True to keep the group; prompts are drawn, generated and scored again "
               "until --rollout-batch-size groups pass (surplus groups of the last draw are dropped). Built-in: "
               "polyrl.rewards.filters:nonzero_std drops groups whose rewards are all equal")
-    over_sampling_batch_size: int | None = opt(None, "dynamic sampling: prompts per draw, >= --rollout-batch-size "
-                                                     "(unset: --rollout-batch-size)")
+    over_sampling_batch_size: int | None = opt(None, "dynamic sampling and --partial-rollout: prompts per draw (in flight "
+                                                     "at once with --partial-rollout, resumed ones included), >= "
+                                                     "--rollout-batch-size (unset: --rollout-batch-size)")
+    partial_rollout: bool = opt(False, "slime's partial rollout (docs/partial-rollout.md): a step's rollout stops once it "
+                                       "holds --rollout-batch-size complete prompt groups (of --over-sampling-batch-size "
+                                       "in flight); the requests still running are aborted and their partial responses "
+                                       "(tokens, rollout log-probs, the weight version of every token) wait in a buffer "
+                                       "that the next step continues first, under the new weights. Groups are scored as "
+                                       "they finish, while the others decode")
+    mask_offpolicy_in_partial_rollout: bool = opt(False, "--partial-rollout: tokens generated in an earlier step's "
+                                                         "rollout (under older weights) get loss mask 0 (slime's flag)")
+    rollout_length_distribution: str | None = opt(
+        None, "a length-controlled workload (benchmarks and tests with random weights, which never emit EOS): every "
+              "sample's response ends with EOS at a length drawn from this distribution, the tokens before it "
+              "unchanged: lognormal:median=M,p99=P,cap=C or histogram:PATH ('LENGTH [COUNT]' lines). The forced EOS is "
+              "out of the loss (polyrl/rollout/lengths.py)")
     max_dynamic_sampling_draws: int = opt(8, "dynamic sampling: most draws per step; a step still short of "
                                              "--rollout-batch-size groups after them stops the run with an error")
     custom_generate_function_path: str | None = opt(
@@ -1054,9 +1071,10 @@ def _validate_rl_extras(cfg: Config) -> None:
     if a.policy_loss == "cispo" and a.eps_clip_c is not None:
         raise ConfigError("--eps-clip-c (dual clip) bounds the PPO-clip loss; --policy-loss cispo has no such term: drop one")
     if r.over_sampling_batch_size is not None:
-        if not r.dynamic_sampling_filter_path:
-            raise ConfigError("--over-sampling-batch-size draws extra prompts for dynamic sampling: set "
-                              "--dynamic-sampling-filter-path (e.g. polyrl.rewards.filters:nonzero_std) or drop it")
+        if not (r.dynamic_sampling_filter_path or r.partial_rollout):
+            raise ConfigError("--over-sampling-batch-size draws extra prompts for dynamic sampling or partial rollout: set "
+                              "--dynamic-sampling-filter-path (e.g. polyrl.rewards.filters:nonzero_std) or "
+                              "--partial-rollout, or drop it")
         if r.over_sampling_batch_size < r.rollout_batch_size:
             raise ConfigError(f"--over-sampling-batch-size ({r.over_sampling_batch_size}) must be >= --rollout-batch-size "
                               f"({r.rollout_batch_size}): each draw should be able to fill the step")
@@ -1163,11 +1181,49 @@ def _validate_ray(cfg: Config) -> None:
                           "--rollout-engine server (or sglang), or --colocate to keep the embedded engine in the train actors")
 
 
+def _validate_partial_rollout(cfg: Config) -> None:
+    """--partial-rollout and the length-controlled workload against the flags they cannot combine with yet."""
+    r, m = cfg.rollout, cfg.model
+    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
+        raise ConfigError("--mask-offpolicy-in-partial-rollout masks the resumed tokens of --partial-rollout: add it or "
+                          "drop the flag")
+    if r.partial_rollout:
+        for flag, on, why in (
+                ("--custom-generate-function-path", r.custom_generate_function_path, "a multi-turn call cannot be cut and "
+                 "resumed"),
+                ("--true-on-policy", m.true_on_policy, "resumed tokens come from older weights, which the trainer does not "
+                 "score with"),
+                ("--use-rollout-routing-replay", m.use_rollout_routing_replay, "the routes of a resumed response are not "
+                 "carried across the cut"),
+                ("--return-routed-experts", m.return_routed_experts, "the routes of a resumed response are not carried "
+                 "across the cut"),
+                ("--multimodal-keys", cfg.data.multimodal_keys, "a resumed image prompt is not re-sent with its images"),
+                ("--debug-train-only", cfg.debug.train_only, "it reads finished samples from files")):
+            if on:
+                raise ConfigError(f"--partial-rollout with {flag}: {why}; drop one of them")
+    if r.rollout_length_distribution:
+        from polyrl.rollout.lengths import LengthSpecError, parse_length_distribution
+        try:
+            dist = parse_length_distribution(r.rollout_length_distribution)
+        except LengthSpecError as e:
+            raise ConfigError(str(e)) from None
+        if dist.cap > r.rollout_max_response_len:
+            raise ConfigError(f"--rollout-length-distribution {r.rollout_length_distribution}: its cap ({dist.cap}) is "
+                              f"past --rollout-max-response-len ({r.rollout_max_response_len}); lower the cap or raise "
+                              "the limit")
+        if r.custom_generate_function_path:
+            raise ConfigError("--rollout-length-distribution with --custom-generate-function-path: a multi-turn "
+                              "sample's length is its function's; drop one of them")
+
+
 def _validate_engines(cfg: Config) -> None:
     e, r = cfg.engines, cfg.rollout
-    if r.max_staleness != 1 and not r.async_training:
-        raise ConfigError(f"--max-staleness {r.max_staleness} only applies with --async (the synchronous loop trains on "
-                          "samples of the current policy)")
+    if r.max_staleness is not None and not (r.async_training or r.partial_rollout):
+        raise ConfigError(f"--max-staleness {r.max_staleness} only applies with --async or --partial-rollout (the "
+                          "synchronous loop trains on samples of the current policy)")
+    if r.async_training and r.max_staleness is None:
+        r.max_staleness = 1  # one-step-off
+    _validate_partial_rollout(cfg)
     if e.rollout_external and not e.rollout_external_engine_addrs:
         raise ConfigError("--rollout-external needs --rollout-external-engine-addrs URL [URL ...] (running SGLang or polyrl serve servers)")
     if e.rollout_external_engine_addrs and not e.rollout_external:

@@ -203,6 +203,11 @@ def rl_loss(
     metrics: dict[str, torch.Tensor] = {}
     if "rollout_logprobs" in mb:  # train/rollout mismatch, visible every step
         diff = (logprobs.detach().float() - mb["rollout_logprobs"].float()).abs() * mask
+        if "this_version" in mb:  # --partial-rollout: tokens of older weights apart (the learner rescales the means)
+            older = diff * (1 - mb["this_version"])
+            diff = diff * mb["this_version"]
+            metrics["train_rollout_logprob_abs_diff_older_weights"] = older.sum() / max(num_tokens, 1.0)
+            metrics["train_rollout_logprob_abs_diff_older_weights_max"] = older.max() if older.numel() else older.new_zeros(())
         metrics["train_rollout_logprob_abs_diff"] = diff.sum() / max(num_tokens, 1.0)
         # the worst loss-masked token (masked ones count 0, which no |diff| is below); backends reduce *_max by max
         metrics["train_rollout_logprob_abs_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())

@@ -27,16 +27,20 @@ ENGINE_CAPABILITIES: dict[str, frozenset[str]] = {
     # "true_on_policy": reports log-probs from polyrl.backends.true_on_policy's scoring function (--true-on-policy)
     # "mem_fraction": --rollout-mem-fraction sizes its KV cache (SGLang: --mem-fraction-static)
     # "kv_cache_dtype": keeps its KV cache in --kv-cache-dtype (the embedded engine's GPU path; SGLang's own flag)
+    # "partial_rollout": generate(..., watch=) reports finished samples and returns partial responses on a stop
+    # (SGLang: /abort_request answers with the tokens so far); "length_control": honours SamplingParams.stop_lengths
     "embedded": frozenset({"embedded_settings", "mem_fraction", "routed_experts", "memory_tags", "fp8_rollout", "images",
-                           "true_on_policy", "kv_cache_dtype"}),
+                           "true_on_policy", "kv_cache_dtype", "partial_rollout", "length_control"}),
     "server": frozenset({"servers", "launch", "embedded_settings", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy", "kv_cache_dtype"}),
+                         "routed_experts", "memory_tags", "fp8_rollout", "images", "true_on_policy", "kv_cache_dtype",
+                         "partial_rollout", "length_control"}),
     # sglang "fp8_rollout": launched on a block-FP8 copy of the checkpoint (polyrl.weight_sync.fp8_checkpoint)
     "sglang": frozenset({"servers", "launch", "sglang_args", "mem_fraction", "fault_tolerance", "weight_read_back", "router",
-                         "routed_experts", "memory_tags", "images", "fp8_rollout", "kv_cache_dtype"}),
+                         "routed_experts", "memory_tags", "images", "fp8_rollout", "kv_cache_dtype",
+                         "partial_rollout"}),
     # "attach": waits --rollout-external-startup-timeout for servers it did not start
     "external": frozenset({"attach", "servers", "fault_tolerance", "weight_read_back", "router", "routed_experts", "memory_tags",
-                           "images"}),
+                           "images", "partial_rollout"}),
     "none": frozenset(),
 }
 

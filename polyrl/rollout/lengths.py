@@ -17,12 +17,14 @@ generation's (the engines change nothing but that token)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
+import random
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from polyrl.rollout.sampling import mix_seed
+from polyrl.rollout.sampling import mix_seed, sample_seed
 
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 LENGTH_SALT = 0x5EED1E46  # the length's stream is not the sampler's: mix_seed(sample seed, this)
@@ -121,3 +123,10 @@ def mark_forced(sample, stop_length: int) -> None:
     if stop_length and sample.finish_reason == "stop" and len(sample.response_ids) == stop_length:
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * stop_length
         sample.loss_mask = mask[:-1] + [0]
+
+
+def with_stop_lengths(params, dist: LengthDistribution, n_prompts: int):
+    """params with every sample's stop length drawn from its sampling seed (polyrl.rollout.sampling.sample_seed)."""
+    base = params.seed if params.seed is not None else random.getrandbits(62)
+    return dataclasses.replace(params, seed=base, stop_lengths=[dist.draw(sample_seed(params, base, i, j))
+                                                                for i in range(n_prompts) for j in range(params.n)])

@@ -27,11 +27,12 @@ class PromptCursor:
         self._lock = threading.Lock()
         self._starts: dict[int, dict] = {}  # step -> dataset position before its prompts (drawn, not yet finished)
 
-    def draw(self, step: int) -> list:
-        """This rank's prompts of the next draw of `step` (--over-sampling-batch-size of them with dynamic sampling)."""
+    def draw(self, step: int, n: int | None = None) -> list:
+        """This rank's prompts of the next draw of `step` (--over-sampling-batch-size of them with dynamic sampling;
+        n: that many instead, what --partial-rollout's buffer leaves of a draw)."""
         with self._lock:
             self._starts.setdefault(step, self.dataset.state_dict())
-            return self.d.shard(self.dataset.next_batch(self.per_draw))
+            return self.d.shard(self.dataset.next_batch(n or self.per_draw))
 
     def position_before(self, step: int) -> dict:
         """The dataset position before the prompts of `step`, whether they were drawn already or not (the async loop
@@ -54,6 +55,10 @@ class PromptCursor:
         """Resume at a saved position; refused (DataError) when the data it points into changed since the save, unless
         allow_change."""
         state = dict(state)
+        if state.get("partial_rollout"):
+            from polyrl.config import ConfigError
+            raise ConfigError(f"--load: the checkpoint holds {len(state['partial_rollout'])} unfinished prompt groups "
+                              "of --partial-rollout; resume with --partial-rollout, or they would be lost")
         saved = state.pop("data_file", None)
         if saved is not None:
             at = f"epoch {state.get('epoch')}, prompt {state.get('position')}"

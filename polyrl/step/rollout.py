@@ -19,6 +19,7 @@ from polyrl.rewards import RewardManager, reward_metrics
 from polyrl.rollout.base import RolloutEngine
 from polyrl.rollout.custom import generate_with, resolve_generate_fn
 from polyrl.rollout.dynamic_sampling import GroupFilter, fill_step
+from polyrl.rollout.lengths import parse_length_distribution, with_stop_lengths
 from polyrl.rollout.sampling import cut_to_budget
 from polyrl.step.cursor import PromptCursor
 from polyrl.types import Sample, SamplingParams
@@ -60,6 +61,8 @@ def generate_items(cfg: Config, engine: RolloutEngine, items: list, params: Samp
                              engine.tokenizer, items, params, timeout=cfg.engines.rollout_request_timeout,
                              concurrency=r.custom_generate_concurrency, max_turns=r.max_turns,
                              max_context_len=r.rollout_max_context_len)
+    if r.rollout_length_distribution and params.stop_lengths is None:
+        params = with_stop_lengths(params, parse_length_distribution(r.rollout_length_distribution), len(items))
     return engine_call(engine, items, params, r.rollout_max_context_len)
 
 

@@ -359,7 +359,8 @@ class GPUEngine(InProcessEngine):
         self._retire(done)
 
     def _fits(self, g: _Group) -> bool:
-        return g.n <= self.max_running - len(self.running) and self._blocks_needed(len(g.prompt), g.n, g.max_new) <= self.alloc.num_free
+        return (g.n <= self.max_running - len(self.running)
+                and self._blocks_needed(len(g.prompt), g.n, g.max_new) <= self.alloc.num_free)
 
     def _blocks_needed(self, P: int, n: int, max_new: int | None = None) -> int:
         bs = self.block_size
