@@ -324,3 +324,48 @@ def test_a_killed_router_is_restarted_with_fault_tolerance_and_named_without_it(
         assert "\n" not in str(err.value) and str(tmp_path / "no_ft" / "engines" / "router.log") in str(err.value)
     finally:
         eng.close()
+
+
+ROUTER_KILLER = '''
+import os, signal
+def reward(sample):
+    """Kills this run's sglang-router (kill -9; a child of this process) at the first reward of step 2."""
+    n = int(open(os.environ["POLYRL_TEST_CALLS"]).read() or 0) if os.path.exists(os.environ["POLYRL_TEST_CALLS"]) else 0
+    with open(os.environ["POLYRL_TEST_CALLS"], "w") as f:
+        f.write(str(n + 1))
+    if n == int(os.environ["POLYRL_TEST_KILL_AT"]):
+        for pid in os.listdir("/proc"):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid() and cmd.startswith(b"sglang::router"):  # the router sets this process title
+                os.kill(int(pid), signal.SIGKILL)
+    return sum(c.isdigit() for c in sample.response) / 8.0
+'''
+
+
+def test_train_without_fault_tolerance_names_the_dead_router_its_log_and_the_latest_checkpoint(tmp_path, arith_data,
+                                                                                             monkeypatch, capsys):
+    """kill -9 of the sglang-router after step 1's checkpoint: the run stops at the next rollout with one line naming
+    the router, its log and the latest complete checkpoint."""
+    pytest.importorskip("sglang_router")
+    from conftest import make_model_dir
+    from polyrl.cli import main
+    model = make_model_dir(tmp_path / "m")
+    rm = tmp_path / "rm.py"
+    rm.write_text(ROUTER_KILLER)
+    monkeypatch.setenv("POLYRL_TEST_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("POLYRL_TEST_KILL_AT", "4")  # rollout batch 2 x 2 samples: the 5th reward is step 2's first
+    run, save = tmp_path / "run", tmp_path / "save"
+    assert main(["train", "--hf-checkpoint", model, "--prompt-data", arith_data["train"], "--custom-rm-path", f"{rm}:reward",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                 "--num-rollout", "3", "--quiet", "--seed", "3", "--device", "cpu", "--run-dir", str(run),
+                 "--save", str(save), "--save-interval", "1", "--rollout-engine", "server", "--rollout-num-engines", "1",
+                 "--use-sglang-router", "--rollout-health-check-interval", "0.5"]) == 1
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("polyrl train: error:")]
+    assert len(line) == 1, line
+    assert re.search(r"error: sglang-router \(http://127\.0\.0\.1:\d+, log [^)]*router\.log\) exited with code -9", line[0])
+    assert str(run / "engines" / "router.log") in line[0] and "step 3" in line[0], line[0]
+    assert re.search(r"latest complete checkpoint: \S*step_0*2\b", line[0]), line[0]
