@@ -126,6 +126,17 @@ def prompt_dataset(cfg: Config, tokenizer, spec: str, *, shuffle: bool) -> Promp
                          shuffle=shuffle, seed=cfg.cluster.seed, processor=processor)
 
 
+def announce_changed_rates(state: dict, cfg: Config) -> None:
+    """A resume at another --lr / --critic-lr than the checkpoint was trained at: the new rate applies (both backends
+    set it after the load), and one line says so; the schedule (warmup, decay) goes on from the checkpoint's step."""
+    saved = (state.get("config") or {}).get("optimizer") or {}
+    for flag, key in (("--lr", "lr"), ("--critic-lr", "critic_lr")):
+        was, now = saved.get(key), getattr(cfg.optimizer, key)
+        if was is not None and now is not None and was != now:
+            notice(f"{flag} {now:g} applies from the resumed step on (the checkpoint was trained at {was:g}); the "
+                   "schedule goes on from the checkpoint's step")
+
+
 def setup_command(cfg: Config) -> tuple[str, Dist]:
     """The process group, seeds and threads of a command: (device, this rank's Dist)."""
     c = cfg.cluster
@@ -161,6 +172,7 @@ class Parts:
             state = load_checkpoint(cfg.checkpoint.load, self.backend, critic=self.critic)
             start = state["step"]
             self.cursor.restore(state["data"])
+            announce_changed_rates(state, cfg)
         self.handoff.start(start, resumed=bool(cfg.checkpoint.load))
         n = cfg.rollout.num_rollout
         if start >= n:  # say so: a run that trains nothing must not look like one that finished

@@ -48,14 +48,15 @@ EVAL_FIELDS = _fields_of(_EVAL_SECTIONS, _TRAINING_ONLY | {
     "rollout.rollout_top_k", "rollout.num_rollout", "rollout.async_training", "rollout.max_staleness",
     "rollout.dynamic_sampling_filter_path", "rollout.over_sampling_batch_size", "rollout.max_dynamic_sampling_draws",
     "reward.max_consecutive_failed_steps",
-    *(f"checkpoint.{f}" for f in ("save", "save_interval", "save_hf", "save_hf_adapter", "max_ckpt_to_keep")),
+    *(f"checkpoint.{f}" for f in ("save", "save_interval", "save_hf", "save_hf_adapter", "max_ckpt_to_keep",
+                                  "max_wall_time")),
     *(f"log.{f}" for f in ("use_tensorboard", "eval_interval", "quiet", "profile_step", "use_wandb", "wandb_project",
                            "wandb_group", "wandb_run_name", "wandb_mode", "overwrite",
                            "ci_train_rollout_logprob_abs_diff_threshold")),
 })
 # What `polyrl export-hf` reads (run_export: the backend, the checkpoint, the output directory)
 EXPORT_FIELDS = _fields_of(("cluster", "model", "checkpoint", "megatron"), _TRAINING_ONLY | {
-    "checkpoint.save", "checkpoint.save_interval", "checkpoint.max_ckpt_to_keep",
+    "checkpoint.save", "checkpoint.save_interval", "checkpoint.max_ckpt_to_keep", "checkpoint.max_wall_time",
 })
 # name -> (help, config sections it takes, the only fields it takes of them: None = all)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], frozenset[str] | None]] = {
@@ -151,12 +152,14 @@ def resume_after_restart(cfg) -> None:
     resume_latest(cfg, restart, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
 
 
+EVAL_PROGRESS_S = 30.0  # `polyrl eval`: a line this often while the engine generates
+
 def run_eval(cfg) -> dict:
     from polyrl import assemble as asm
     from polyrl.checkpoint import load_checkpoint
     from polyrl.placement import plan_here
     from polyrl.rewards import RewardManager
-    from polyrl.step.rollout import Evaluator, Scorer
+    from polyrl.step.rollout import Evaluator, Scorer, write_records
 
     plan = plan_here(cfg)
     device, d = asm.setup_command(cfg)
@@ -172,7 +175,8 @@ def run_eval(cfg) -> dict:
         rw.rm_type or rw.custom_rm_path or rw.rm_url or not cfg.rollout.agent_function_path) else None)
     score = Scorer(cfg, rewards)
     try:
-        result = Evaluator(cfg, engine, ds, score, d, agents=agents)()
+        evaluate = Evaluator(cfg, engine, ds, score, d, agents=agents, progress_s=EVAL_PROGRESS_S)
+        result = evaluate()
     finally:
         score.close()
         if agents is not None:
@@ -184,6 +188,12 @@ def run_eval(cfg) -> dict:
         path = os.path.join(cfg.log.run_dir, "eval.json")
         with writing(path, kind="run dir"), open(path, "w") as f:
             json.dump(result, f, indent=1)
+        samples = os.path.join(cfg.log.run_dir, "eval_samples.jsonl")
+        with writing(samples, kind="run dir"):
+            write_records(samples, evaluate.records)
+        from polyrl.metrics import notice
+        notice(f"eval: accuracy {result['eval/accuracy']:.3f} over {result['eval/n']:.0f} samples; {path}, "
+               f"samples (prompt, response, label, reward) in {samples}")
     return result
 
 
@@ -224,6 +234,13 @@ def _on_signal(signum, frame) -> None:
     raise KeyboardInterrupt(name)
 
 
+def _on_stop_request(signum, frame) -> None:
+    """SIGUSR1: train and sft stop after the step in flight, with a checkpoint of it (preemptible clusters send it
+    ahead of the kill)."""
+    from polyrl.metrics import PROGRESS
+    PROGRESS["stop_request"] = "SIGUSR1"
+
+
 def _install_signal_handlers() -> dict:
     import signal
     import threading
@@ -233,6 +250,8 @@ def _install_signal_handlers() -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM):
         old[sig] = signal.getsignal(sig)
         signal.signal(sig, _on_signal)
+    old[signal.SIGUSR1] = signal.getsignal(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, _on_stop_request)
     return old
 
 
@@ -450,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.rollout.http_engine import EngineDeadError
     from polyrl.rollout.custom import CustomGenerateTimeout, TurnLimitError
     from polyrl.weight_sync.distributed import WeightSyncError
-    PROGRESS.update(step=None, phase=None, signal=None, writing=None)
+    PROGRESS.update(step=None, phase=None, signal=None, writing=None, stop_request=None)
     old_handlers = _install_signal_handlers()
     cfg, failed, owner = None, False, None
 
@@ -512,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             # file DCP has closed by now: a std::terminate (SIGABRT) if it ever runs
             _INTERRUPTED.append(e)
             return err(_interrupt_line(args.command, cfg, how), code)
+        from polyrl.step.book import StopAtBoundary
+        if isinstance(e, StopAtBoundary):  # asked for: the step in flight finished and was saved
+            return err(f"polyrl {args.command}: {e}", 0)
         if isinstance(e, EngineDeadError):  # the run ends here: where it was, and what it leaves to resume from
             first, _, rest = str(e).partition("\n")
             return err(f"polyrl {args.command}: error: {first}{_where(args.command)}{_state_left(args.command, cfg)}"

@@ -472,6 +472,9 @@ class CheckpointConfig:
                                        "instead of the merged model")
     max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
                                              "a newer one is complete (default: keep all)")
+    max_wall_time: float | None = opt(None, "seconds: stop (exit status 0) with a checkpoint after the last step that "
+                                            "ends within this time from start-up; SIGUSR1 stops the same way after the "
+                                            "step in flight (preemptible clusters; resume with --load)")
 
 
 @dataclass
@@ -781,7 +784,7 @@ VALUE_RANGES: dict[str, str] = {
     # model, checkpoints, logging
     "update_weight_buffer_size": ">= 1", "logprob_chunk_size": ">= 1", "moe_aux_loss_coeff": ">= 0", "moe_z_loss_coeff": ">= 0",
     "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)", "save_interval": ">= 0", "max_ckpt_to_keep": ">= 1",
-    "eval_interval": ">= 0", "profile_step": ">= 0", "max_consecutive_failed_steps": ">= 0",
+    "max_wall_time": "> 0", "eval_interval": ">= 0", "profile_step": ">= 0", "max_consecutive_failed_steps": ">= 0",
     "ci_train_rollout_logprob_abs_diff_threshold": ">= 0",
     # megatron
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1",
@@ -1385,6 +1388,9 @@ def _validate_outputs(cfg: Config, command: str) -> None:
         where = "--debug-rollout-only trains nothing" if command == "train" else f"polyrl {command} trains no policy"
         raise ConfigError(f"--ci-train-rollout-logprob-abs-diff-threshold compares training and rollout log-probs of a "
                           f"training step; {where}: drop it")
+    if ck.max_wall_time and not ck.save:
+        raise ConfigError(f"--max-wall-time {ck.max_wall_time:g} stops the run with a checkpoint to resume from: add "
+                          "--save DIR")
     if cfg.reward.max_consecutive_failed_steps and command != "train":
         raise ConfigError(f"--max-consecutive-failed-steps counts the training steps of polyrl train; polyrl {command} has "
                           "none: drop it")

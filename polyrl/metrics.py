@@ -14,17 +14,19 @@ from contextlib import contextmanager
 CONSOLE_KEYS = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.2f}"), ("reward/errors", "rerr", "{:.0f}"),
     ("reward/timeouts", "rtimeout", "{:.0f}"), ("response_len/mean", "len", "{:.1f}"),
-    ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
+    ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "gnorm", "{:.3f}"),
     ("train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"), ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
-TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "other", "step")
+TIME_KEYS = ("rollout", "reward", "wait_rollout", "train", "weight_sync", "eval", "save", "other", "step")
 TIME_LABELS = {"wait_rollout": "wait", "weight_sync": "sync"}  # the console's whole-word names of the longer phases
 SHOW_WHEN_NONZERO = ("reward/errors", "reward/timeouts")  # console keys that say nothing when 0
 
 # Where the run is, for the line an interrupt or a failed write prints: the last step whose metrics were logged, the
 # phase running now, the signal main's handler received (SIGINT / SIGTERM), if any, and what was being written
-# ((path, kind) from `writing`: an OSError from a write names no file).
-PROGRESS: dict = {"step": None, "phase": None, "signal": None, "writing": None}
+# ((path, kind) from `writing`: an OSError from a write names no file), and a stop asked for at the next step boundary
+# (stop_request: "SIGUSR1"; polyrl.step.book.boundary_stop reads it).
+PROGRESS: dict = {"step": None, "phase": None, "signal": None, "writing": None, "stop_request": None}
 _OPEN_LOGGERS: list = []
 # code that Python runs where an exception is printed and dropped (garbage-collector callbacks): a signal that arrives
 # in it only sets PROGRESS["signal"], and the loops stop at the end of the step (stop_if_signalled)

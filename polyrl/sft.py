@@ -15,7 +15,7 @@ from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
 from polyrl.multimodal import VisionProcessor, build_image_sft_example, parse_multimodal_keys
 from polyrl.metrics import Timer, logger_from_config, notice, stop_if_signalled
-from polyrl.step.book import run_identity
+from polyrl.step.book import StopAtBoundary, boundary_stop, run_identity
 from polyrl.step.cursor import check_same_data, data_identity
 from polyrl.types import TrainBatch
 
@@ -56,6 +56,7 @@ def sft(cfg: Config) -> dict:
     if cfg.checkpoint.load:
         state = load_checkpoint(cfg.checkpoint.load, backend)
         start = state["step"]
+        asm.announce_changed_rates(state, cfg)
         if state.get("data_file") is not None:  # the order of step k's rows depends on the row count
             check_same_data(state["data_file"], identity, f"step {start}", cfg.data.allow_data_change)
         if start >= total:
@@ -73,16 +74,24 @@ def sft(cfg: Config) -> dict:
         timer = Timer()
         with timer("train"):
             m = backend.train_step(batch, sft_loss)
+        why = boundary_stop(cfg, d, t0, timer.times["train"]) if step + 1 < total else None
+        if cfg.checkpoint.save and (step + 1 == total or why is not None or (
+                cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
+            with timer("save"):  # before the log: the step's row says what its save took
+                save_checkpoint(cfg.checkpoint.save, step + 1, backend,
+                                {"step": step + 1, "data_file": identity, **run_identity(cfg),
+                                 "config": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.max_ckpt_to_keep)
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
         if logger.quiet and d.is_main and _progress_step(step + 1, start, total):
             notice(f"sft step {step + 1}/{total} (epoch {epoch + 1}/{cfg.batch.num_epoch}) loss {m.get('loss', float('nan')):.4f}, "
                    f"{time.perf_counter() - t0:.0f} s")
-        if cfg.checkpoint.save and (step + 1 == total or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
-            save_checkpoint(cfg.checkpoint.save, step + 1, backend,
-                            {"step": step + 1, "data_file": identity, **run_identity(cfg), "config": dataclasses.asdict(cfg)},
-                            keep=cfg.checkpoint.max_ckpt_to_keep)
         stop_if_signalled()
+        if why is not None:
+            logger.close()
+            saved = (f"checkpoint of step {step + 1} in --save {cfg.checkpoint.save}; resume with --load "
+                     f"{cfg.checkpoint.save}" if cfg.checkpoint.save else "nothing saved (no --save)")
+            raise StopAtBoundary(f"stopped after step {step + 1} of {total} on {why}: {saved}")
     logger.close()
     if cfg.checkpoint.save_hf:
         export_hf(backend, cfg.checkpoint.save_hf, tok, adapter=cfg.checkpoint.save_hf_adapter)

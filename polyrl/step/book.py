@@ -10,20 +10,37 @@ from typing import Callable
 from polyrl.checkpoint import save_checkpoint
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
-from polyrl.metrics import GcWatch, MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
+from polyrl.metrics import PROGRESS, GcWatch, MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
+from polyrl.step.rollout import Evaluator, write_records
 from polyrl.types import Sample
+
+
+class StopAtBoundary(Exception):
+    """A stop asked for between steps (SIGUSR1, --max-wall-time), raised once the step's checkpoint is complete."""
+
+
+def boundary_stop(cfg: Config, d: Dist, t_start: float, step_s: float) -> str | None:
+    """Why the run stops after this step, the same answer on every rank: SIGUSR1 reached a rank, or another step as
+    long as this one would end past --max-wall-time (seconds since start-up); None to go on."""
+    limit = cfg.checkpoint.max_wall_time
+    late = bool(limit) and time.perf_counter() - t_start + step_s > limit
+    signalled, late = d.max([float(PROGRESS.get("stop_request") is not None), float(late)])
+    if signalled:
+        return "SIGUSR1"
+    return f"--max-wall-time {limit:g} s (another step would end past it)" if late else None
 
 
 class Book:
     def __init__(self, cfg: Config, d: Dist, logger: MetricsLogger, cursor: PromptCursor, engine: RolloutEngine,
-                 evaluate: Callable[[], dict] | None, save: Callable[[int, dict], None] | None, device: str):
+                 evaluate: Evaluator | None, save: Callable[[int, dict], None] | None, device: str):
         """evaluate: the held-out eval (None without --eval-prompt-data and --eval-interval); save(step, loop_state):
         a checkpoint (None without --save)."""
         self.cfg, self.d, self.logger, self.cursor, self.engine = cfg, d, logger, cursor, engine
         self.evaluate, self.save, self.device = evaluate, save, device
         self._t_step = time.perf_counter()  # time/step: wall time between two steps' logs, all phases and overheads included
+        self._t_start = self._t_step  # --max-wall-time counts from here (the models are built by now)
         self.restarts = restart_count()  # torchrun's or Ray's --max-restarts: which attempt this is
         self.gc = GcWatch()
         self._retries = self._alloc_retries()  # the allocator's cumulative retry count at the last step's log
@@ -31,7 +48,7 @@ class Book:
     def start(self, step: int) -> None:
         """Before the first step of a run from scratch: the eval curve starts from the initial policy."""
         if self.evaluate is not None and step == 0:
-            self.logger.log(0, self.evaluate())
+            self.logger.log(0, self._eval(0))
         self._t_step = time.perf_counter()
 
     def profiled(self, step: int):
@@ -59,19 +76,35 @@ class Book:
         last = step + 1 == cfg.rollout.num_rollout
         if self.evaluate is not None and ((step + 1) % cfg.log.eval_interval == 0 or last):
             with timer("eval"):
-                m.update(self.evaluate())
+                m.update(self._eval(step + 1))
+        ck = cfg.checkpoint
+        step_s = time.perf_counter() - self._t_step
+        why = boundary_stop(cfg, d, self._t_start, step_s) if not last else None
+        saving = last or (ck.save_interval and (step + 1) % ck.save_interval == 0) or why is not None
+        if self.save is not None and saving:  # before the log: its row says what the save took (time/save)
+            with timer("save"):
+                self.save(step + 1, data_state)
         now = time.perf_counter()
         m.update({f"time/{k}": v for k, v in timer.times.items()})
         m["time/step"], self._t_step = now - self._t_step, now
         m["time/gc"] = self.gc.take()  # inside the phases above: the collector's pauses during this step
-        # what no phase accounts for (metrics reduction, logging, Python between phases, the previous step's save)
+        # what no phase accounts for (metrics reduction, logging, Python between phases)
         m["time/other"] = m["time/step"] - sum(timer.times.values())
         self.logger.log(step + 1, m)
-        ck = cfg.checkpoint
-        if self.save is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
-            self.save(step + 1, data_state)
         self.gc.freeze()  # after the run's first step: what is alive now lives for the run
         stop_if_signalled()
+        if why is not None:
+            saved = (f"checkpoint of step {step + 1} in --save {ck.save}; resume with --load {ck.save}" if self.save
+                     else "nothing saved (no --save)")
+            raise StopAtBoundary(f"stopped after step {step + 1} of {cfg.rollout.num_rollout} on {why}: {saved}")
+
+    def _eval(self, step: int) -> dict[str, float]:
+        """The held-out eval's metrics; its samples go to RUN_DIR/eval_samples/step_N.jsonl (rank 0 writes)."""
+        m = self.evaluate()
+        if self.d.is_main:
+            import os
+            write_records(os.path.join(self.cfg.log.run_dir, "eval_samples", f"step_{step}.jsonl"), self.evaluate.records)
+        return m
 
     def close(self) -> None:
         self.gc.close()

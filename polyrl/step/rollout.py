@@ -153,9 +153,12 @@ class Evaluator:
     (a custom generate function included: tool use is measured as it is trained)."""
 
     def __init__(self, cfg: Config, engine: RolloutEngine, dataset: PromptDataset, score: Scorer, d: Dist,
-                 engine_lock: ContextManager | None = None, agents=None):
+                 engine_lock: ContextManager | None = None, agents=None, progress_s: float = 0.0):
+        """progress_s: a line every that many seconds while generating, and one when done (0: silent, as inside
+        `polyrl train`, whose progress bar names the eval phase)."""
         self.cfg, self.engine, self.dataset, self.score, self.d = cfg, engine, dataset, score, d
-        self.engine_lock, self.agents = engine_lock or contextlib.nullcontext(), agents
+        self.engine_lock, self.agents, self.progress_s = engine_lock or contextlib.nullcontext(), agents, progress_s
+        self.records: list[dict] = []  # the last eval's samples, every rank's (eval_records), on every rank
 
     def __call__(self) -> dict[str, float]:
         cfg, d = self.cfg, self.d
@@ -163,10 +166,12 @@ class Evaluator:
         per = -(-len(items) // d.world)
         mine = items[d.rank * per:(d.rank + 1) * per]
         params = sampling_params(cfg, seed=cfg.rollout.rollout_seed, eval_mode=True)
-        with self.engine_lock:
+        with self.engine_lock, heartbeat(f"eval: generating {len(items)} prompts", self.progress_s) as done:
             gen = self.agents.evaluate if self.agents is not None else lambda *a: generate_items(cfg, self.engine, *a)
             samples = gen(mine, params) if mine else []
+            done(f"{len(samples) * d.world} samples")
         m = self.score.rewards.score(samples) if samples and self.score.rewards is not None else {}
+        self.records = gather_records(eval_records(samples), d)
         # custom generate functions and agents: their samples count their engine calls in "turns"
         custom = bool(cfg.rollout.custom_generate_function_path or self.agents is not None)
         correct, total, length, turns, errors, timeouts = d.sum([
@@ -175,3 +180,56 @@ class Evaluator:
             m.get("reward/timeouts", 0.0)])
         return {"eval/accuracy": correct / max(total, 1), "eval/response_len": length / max(total, 1), "eval/n": total,
                 "eval/turns": turns / max(total, 1), "eval/reward_errors": errors, "eval/reward_timeouts": timeouts}
+
+
+def eval_records(samples: list[Sample]) -> list[dict]:
+    """One JSON-ready row per eval sample (verl's validation dumps): prompt, response, label, reward, finish, length."""
+    return [{"prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward,
+             "finish_reason": s.finish_reason, "response_len": len(s.response_ids)} for s in samples]
+
+
+def gather_records(records: list[dict], d: Dist) -> list[dict]:
+    """Every rank's records in rank order (each rank evaluates its contiguous share of the prompts)."""
+    if d.world == 1:
+        return records
+    import torch.distributed as dist
+    parts: list = [None] * d.world
+    dist.all_gather_object(parts, records, group=d.group)
+    return [r for part in parts for r in part]
+
+
+def write_records(path: str, records: list[dict]) -> None:
+    import json
+    import os
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every_s: float):
+    """Lines on stderr while a long call runs: `what` at the start and every `every_s` seconds with the time so far;
+    the caller's done(summary) line at the end. every_s 0: no lines."""
+    import threading
+    import time
+
+    from polyrl.metrics import notice
+    t0, stop = time.perf_counter(), threading.Event()
+
+    def tick():
+        while not stop.wait(every_s):
+            notice(f"{what}: {time.perf_counter() - t0:.0f} s so far")
+
+    def done(summary: str) -> None:
+        if every_s:
+            notice(f"{what}: {summary} in {time.perf_counter() - t0:.1f} s")
+    thread = threading.Thread(target=tick, daemon=True, name="polyrl-heartbeat") if every_s else None
+    if thread is not None:
+        notice(f"{what} ...")
+        thread.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=every_s + 1)

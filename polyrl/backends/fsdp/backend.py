@@ -728,6 +728,11 @@ class FSDPBackend:
         from polyrl.checkpoint import load_extras
         extra = load_extras(path)  # tensors and plain values only: a checkpoint from elsewhere runs no code
         self.scheduler.load_state_dict(extra["scheduler"])
+        # the schedule goes on from the saved step at this run's --lr (the checkpoint's base rate would otherwise win),
+        # as the Megatron backend does
+        self.scheduler.base_lrs = [self.ocfg.lr] * len(self.optimizer.param_groups)
+        for g, f in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            g["initial_lr"], g["lr"] = self.ocfg.lr, self.ocfg.lr * f(self.scheduler.last_epoch)
         torch.set_rng_state(extra["cpu_rng"])
         if extra["cuda_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])

@@ -1,0 +1,103 @@
+"""What a long run needs from the outside: eval progress and its samples on disk, a timing of the checkpoint write of
+its own, a stop at a step boundary with a checkpoint (SIGUSR1, --max-wall-time), a resume at another --lr, and the
+SFT console line with its loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from polyrl.cli import main
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def train_args(model: str, data: str, run, *extra: str) -> list[str]:
+    return ["train", "--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "arithmetic", "--rollout-batch-size",
+            "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3", "--num-rollout", "3", "--lr", "1e-3",
+            "--device", "cpu", "--quiet", "--seed", "1", "--run-dir", str(run), *extra]
+
+
+def test_eval_prints_progress_and_writes_every_sample(tiny_model, arith_data, tmp_path, capsys, monkeypatch):
+    import polyrl.cli as cli
+    monkeypatch.setattr(cli, "EVAL_PROGRESS_S", 0.01)
+    assert main(["eval", "--hf-checkpoint", tiny_model, "--eval-prompt-data", arith_data["eval"] + "@[:6]", "--rm-type",
+                 "arithmetic", "--device", "cpu", "--rollout-max-response-len", "4", "--run-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "eval: generating 6 prompts ..." in err and "eval: generating 6 prompts: 6 samples in" in err
+    samples = [json.loads(line) for line in open(tmp_path / "eval_samples.jsonl")]
+    labels = [json.loads(line)["label"] for line in open(arith_data["eval"])][:6]
+    assert [s["label"] for s in samples] == labels
+    assert all(set(s) >= {"prompt", "response", "label", "reward"} and s["reward"] in (0.0, 1.0) for s in samples)
+    accuracy = json.load(open(tmp_path / "eval.json"))["eval/accuracy"]
+    assert accuracy == sum(s["reward"] for s in samples) / 6 and f"accuracy {accuracy:.3f}" in err
+
+
+def test_train_writes_each_evals_samples_and_times_its_saves(tiny_model, arith_data, tmp_path):
+    run = tmp_path / "run"
+    assert main(train_args(tiny_model, arith_data["train"], run, "--eval-prompt-data", arith_data["eval"] + "@[:4]",
+                           "--eval-interval", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2")) == 0
+    assert sorted(os.listdir(run / "eval_samples")) == ["step_0.jsonl", "step_2.jsonl", "step_3.jsonl"]
+    assert len(open(run / "eval_samples" / "step_3.jsonl").readlines()) == 4
+    saved = [r["step"] for r in rows(run) if "time/save" in r]
+    assert saved == [2, 3] and all(r["time/save"] > 0 for r in rows(run) if "time/save" in r)
+    for r in rows(run)[1:]:  # the save is a phase of its own: the step's time is the phases and a small rest
+        assert abs(r["time/step"] - sum(v for k, v in r.items() if k.startswith("time/") and k not in (
+            "time/step", "time/gc"))) < 1e-6
+
+
+def test_sigusr1_stops_after_the_step_in_flight_with_its_checkpoint_and_the_run_resumes(
+        tiny_model, arith_data, tmp_path, capsys, monkeypatch):
+    from polyrl.step.learner import Learner
+    update = Learner.update
+
+    def signalled_in_step_2(self, samples, scored, step, m, timer):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return update(self, samples, scored, step, m, timer)
+    monkeypatch.setattr(Learner, "update", signalled_in_step_2)
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--num-rollout", "5")) == 0
+    err = capsys.readouterr().err
+    assert f"stopped after step 2 of 5 on SIGUSR1: checkpoint of step 2 in --save {ck}" in err
+    assert [r["step"] for r in rows(run)] == [1, 2] and "time/save" in rows(run)[-1]
+    monkeypatch.setattr(Learner, "update", update)
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--num-rollout", "3",
+                           "--load", str(ck))) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
+
+
+def test_max_wall_time_stops_before_a_step_that_would_end_past_it(tiny_model, arith_data, tmp_path, capsys):
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--max-wall-time", "0.001")) == 0
+    assert "stopped after step 1 of 3 on --max-wall-time 0.001 s" in capsys.readouterr().err
+    assert [r["step"] for r in rows(run)] == [1] and os.listdir(ck)
+
+
+def test_max_wall_time_without_save_is_refused(tiny_model, arith_data, tmp_path, capsys):
+    assert main(train_args(tiny_model, arith_data["train"], tmp_path / "run", "--max-wall-time", "60")) == 2
+    assert "--max-wall-time 60 stops the run with a checkpoint to resume from: add --save DIR" in capsys.readouterr().err
+
+
+def test_a_resume_at_another_lr_applies_it_and_says_so(tiny_model, arith_data, tmp_path, capsys):
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--num-rollout", "1")) == 0
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--num-rollout", "2", "--lr", "3e-4",
+                           "--load", str(ck))) == 0
+    assert "--lr 0.0003 applies from the resumed step on (the checkpoint was trained at 0.001)" in capsys.readouterr().err
+    assert [r["lr"] for r in rows(run)] == [pytest.approx(1e-3), pytest.approx(3e-4)]  # a constant schedule
+
+
+def test_the_sft_console_line_shows_the_loss(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # rich wraps the step line at the console width
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)}) + "\n" for i in range(4)))
+    assert main(["sft", "--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--global-batch-size", "4",
+                 "--device", "cpu", "--run-dir", str(tmp_path / "run")]) == 0
+    [r] = rows(tmp_path / "run")
+    assert f"loss {r['loss']:.4f}" in capsys.readouterr().out
