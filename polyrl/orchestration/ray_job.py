@@ -88,19 +88,18 @@ def _init(cfg: Config, slots: int) -> bool:
     """Join a cluster or start a local instance; True when we started it (and must stop it)."""
     ray = _import_ray()
     address = cfg.ray.ray_address or os.environ.get("RAY_ADDRESS")
-    from polyrl.cpu_env import wait_env
-    # a cluster's workers were started outside this process's environment: they get its OpenMP wait policy this way
-    env_vars = wait_env()
-    runtime_env = {"env_vars": env_vars} if env_vars else None
     if address:
         if cfg.ray.ray_num_cpus:  # a running cluster's CPUs are its nodes' own: the flag would be silently ignored
             raise ConfigError(f"--ray-num-cpus sizes the local Ray instance; this run joins the cluster at {address} "
                               "(--ray-address or RAY_ADDRESS), whose nodes declare their own CPUs: drop --ray-num-cpus")
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        from polyrl.cpu_env import wait_env
+        # the cluster's workers were started outside this process's environment: its OpenMP wait policy goes along
+        env_vars = wait_env()
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env_vars} if env_vars else None)
         return False
     resources = {} if cfg.cluster.device == "cuda" else {CPU_SLOT: slots}
     ray.init(num_cpus=cfg.ray.ray_num_cpus or os.cpu_count(), resources=resources, include_dashboard=False,
-             _temp_dir=_ray_temp_dir(cfg.log.run_dir), log_to_driver=True, runtime_env=runtime_env)
+             _temp_dir=_ray_temp_dir(cfg.log.run_dir), log_to_driver=True)  # its workers inherit this environment
     return True
 
 
