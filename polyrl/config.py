@@ -71,7 +71,8 @@ class DataConfig:
     metadata_key: str | None = opt("metadata", "key of a per-row metadata dict")
     response_key: str = opt("response", "key of the target response (polyrl sft)")
     apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
-    rollout_max_prompt_len: int | None = opt(None, "drop (and count) prompts longer than this many tokens")
+    rollout_max_prompt_len: int | None = opt(None, "drop (and count) prompts longer than this many tokens "
+                                                   "(TRL: max_prompt_length)")
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded)")
     allow_data_change: bool = opt(False, "--load: resume at the saved data position even though --prompt-data changed "
                                          "since the checkpoint (rows, size or first rows differ); refused without it")
@@ -84,11 +85,11 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     rollout_batch_size: int = opt(8, "prompts per RL step")
-    n_samples_per_prompt: int = opt(4, "responses sampled per prompt (the GRPO group size)")
+    n_samples_per_prompt: int = opt(4, "responses sampled per prompt (the GRPO group size; TRL: num_generations)")
     rollout_temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
     rollout_top_p: float = opt(1.0, "nucleus sampling threshold")
     rollout_top_k: int = opt(-1, "top-k sampling (-1 = off)")
-    rollout_max_response_len: int = opt(64, "max new tokens per response")
+    rollout_max_response_len: int = opt(64, "max new tokens per response (TRL: max_completion_length)")
     rollout_stop: list[str] = opt([], "stop strings (repeatable list)")
     rollout_stop_token_ids: list[int] = opt([], "extra stop token ids, beside EOS")
     rollout_seed: int = opt(42, "seed of the sampler (per step: seed + step)")
@@ -283,8 +284,9 @@ def gpu_token_budget(hf_config, device_memory: int, *, state_bytes: int, checkpo
 @dataclass
 class BatchConfig:
     global_batch_size: int | None = opt(None, "samples per optimizer step (default: one step per rollout)")
-    micro_batch_size: int | None = opt(None, "samples per micro-batch (ignored with --use-dynamic-batch-size); default: 8 on "
-                                             "CPU, and on GPU token-budget micro-batches of --max-tokens-per-gpu instead")
+    micro_batch_size: int | None = opt(None, "samples per micro-batch (TRL: per_device_train_batch_size; ignored with "
+                                             "--use-dynamic-batch-size); default: 8 on CPU, and on GPU token-budget "
+                                             "micro-batches of --max-tokens-per-gpu instead")
     use_dynamic_batch_size: bool = opt(False, "pack micro-batches by token count up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch (default on GPU without "
                                                "--micro-batch-size: the FSDP backend sizes it from the GPU's memory "
@@ -318,7 +320,8 @@ class AlgorithmConfig:
                                        "* A * logprob; clipped tokens keep their gradient)", POLICY_LOSS_TYPES)
     loss_agg_mode: str = opt("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
     use_kl_loss: bool = opt(False, "add a KL(actor || reference) loss term")
-    kl_loss_coef: float = opt(0.0, "weight of the KL loss")
+    kl_loss_coef: float = opt(0.0, "weight of the KL loss (TRL: beta, which also turns the loss on: "
+                                       "here --use-kl-loss)")
     kl_loss_type: str = opt("low_var_kl", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
     kl_coef: float = opt(0.0, "KL-in-reward coefficient (reinforce_plus_plus, gae)")
     gamma: float = opt(1.0, "discount (reinforce_plus_plus, gae)")
@@ -359,7 +362,7 @@ class RewardConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = opt(1e-6, "peak learning rate")
+    lr: float = opt(1e-6, "peak learning rate (TRL: learning_rate); a resume applies this one")
     min_lr: float = opt(0.0, "final learning rate of the decay")
     lr_warmup_steps: int = opt(0, "linear warm-up optimizer steps")
     lr_decay_style: str = opt("constant", "constant | linear | cosine", ("constant", "linear", "cosine"))

@@ -41,6 +41,8 @@ def _read_rows(spec: str) -> list[tuple[str, dict]]:
     """Rows of the sliced file as (source, row) where source is ``path:line`` (jsonl, 1-based)
     or ``path:row N`` (parquet, 0-based)."""
     path, slc = parse_data_spec(spec)
+    if Path(path).is_dir():
+        return _check_rows(_read_saved_dataset(path, slc), path, slc)
     if not Path(path).is_file():
         raise DataError(f"data file {path} does not exist (from spec {spec!r}); check the path")
     suffix = Path(path).suffix.lower()
@@ -66,6 +68,10 @@ def _read_rows(spec: str) -> list[tuple[str, dict]]:
         rows = [(f"{path}:row {i}", row) for i, row in zip(indices, table.to_pylist())]
     else:
         raise DataError(f"unsupported data file {path}: use .jsonl (one JSON object per line) or .parquet")
+    return _check_rows(rows, path, slc)
+
+
+def _check_rows(rows: list[tuple[str, dict]], path: str, slc: slice | None) -> list[tuple[str, dict]]:
     if not rows:
         where = f" (slice {slc.start}:{slc.stop})" if slc is not None else ""
         raise DataError(f"no rows in {path}{where}; check the file and the @[start:end] slice")
@@ -73,6 +79,27 @@ def _read_rows(spec: str) -> list[tuple[str, dict]]:
         if not isinstance(row, dict):
             raise DataError(f"{source}: row is a {type(row).__name__}, expected a JSON object like {{\"prompt\": ...}}")
     return rows
+
+
+def _read_saved_dataset(path: str, slc: slice | None) -> list[tuple[str, dict]]:
+    """Rows of a directory written by datasets' Dataset.save_to_disk, as (``path:row N``, row)."""
+    p = Path(path)
+    if (p / "dataset_dict.json").is_file():
+        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        raise DataError(f"{path} is a DatasetDict (splits {splits}); name one split's directory, e.g. {p / 'train'}")
+    if not (p / "state.json").is_file():
+        raise DataError(f"{path} is a directory but not a datasets save_to_disk directory (no state.json); give a "
+                        ".jsonl or .parquet file, or such a directory")
+    try:
+        import datasets  # only users of saved datasets need it
+    except ImportError:
+        raise DataError(f"{path} is a datasets save_to_disk directory: reading it needs the datasets package "
+                        "(pip install datasets)") from None
+    ds = datasets.load_from_disk(path)
+    indices = range(len(ds))
+    if slc is not None:
+        indices = indices[slc]
+    return [(f"{path}:row {i}", ds[i]) for i in indices]
 
 
 def _get(row: dict, key: str, source: str, flag: str) -> Any:
