@@ -206,6 +206,9 @@ def test_banner_and_closing_line_say_where_things_are(tmp_path, capsys):
     cfg.checkpoint.save, cfg.checkpoint.save_hf = str(tmp_path / "ck"), str(tmp_path / "hf")
     assert f"no complete checkpoint in {tmp_path / 'ck'}" in closing_line(cfg)
     save_checkpoint(cfg.checkpoint.save, 3, Backend(), {"step": 3})
+    assert closing_line(cfg).startswith("done: no metrics (no step was logged) | ")  # no metrics.jsonl is named unwritten
+    os.makedirs(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
     line = closing_line(cfg)
     assert line == (f"done: metrics {tmp_path / 'run' / 'metrics.jsonl'} (curves: polyrl plot {tmp_path / 'run'}) | checkpoint "
                     f"{tmp_path / 'ck' / 'step_000003'} (resume: --load {tmp_path / 'ck'}) | HF export {tmp_path / 'hf'}")
