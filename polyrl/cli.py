@@ -50,7 +50,7 @@ EVAL_FIELDS = _fields_of(_EVAL_SECTIONS, _TRAINING_ONLY | {
     "reward.max_consecutive_failed_steps",
     *(f"checkpoint.{f}" for f in ("save", "save_interval", "save_hf", "save_hf_adapter", "max_ckpt_to_keep",
                                   "max_wall_time")),
-    *(f"log.{f}" for f in ("use_tensorboard", "eval_interval", "quiet", "profile_step", "use_wandb", "wandb_project",
+    *(f"log.{f}" for f in ("use_tensorboard", "eval_interval", "profile_step", "use_wandb", "wandb_project",
                            "wandb_group", "wandb_run_name", "wandb_mode", "overwrite",
                            "ci_train_rollout_logprob_abs_diff_threshold")),
 })
@@ -175,7 +175,7 @@ def run_eval(cfg) -> dict:
         rw.rm_type or rw.custom_rm_path or rw.rm_url or not cfg.rollout.agent_function_path) else None)
     score = Scorer(cfg, rewards)
     try:
-        evaluate = Evaluator(cfg, engine, ds, score, d, agents=agents, progress_s=EVAL_PROGRESS_S)
+        evaluate = Evaluator(cfg, engine, ds, score, d, agents=agents, progress_s=0.0 if cfg.log.quiet else EVAL_PROGRESS_S)
         result = evaluate()
     finally:
         score.close()
