@@ -47,22 +47,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sft-epochs", type=int, default=15)
+    p.add_argument("--sft-epochs", type=int, help="epochs of the SFT phase (default 15)")
     p.add_argument("--grpo-steps", type=int, default=60)
     p.add_argument("--digits", type=int, default=2)
     p.add_argument("--carry-bug-rate", type=float, default=0.6, help="share of SFT demos that forget the carry")
+    p.add_argument("--sft-model", help="start RL from this SFT'd model (an earlier demo run's sft_model directory) "
+                   "instead of running the SFT phase; the data are written from --seed as always")
     p.add_argument("--advantage-estimator", default="grpo", choices=("grpo", "gae"),
                    help="grpo, or gae: PPO with a learned critic (the SFT model's body with a fresh value head)")
     a = p.parse_args(argv)
+    if a.sft_model:  # checked before the run dir is cleared
+        if a.sft_epochs is not None:
+            p.error("--sft-epochs with --sft-model: the SFT phase does not run; drop one")
+        if not os.path.isfile(os.path.join(a.sft_model, "config.json")):
+            p.error(f"--sft-model {a.sft_model}: no config.json there (give an earlier demo run's sft_model directory)")
     t0 = time.perf_counter()
     run = a.run_dir
     shutil.rmtree(run, ignore_errors=True)
     paths = write_datasets(os.path.join(run, "data"), seed=a.seed, digits=a.digits,
                            carry_bug_rate=a.carry_bug_rate)
     base, sft_dir, rl_dir = (os.path.join(run, x) for x in ("base_model", "sft_model", "grpo_model"))
-    build_model(base, seed=a.seed)
-    common = ["--seed", str(a.seed), "--quiet"]
-    polyrl(*sft_args(base, paths, sft_dir, os.path.join(run, "sft"), epochs=a.sft_epochs, seed=a.seed))
+    common = ["--seed", str(a.seed)]  # of the evals, which have no live view to quiet
+    if a.sft_model:
+        sft_dir = a.sft_model
+    else:
+        build_model(base, seed=a.seed)
+        epochs = 15 if a.sft_epochs is None else a.sft_epochs
+        polyrl(*sft_args(base, paths, sft_dir, os.path.join(run, "sft"), epochs=epochs, seed=a.seed))
     evals = ["--eval-prompt-data", paths["eval"], "--rm-type", "arithmetic", "--rollout-max-response-len", "8"]
     polyrl("eval", "--hf-checkpoint", sft_dir, *evals, "--run-dir", os.path.join(run, "eval_before"), *common)
     polyrl(*train_args(sft_dir, paths, run, steps=a.grpo_steps, seed=a.seed, advantage_estimator=a.advantage_estimator),
