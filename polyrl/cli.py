@@ -47,6 +47,7 @@ EVAL_FIELDS = _fields_of(_EVAL_SECTIONS, _TRAINING_ONLY | {
     "rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.rollout_temperature", "rollout.rollout_top_p",
     "rollout.rollout_top_k", "rollout.num_rollout", "rollout.async_training", "rollout.max_staleness",
     "rollout.dynamic_sampling_filter_path", "rollout.over_sampling_batch_size", "rollout.max_dynamic_sampling_draws",
+    "rollout.partial_rollout", "rollout.mask_offpolicy_in_partial_rollout",
     "reward.max_consecutive_failed_steps",
     *(f"checkpoint.{f}" for f in ("save", "save_interval", "save_hf", "save_hf_adapter", "max_ckpt_to_keep",
                                   "max_wall_time")),

@@ -404,3 +404,18 @@ def test_cpu_contention_runs_the_demo_phases_and_prints_one_table(tmp_path):
     assert len(table) == 2 and table[1].split("|")[1].strip() == "new" and "1.00x / 1.00x" in table[1]
     rows = json.load(open(tmp_path / "r.json"))
     assert rows["cores"] == 1 and rows["rows"][0]["sft_s"] > 0 and rows["rows"][0]["grpo_step_s"] > 0
+
+
+def test_long_tail_quick_prints_the_three_modes_side_by_side(tmp_path):
+    """--quick on CPU: the tiny model, 4 prompts x 4 at lognormal lengths (median 6, p99 20, cap 24), 3 steps a mode."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POLYRL_CPU_THREADS": "1"}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "long_tail.py"), "--quick", "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = [l for l in out.stdout.splitlines() if l.startswith("| ")]
+    assert [l.split("|")[1].strip() for l in table[1:]] == ["sync", "partial", "async_partial"]
+    res = json.load(open(tmp_path / "r.json"))
+    for m in res["modes"]:
+        assert m["step_s"] > 0 and m["rollout_s"] > 0 and m["occ_mean"] > 0 and len(m["occupancy"]) == 10
+    sync, partial = res["modes"][0], res["modes"][1]
+    assert partial["token_lag_mean"] > 0 and sync["token_lag_mean"] is None  # resumed tokens in partial mode only

@@ -152,6 +152,12 @@ class Learner:
             batch.token_fields["this_version"] = [(torch.tensor(s.token_versions) == step).float()
                                                   if s.token_versions is not None else torch.ones(len(s.response_ids))
                                                   for s in samples]
+        if any(s.token_versions is not None for s in samples):
+            # --partial-rollout: the train/rollout mismatch is the engine's on the tokens these weights generated; a
+            # resumed response's tokens from older weights measure the policy's drift (rl_loss: *_older_weights)
+            batch.token_fields["this_version"] = [(torch.tensor(s.token_versions) == step).float()
+                                                  if s.token_versions is not None else torch.ones(len(s.response_ids))
+                                                  for s in samples]
         lens = batch.response_lens
         seq_ids = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens))
         kl = None
@@ -172,6 +178,15 @@ class Learner:
         if self.critic is not None:  # verl's order: the critic's update, then the actor's
             self.train_critic(batch, values, returns, m)
         self.minibatch_steps(backend, batch, self.loss_fn, m, "", with_entropy=True)
+        if "this_version" in batch.token_fields:  # rl_loss divides by every loss token: each mean over its own tokens
+            mask = torch.cat(batch.token_fields["loss_mask"])
+            now, total = d.sum([float((mask * torch.cat(batch.token_fields["this_version"])).sum()), float(mask.sum())])
+            for key, n in (("train_rollout_logprob_abs_diff", now), ("train_rollout_logprob_abs_diff_older_weights",
+                                                                    total - now)):
+                if key in m and n:
+                    m[key] = float(m[key]) * total / n
+                elif key in m:  # no such token this step (--async: none of these weights): nothing was measured
+                    del m[key], m[key + "_max"]
         if "this_version" in batch.token_fields:  # rl_loss divides by every loss token: each mean over its own tokens
             mask = torch.cat(batch.token_fields["loss_mask"])
             now, total = d.sum([float((mask * torch.cat(batch.token_fields["this_version"])).sum()), float(mask.sum())])

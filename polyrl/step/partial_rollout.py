@@ -272,8 +272,10 @@ class PartialRollout:
                 requests.append((gi, si))
                 prompts.append(g.ids + p.tokens)
                 seeds.append(p.seed)
-                budgets.append(full - len(p.tokens))
-                stops.append(p.stop_length - len(p.tokens) if p.stop_length else 0)
+                stop = p.stop_length - len(p.tokens) if p.stop_length else 0
+                stops.append(stop)
+                # a response ends at its stop length: no KV cache is reserved past it
+                budgets.append(min(full - len(p.tokens), stop) if stop else full - len(p.tokens))
         params = dataclasses.replace(sampling_params(self.cfg, seed=0), n=1, seed=None, prompt_seeds=seeds,
                                      max_new_tokens=max(budgets), prompt_max_new_tokens=budgets,
                                      stop_lengths=stops if any(stops) else None)

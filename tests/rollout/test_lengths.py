@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from polyrl.rollout.base import GenerateWatch
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.gpu.engine import GPUEngine
 from polyrl.rollout.lengths import FORCED_LOGPROB, LengthSpecError, parse_length_distribution
@@ -77,3 +78,33 @@ def test_per_prompt_budgets_and_a_continuation_equal_one_uninterrupted_generatio
     assert whole.response_ids[:k] + rest.response_ids == whole.response_ids
     torch.testing.assert_close(torch.tensor(head[0].rollout_logprobs[:k] + rest.rollout_logprobs),
                                torch.tensor(whole.rollout_logprobs), atol=1e-5, rtol=0)
+
+
+class StopAfter(GenerateWatch):
+    """Stops the call once k samples have finished."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.seen = k, []
+
+    def finished(self, index, sample):
+        self.seen.append(index)
+        if len(self.seen) >= self.k:
+            self.stop.set()
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["transformers", "paged"])
+def test_a_stopped_call_returns_every_unfinished_sample_with_its_tokens(tiny_model, which):
+    e = list(_engines(tiny_model))[which]
+    prompts = [e.tokenizer(t)["input_ids"] for t in ("12+34=", "5+6=", "99+1=")]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=5, stop_lengths=[2, 3, 0, 0, 0, 0])
+    full = e.generate(prompts, sp)
+    watch = StopAfter(2)
+    cut = e.generate(prompts, sp, watch=watch)
+    assert sorted(watch.seen)[:2] == [0, 1]
+    for k, (f, c) in enumerate(zip(full, cut)):
+        if k in watch.seen:
+            assert c.response_ids == f.response_ids and c.finish_reason == f.finish_reason
+        else:
+            assert c.finish_reason == "abort" and c.response_ids == f.response_ids[:len(c.response_ids)]
+            assert len(c.response_ids) < len(f.response_ids)

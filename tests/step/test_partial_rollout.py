@@ -109,3 +109,25 @@ def test_flags_that_need_partial_rollout(args, tmp_path, capsys):
                        (["--over-sampling-batch-size", "8"], "--over-sampling-batch-size draws extra prompts")):
         assert main(["train", *plain, "--run-dir", str(tmp_path / "r"), *extra]) == 2
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    ["--async"],  # generation a step ahead on the rollout thread, the buffer carried between its steps
+    ["--dynamic-sampling-filter-path", "polyrl.rewards.filters:nonzero_std"],  # a filtered group does not count
+    ["--rollout-engine", "server", "--rollout-num-engines", "1", "--weight-sync", "distributed"],  # polyrl serve
+], ids=["async", "dynamic-sampling", "polyrl-serve"])
+def test_other_modes_hold_complete_groups_and_continue_cut_ones(args, tmp_path, extra):
+    rows, steps = run(args, tmp_path, "o", "--num-rollout", "3", *extra)
+    assert [len(s) for s in steps] == [16] * 3
+    for samples in steps:
+        assert set(collections.Counter(s["group_index"] for s in samples).values()) == {4}
+        assert all(s["finish_reason"] in ("stop", "length") for s in samples)
+    trained = [key(s) for samples in steps for s in samples]
+    assert len(set(trained)) == len(trained)
+    assert sum(r["partial_rollout/aborted_samples"] for r in rows) > 0
+    if "--dynamic-sampling-filter-path" in extra:
+        for samples in steps:  # every kept group has rewards that differ
+            by = collections.defaultdict(set)
+            for s in samples:
+                by[s["group_index"]].add(s["reward"])
+            assert all(len(v) > 1 for v in by.values())
