@@ -485,7 +485,7 @@ class LogConfig:
     run_dir: str = opt("runs/latest", "metrics.jsonl, tensorboard and plots go here")
     use_tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb")
     eval_interval: int = opt(0, "evaluate on --eval-prompt-data every N steps (0 = off)")
-    quiet: bool = opt(False, "no live console view")
+    quiet: bool = opt(False, "no live console view (polyrl eval: no progress lines while it generates)")
     profile_step: int = opt(0, "profile this step (1-based; 0 = off) with torch.profiler: print where its time goes "
                                "(top ops by device and host time; on GPU each phase's wall time, how much of it the "
                                "GPU was busy and its GPU time by kernel class) and write a Chrome trace to RUN_DIR/profile_stepN.json")
