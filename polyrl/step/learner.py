@@ -152,12 +152,6 @@ class Learner:
             batch.token_fields["this_version"] = [(torch.tensor(s.token_versions) == step).float()
                                                   if s.token_versions is not None else torch.ones(len(s.response_ids))
                                                   for s in samples]
-        if any(s.token_versions is not None for s in samples):
-            # --partial-rollout: the train/rollout mismatch is the engine's on the tokens these weights generated; a
-            # resumed response's tokens from older weights measure the policy's drift (rl_loss: *_older_weights)
-            batch.token_fields["this_version"] = [(torch.tensor(s.token_versions) == step).float()
-                                                  if s.token_versions is not None else torch.ones(len(s.response_ids))
-                                                  for s in samples]
         lens = batch.response_lens
         seq_ids = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens))
         kl = None
@@ -187,13 +181,6 @@ class Learner:
                     m[key] = float(m[key]) * total / n
                 elif key in m:  # no such token this step (--async: none of these weights): nothing was measured
                     del m[key], m[key + "_max"]
-        if "this_version" in batch.token_fields:  # rl_loss divides by every loss token: each mean over its own tokens
-            mask = torch.cat(batch.token_fields["loss_mask"])
-            now, total = d.sum([float((mask * torch.cat(batch.token_fields["this_version"])).sum()), float(mask.sum())])
-            for key, n in (("train_rollout_logprob_abs_diff", now), ("train_rollout_logprob_abs_diff_older_weights",
-                                                                    total - now)):
-                if key in m:
-                    m[key] = float(m[key]) * total / max(n, 1.0)
         old = batch.token_fields.get("old_logprobs")
         if old is not None and old is not batch.token_fields["rollout_logprobs"]:
             # the trainer's own pre-update pass over every token: later minibatches meet updated weights
