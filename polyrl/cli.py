@@ -294,9 +294,9 @@ def _write_error(e: BaseException) -> OSError | None:
     """The OSError of a failed write behind `e` (itself, what it wraps, each rank's failure inside DCP's
     CheckpointException), or None. Some writers drop the errno: safetensors' error says "No space left on device" in
     its text, and torch.save's zip writer raises a RuntimeError that counts as ENOSPC where the file system being
-    written has (almost) no space left."""
+    written has (almost) no space left, and as a failed write (EIO) elsewhere."""
     from polyrl.metrics import PROGRESS
-    stack, seen, torn = [e], set(), False
+    stack, seen, torn = [e], set(), None
     while stack:
         x = stack.pop()
         if x is None or id(x) in seen:
@@ -306,7 +306,8 @@ def _write_error(e: BaseException) -> OSError | None:
             return x
         if PROGRESS.get("writing") and any(t in str(x) for t in _FULL_WORDS):
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), PROGRESS["writing"][0])
-        torn = torn or (isinstance(x, RuntimeError) and any(t in str(x) for t in _TORN_WRITE))
+        if torn is None and isinstance(x, RuntimeError) and any(t in str(x) for t in _TORN_WRITE):
+            torn = x
         failures = getattr(x, "failures", None)
         if isinstance(failures, dict):
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
@@ -319,6 +320,8 @@ def _write_error(e: BaseException) -> OSError | None:
             d = os.path.dirname(d)
         if shutil.disk_usage(d or ".").free < 64 * 2**20:
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target[0])
+        first = (str(torn).strip().splitlines() or ["no message"])[0][:200]
+        return OSError(errno.EIO, f"Write failed ({first})", target[0])
     return None
 
 

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   metrics        appending to RUN_DIR/metrics.jsonl fails
 #   safetensors    transformers' shard writer fails with safetensors' error (which carries no errno)
 #   lock           writing the owner into SAVE/polyrl.lock fails
+#   torn           torch.save of a file (a backend's extra_rank*.pt) fails as its zip writer does, without an errno
 INJECT = r'''
 import contextlib, errno, io, os, sys
 where = os.environ["FULL_AT"]
@@ -56,6 +57,14 @@ elif where == "lock":
     def pwrite(*a):
         raise full
     polyrl.checkpoint.os.pwrite = pwrite
+elif where == "torn":
+    import torch
+    orig_save = torch.save
+    def save(obj, f, *a, **k):
+        if isinstance(f, str) and f.endswith(".pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return orig_save(obj, f, *a, **k)
+    torch.save = save
 elif where == "safetensors":
     import safetensors, transformers.modeling_utils as mu
     def save_file(*a, **k):
@@ -107,6 +116,16 @@ def test_disk_full_when_taking_the_save_dir_is_one_line(tiny_model, arith_data, 
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert _last_line(p) == (f"polyrl train: error: No space left on device writing {ck / 'polyrl.lock'} while starting "
                              f"up, before the first step; no complete checkpoint in --save {ck} yet")
+
+
+def test_a_torn_torch_save_with_space_left_is_a_failed_write_in_one_line(tiny_model, arith_data, tmp_path):
+    ck = tmp_path / "ck"
+    p = _run(tmp_path, "torn", *_train_args(tiny_model, arith_data["train"], tmp_path / "run", "--save", str(ck),
+                                           "--num-rollout", "1"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert _last_line(p) == (f"polyrl train: error: Write failed ([enforce fail at inline_container.cc:672] . unexpected "
+                             f"pos 704 vs 598) writing {ck / 'step_000001.tmp'} during the checkpoint save of step 1 (left "
+                             f"incomplete; the next save clears it); no complete checkpoint in --save {ck} yet")
 
 
 def test_disk_full_in_the_run_dir_is_one_line(tiny_model, arith_data, tmp_path):
