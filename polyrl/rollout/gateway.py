@@ -95,6 +95,11 @@ class OpenAIRoutes:
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if eos is not None else set()
         self.eot_text = tokenizer.decode([eos]) if eos is not None else ""
+        # templates and tokenizers run here, one request at a time: a long chat costs the event loop nothing
+        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-openai-tokenizer")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
 
     def add_to(self, router) -> None:
         prefixes = ["/v1"] + (["/trajectories/{tid}/v1"] if self.trajectories is not None else [])
@@ -113,7 +118,8 @@ class OpenAIRoutes:
             req = oa.parse_chat(body, self.max_n)
             tid = request.match_info.get("tid")
             if tid is None:
-                ids = oa.encode(self.tok, oa.render(self.tok, req.messages, req.tools, generation_prompt=True))
+                ids = await self._off_loop(lambda: oa.encode(self.tok, oa.render(self.tok, req.messages, req.tools,
+                                                                                generation_prompt=True)))
                 outs = await self._generate(ids, req, self._call(req, ids, None))
                 prompt_len = len(ids)
             else:
@@ -135,7 +141,7 @@ class OpenAIRoutes:
                 raise APIError("a trajectory's /completions call takes one prompt", param="prompt")
             choices, total, outs_all = [], 0, []
             for p in req.prompts:
-                ids = p if isinstance(p, list) else oa.encode(self.tok, p)
+                ids = p if isinstance(p, list) else await self._off_loop(oa.encode, self.tok, p)
                 if not ids:
                     raise APIError("'prompt' renders to no tokens", param="prompt")
                 if tid is None:
@@ -162,7 +168,7 @@ class OpenAIRoutes:
         rec = self.trajectories.get(tid)
         if req.n != 1:
             raise APIError("a trajectory records one completion per call: 'n' must be 1", param="n")
-        ids, kept = rec.plan(self.tok, req.messages, req.tools, self.eot_text)
+        ids, kept = await self._off_loop(rec.plan, self.tok, req.messages, req.tools, self.eot_text)
         outs = await self._generate(ids, req, self._traced_call(tid, rec, req, ids, kept))
         c = outs[0]
         reply = oa.chat_choice(self.tok, c, 0, req, self.eos_ids)["message"]
