@@ -57,10 +57,10 @@ class ScriptedEngine(EmbeddedEngine):
         self.script: list[str] = []
         self.prompts: list[list[int]] = []
 
-    def generate(self, prompts, params, should_stop=None, images=None):
+    def generate(self, prompts, params, **kw):
         self.prompts.extend(list(p) for p in prompts)
         if not self.script:
-            return super().generate(prompts, params, should_stop)
+            return super().generate(prompts, params, **kw)
         out = []
         for i, p in enumerate(prompts):
             for _ in range(params.n):
