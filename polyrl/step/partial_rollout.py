@@ -186,7 +186,6 @@ class PartialRollout:
     def collect(self, step: int, timer: Timer) -> tuple[list[Sample], dict, dict]:
         r = self.cfg.rollout
         self._kept: list[tuple[Group, list[Sample]]] = []
-        self._surplus: list[Group] = []
         self._scored: list[tuple[int, dict]] = []
         self._futures: list[concurrent.futures.Future] = []
         self._dropped = 0
@@ -223,7 +222,7 @@ class PartialRollout:
         with timer("reward"):
             self._wait_scoring()
         kept = self._kept[:self.need]
-        self.buffer.put(self._surplus + [g for g, _ in self._kept[self.need:]] + groups)
+        self.buffer.put([g for g, _ in self._kept[self.need:]] + groups)  # complete ones past the need keep their score
         samples = []
         for i, (_, group) in enumerate(kept):
             for s in group:

@@ -115,7 +115,9 @@ def test_flags_that_need_partial_rollout(args, tmp_path, capsys):
     ["--async"],  # generation a step ahead on the rollout thread, the buffer carried between its steps
     ["--dynamic-sampling-filter-path", "polyrl.rewards.filters:nonzero_std"],  # a filtered group does not count
     ["--rollout-engine", "server", "--rollout-num-engines", "1", "--weight-sync", "distributed"],  # polyrl serve
-], ids=["async", "dynamic-sampling", "polyrl-serve"])
+    # the real sglang-router in front of two: aborts go to every worker by rid
+    ["--rollout-engine", "server", "--rollout-num-engines", "2", "--weight-sync", "distributed", "--use-sglang-router"],
+], ids=["async", "dynamic-sampling", "polyrl-serve", "router"])
 def test_other_modes_hold_complete_groups_and_continue_cut_ones(args, tmp_path, extra):
     rows, steps = run(args, tmp_path, "o", "--num-rollout", "3", *extra)
     assert [len(s) for s in steps] == [16] * 3
