@@ -58,3 +58,7 @@ def real_model_dir() -> str:
         if not os.path.exists(os.path.join(CACHE, "config.json")):
             convert(gguf, CACHE)
     return CACHE
+
+
+if __name__ == "__main__":  # `python tests/real_model.py`: convert (once) and print the directory, for the recipe
+    print(real_model_dir())

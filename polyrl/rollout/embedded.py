@@ -191,8 +191,20 @@ class EmbeddedEngine(InProcessEngine):
         if routes is not None:
             self.routing.begin_at([r * P + torch.arange(P - lens[r], P) for r in range(B)], B * P, self.device,
                                   record=True, count=False)
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1, **pixels).logits[:, -1]  # not [B, P, vocab] logits
+        # the n samples of a prompt sit side by side: text prompts are prefilled once each and the cache rows and last
+        # logits copied to their samples (a GRPO group of 4 paid four prefills of one prompt, most of a short rollout)
+        firsts = [r for r in range(B) if r == 0 or flat[r][0] != flat[r - 1][0]]
+        shared = routes is None and not vision and len(firsts) < B
+        rows_in = torch.tensor(firsts, device=self.device) if shared else slice(None)
+        logits = self.model(input_ids=ids[rows_in], attention_mask=attn[rows_in], position_ids=pos[rows_in],
+                            past_key_values=cache, use_cache=True, logits_to_keep=1,
+                            **pixels).logits[:, -1]  # not [B, P, vocab] logits
+        if shared:
+            is_first = torch.zeros(B, dtype=torch.long)
+            is_first[firsts] = 1
+            owner = (is_first.cumsum(0) - 1).to(self.device)  # row -> its prompt's row in the prefill
+            cache.reorder_cache(owner)
+            logits = logits.index_select(0, owner)
         if routes is not None:
             for r, x in enumerate(self.routing.recorded(drop_last=False)):
                 routes[r].append(x)

@@ -107,3 +107,19 @@ def test_rows_stop_at_the_models_context(tiny_model):
     assert any(len(s.response_ids) > 3 for s in out if s.prompt_ids == short)  # the other row went on
     with pytest.raises(ValueError, match=f"prompt 1 has {ctx} tokens; the model's context is {ctx}"):
         e.generate([short, [5] * ctx], SamplingParams(max_new_tokens=2))
+
+
+def test_a_prompts_samples_share_one_prefill_and_continue_as_transformers_does(tiny_model):
+    e = EmbeddedEngine(tiny_model)
+    widths = []
+    forward = e.model.forward
+
+    def counted(*a, **kw):
+        widths.append(tuple(kw["input_ids"].shape))
+        return forward(*a, **kw)
+    e.model.forward = counted
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    out = e.generate(prompts(e), SamplingParams(n=3, temperature=0.0, max_new_tokens=6))
+    assert widths[0] == (3, max(len(p) for p in prompts(e)))  # one row per prompt, left-padded to the longest
+    for k, s in enumerate(out):
+        assert s.response_ids == hf_greedy(ref, prompts(e)[k // 3], 6, e.tokenizer.eos_token_id, e.pad_id)
