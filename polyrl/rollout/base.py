@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from typing import Any, Iterable, Protocol, Sequence
 
 import torch
@@ -153,6 +154,20 @@ class InProcessEngine:
     shares_allocator = False
     # the bench's occupancy trace: a list makes every decode step append (time.perf_counter(), sequences decoding)
     trace: list | None = None
+    _occupancy: tuple[int, int] = (0, 0)  # (decode steps, sequences decoding summed over them) since stats()
+
+    def count_decode_step(self, rows: int) -> None:
+        """Every decode step: how many sequences it decodes (rollout/occupancy_mean; the trace when one is set)."""
+        steps, total = self._occupancy
+        self._occupancy = (steps + 1, total + rows)
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), rows))
+
+    def occupancy_stats(self) -> dict[str, float]:
+        """rollout/decode_steps and rollout/occupancy_mean (sequences decoding per decode step) since the last call: a
+        long tail shows as many steps at a low occupancy."""
+        (steps, total), self._occupancy = self._occupancy, (0, 0)
+        return {"rollout/decode_steps": float(steps), "rollout/occupancy_mean": total / steps} if steps else {}
 
     def release_cached_memory(self) -> None:
         """After sleep() freed the engine's tensors: hand the cached memory to the driver unless the trainer shares it."""

@@ -5,7 +5,6 @@ reasons, and finished rows leave the batch so long tails don't pay for short one
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from typing import Callable, Iterable, Sequence
 
@@ -220,8 +219,7 @@ class EmbeddedEngine(InProcessEngine):
         # trainer's forward (transformers scatters image features into every pad of the sequence)
         never = (torch.tensor(self.processor.placeholder_ids, device=self.device) if vision else None)
         for t in range(max_new):
-            if self.trace is not None:
-                self.trace.append((time.perf_counter(), len(rows)))
+            self.count_decode_step(len(rows))
             if never is not None:
                 logits = logits.index_fill(1, never, float("-inf"))
             thresh = (ops.filter_thresholds(logits, inv_temp, sp.top_k, sp.top_p) if filtered
@@ -304,9 +302,9 @@ class EmbeddedEngine(InProcessEngine):
     def stats(self) -> dict[str, float]:
         """--true-on-policy: rollout/sampler_logprob_abs_diff_max, how far the sampler's (KV-cache decode) log-probs of
         the sampled tokens were from the reported ones since the last call: the sampler's distance from exact."""
-        if self._sampler_diff is None:
-            return {}
-        out, self._sampler_diff = {"rollout/sampler_logprob_abs_diff_max": self._sampler_diff}, None
+        out = self.occupancy_stats()
+        if self._sampler_diff is not None:
+            out["rollout/sampler_logprob_abs_diff_max"], self._sampler_diff = self._sampler_diff, None
         return out
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:

@@ -56,6 +56,7 @@ def test_steps_hold_complete_groups_and_cut_samples_are_continued_once(args, tmp
     assert sum(r["partial_rollout/aborted_samples"] for r in rows) > 0
     assert sum(r["partial_rollout/resumed_samples"] for r in rows[1:]) > 0  # continued in a later step
     assert rows[0]["partial_rollout/token_lag_max"] == 0 and max(r["partial_rollout/token_lag_max"] for r in rows) >= 1
+    assert all(r["rollout/decode_steps"] > 0 and r["rollout/occupancy_mean"] > 0 for r in rows)  # the engine's counters
     for r in rows:  # the engine's log-probs on this policy's tokens are the trainer's; older tokens are apart
         assert r["train_rollout_logprob_abs_diff_max"] < 1e-4
     assert any(r["train_rollout_logprob_abs_diff_older_weights"] > 0 for r in rows[1:])

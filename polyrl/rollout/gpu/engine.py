@@ -334,7 +334,7 @@ class GPUEngine(InProcessEngine):
         pass is rollout/score_s), the decode CUDA graphs captured (for new batch buckets, or for weights and a KV cache
         that came back at a place no kept set was captured for) and their capture time; with --true-on-policy, the
         scorer's figures."""
-        out = {"rollout/generate_s": self._generate_s} if self._generate_s else {}
+        out = {"rollout/generate_s": self._generate_s, **self.occupancy_stats()} if self._generate_s else {}
         self._generate_s = 0.0
         if self.cuda_graph:
             out.update({"rollout/graph_captures": float(self._graph_sets.drain()[0]),
@@ -472,8 +472,7 @@ class GPUEngine(InProcessEngine):
 
     def _launch_step(self) -> _Step:
         b = len(self.running)
-        if self.trace is not None:
-            self.trace.append((time.perf_counter(), b))
+        self.count_decode_step(b)
         ev = self._event()
         # the top-k / top-p thresholds, the sampler and the state update are part of the step (of its CUDA graph):
         # one launch per step. Without the Triton threshold kernel (FP32 logits, CPU) the filters run after it.
