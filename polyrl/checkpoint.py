@@ -329,6 +329,7 @@ class SaveDirLock:
         import fcntl
         os.makedirs(root, exist_ok=True)
         self.path = os.path.join(root, LOCK)
+        locked = True
         for _ in range(10):  # a racing release may unlink the file between our open and our lock: open it again
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -339,6 +340,11 @@ class SaveDirLock:
                 raise CheckpointError(f"--save {root} is in use by another run ({_describe(owner)}; lock file "
                                       f"{self.path}): two runs writing one save directory delete each other's "
                                       "checkpoints. Wait for that run to end, or pick another --save") from None
+            except OSError as e:  # a file system without locks (some network and FUSE mounts): run, unguarded
+                notice(f"WARNING --save {root}: its file system cannot lock {self.path} ({e.strerror}); a second run "
+                       "on this directory would not be refused")
+                locked = False
+                break
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -349,7 +355,7 @@ class SaveDirLock:
         else:
             raise CheckpointError(f"--save {root}: could not lock {self.path} (it kept being replaced)")
         self.fd = fd
-        before = _read_owner(fd)
+        before = _read_owner(fd) if locked else None
         if before and before.get("pid") is not None and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
             notice(f"--save {root}: taking over from {_describe(before)}, which is no longer running")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,

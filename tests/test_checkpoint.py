@@ -201,3 +201,18 @@ def test_a_second_process_is_refused_the_save_dir_and_a_dead_ones_lock_is_taken_
     assert not (tmp_path / LOCK).exists()
     claim_save_dir(str(tmp_path), "polyrl sft").release()  # released: free for the next run, nothing to take over
     assert "taking over" not in capsys.readouterr().err
+
+
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from polyrl.checkpoint import LOCK, claim_save_dir
+
+    def no_locks(fd, op):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = claim_save_dir(str(tmp_path), "polyrl train")
+    assert f"cannot lock {tmp_path / LOCK}" in capsys.readouterr().err
+    assert f'"pid": {os.getpid()}' in (tmp_path / LOCK).read_text()  # still names its run for a reader
+    lock.release()
