@@ -1107,6 +1107,9 @@ def _validate_agent(cfg: Config, command: str) -> None:
     if cfg.debug.train_only:
         raise ConfigError("--agent-function-path generates the rollouts, and --debug-train-only reads them from "
                           "--load-debug-rollout-data files instead: drop one")
+    if r.partial_rollout:
+        raise ConfigError("--agent-function-path with --partial-rollout: an agent's trajectory cannot be paused and "
+                          "resumed under new weights; drop one of them")
     if cfg.data.multimodal_keys:
         raise ConfigError("--agent-function-path with --multimodal-keys: the gateway's chat routes take text only")
     if command in ("train", "eval"):

@@ -117,7 +117,8 @@ def test_flag_checks(chat_dir, prompts, tmp_path, capsys):
     for extra, msg in (([f"--agent-function-path", f"{fn}:not_async"], "not an `async def`"),
                        (["--agent-timeout", "5", "--rm-type", "exact"], "--agent-function-path"),
                        ([f"--agent-function-path", f"{fn}:plain", "--custom-generate-function-path", f"{fn}:plain"],
-                        "keep one")):
+                        "keep one"),
+                       ([f"--agent-function-path", f"{fn}:plain", "--partial-rollout"], "cannot be paused")):
         assert main(_args(chat_dir, prompts, tmp_path, *extra)) != 0
         assert msg in capsys.readouterr().err
 
