@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import ContextManager
@@ -85,13 +84,13 @@ class PartialBuffer:
     def __init__(self) -> None:
         self.groups: list[Group] = []
         self._lock = threading.Lock()
-        self._starts: dict[int, list[Group]] = {}
-        self._keys = itertools.count()
+        self._starts: dict[int, tuple[list[Group], int]] = {}
+        self._next_key = 0
 
     def take(self, step: int) -> list[Group]:
         """Every buffered group, as copies the step may change (the snapshots keep the originals)."""
         with self._lock:
-            self._starts.setdefault(step, list(self.groups))
+            self._starts.setdefault(step, (list(self.groups), self._next_key))
             groups, self.groups = self.groups, []
         return [dataclasses.replace(g, samples=[dataclasses.replace(p, carried=len(p.tokens)) for p in g.samples])
                 for g in groups]
@@ -101,20 +100,23 @@ class PartialBuffer:
             self.groups = groups + self.groups
 
     def new_key(self) -> int:
-        return next(self._keys)
-
-    def before(self, step: int) -> list[dict]:
         with self._lock:
-            groups = self._starts.get(step, self.groups)
+            self._next_key += 1
+            return self._next_key - 1
+
+    def before(self, step: int) -> tuple[list[dict], int]:
+        """(the groups, the next group key) as step `step` found them, or finds them if it has not begun."""
+        with self._lock:
+            groups, next_key = self._starts.get(step, (self.groups, self._next_key))
             for k in [k for k in self._starts if k <= step]:
                 del self._starts[k]
-            return [g.to_json() for g in groups]
+            return [g.to_json() for g in groups], next_key
 
-    def restore(self, state: list[dict]) -> None:
+    def restore(self, state: list[dict], next_key: int) -> None:
         with self._lock:
             self.groups = [Group.from_json(d) for d in state]
             self._starts.clear()
-            self._keys = itertools.count(max((g.key for g in self.groups), default=-1) + 1)
+            self._next_key = next_key  # the groups drawn again after a resume get the keys they had
 
 
 class BufferedCursor(PromptCursor):
@@ -125,11 +127,13 @@ class BufferedCursor(PromptCursor):
         self.buffer = PartialBuffer()
 
     def position_before(self, step: int) -> dict:
-        return {**super().position_before(step), "partial_rollout": self.buffer.before(step)}
+        groups, next_key = self.buffer.before(step)
+        return {**super().position_before(step), "partial_rollout": groups, "partial_rollout_next_key": next_key}
 
     def restore(self, state: dict) -> None:
         state = dict(state)
-        self.buffer.restore(state.pop("partial_rollout", []))
+        groups = state.pop("partial_rollout", [])
+        self.buffer.restore(groups, state.pop("partial_rollout_next_key", max((g["key"] for g in groups), default=-1) + 1))
         super().restore(state)
 
 

@@ -134,3 +134,12 @@ def test_other_modes_hold_complete_groups_and_continue_cut_ones(args, tmp_path, 
             for s in samples:
                 by[s["group_index"]].add(s["reward"])
             assert all(len(v) > 1 for v in by.values())
+
+
+def test_async_resume_trains_no_sample_twice(args, tmp_path):
+    """--async: the checkpoint holds the buffer as the first untrained step found it (the rollout thread had collected
+    a step further), and the groups drawn again after --load get the keys they had: no (group, sample) trains twice."""
+    _, first = run(args, tmp_path, "first", "--num-rollout", "2", "--async", "--save", str(tmp_path / "ck"))
+    _, resumed = run(args, tmp_path, "second", "--num-rollout", "4", "--async", "--load", str(tmp_path / "ck"))
+    trained = [key(s)[:2] for samples in first + resumed for s in samples]
+    assert len(trained) == 64 and len(set(trained)) == len(trained)
