@@ -191,7 +191,12 @@ class OpenAIRoutes:
                     1.0 if req.top_p is None else float(req.top_p), -1, mnt, tuple(req.stop), req.seed)
 
     def _traced_call(self, tid: str, rec: Trajectory, req: oa.Request, ids: list[int], kept: int) -> Call:
-        call = self._call(req, ids, rec.room(len(ids), kept))
+        room = rec.room(len(ids), kept)
+        if rec.segments and (room == 0 or (self.max_len and len(ids) >= self.max_len)):
+            # a later turn past the budget or the context: an empty "length" answer ends the agent's loop the way a
+            # full context ends a sample, instead of an error that would fail the whole trajectory
+            return Call(1, 1.0, 1.0, -1, 0, (), None)
+        call = self._call(req, ids, room)
         s = self.trajectories.settings
         if s is None:
             return call

@@ -170,10 +170,15 @@ def test_a_rewritten_history_splits_the_trajectory(gateway, engine):
 
 
 def test_trajectory_budgets_and_unknown_ids(gateway, engine):
-    client, rec = open_trajectory(gateway, "t3", max_response=5, max_calls=1)
+    client, rec = open_trajectory(gateway, "t3", max_response=5, max_calls=2)
     engine.script = []
     r = client.chat.completions.create(model="m", messages=ASK, max_tokens=50)
     assert r.usage.completion_tokens <= 5
+    history = [*ASK, r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    calls = len(engine.prompts)
+    r2 = client.chat.completions.create(model="m", messages=history)  # the budget is spent: no engine work
+    assert r2.choices[0].finish_reason == "length" and not r2.choices[0].message.content
+    assert len(engine.prompts) == calls and len(rec.segments) == 1
     with pytest.raises(openai.BadRequestError, match="max-turns"):
         client.chat.completions.create(model="m", messages=ASK)
     stray = openai.OpenAI(base_url=f"{gateway.url}/trajectories/nope/v1", api_key=KEY, max_retries=0, timeout=30)
