@@ -143,3 +143,48 @@ def test_async_resume_trains_no_sample_twice(args, tmp_path):
     _, resumed = run(args, tmp_path, "second", "--num-rollout", "4", "--async", "--load", str(tmp_path / "ck"))
     trained = [key(s)[:2] for samples in first + resumed for s in samples]
     assert len(trained) == 64 and len(set(trained)) == len(trained)
+
+
+def test_groups_are_scored_while_the_others_decode(tiny_model, arith_data):
+    """Streaming groups: the reward function runs on its own thread as each group completes, while the engine is still
+    inside the same generate call decoding the rest (a real embedded engine, a scorer that records when it ran)."""
+    import contextlib
+    import threading
+
+    from polyrl.assemble import prompt_dataset
+    from polyrl.config import Config
+    from polyrl.dist import Dist
+    from polyrl.metrics import Timer
+    from polyrl.rewards import reward_metrics
+    from polyrl.rollout.embedded import EmbeddedEngine
+    from polyrl.step.partial_rollout import BufferedCursor, PartialRollout
+
+    cfg = Config()
+    cfg.data.prompt_data, cfg.model.hf_checkpoint = arith_data["train"], tiny_model
+    r = cfg.rollout
+    r.rollout_batch_size, r.n_samples_per_prompt, r.rollout_max_response_len, r.over_sampling_batch_size = 3, 2, 40, 6
+    r.partial_rollout, r.rollout_length_distribution = True, "lognormal:median=4,p99=36,cap=40"
+    engine = EmbeddedEngine(tiny_model)
+    inside = threading.Event()
+    generate = engine.generate
+
+    def tracked(*a, **kw):
+        inside.set()
+        try:
+            return generate(*a, **kw)
+        finally:
+            inside.clear()
+    engine.generate = tracked
+    seen = []
+
+    def score(samples):
+        seen.append((inside.is_set(), threading.current_thread().name))
+        return reward_metrics(samples)
+    d = Dist(0, 1)
+    cur = BufferedCursor(prompt_dataset(cfg, engine.tokenizer, cfg.data.prompt_data, shuffle=False), d, 6)
+    part = PartialRollout(cfg, engine, cur, score, d, contextlib.nullcontext())
+    samples, scored, m = part.collect(0, Timer())
+    assert len(samples) == 6 and scored["reward/samples"] >= 6
+    assert all(name.startswith("polyrl-score") for _, name in seen)
+    assert any(during for during, _ in seen)  # at least one group scored before the engine call returned
+    assert m["partial_rollout/aborted_samples"] > 0 and len(cur.buffer.groups) > 0
