@@ -23,18 +23,18 @@ CONFIG = os.path.join(HERE, "config.yaml")
 FUNCTIONS = ["--agent-function-path", f"{os.path.join(HERE, 'agent.py')}:agent",
              "--custom-rm-path", f"{os.path.join(HERE, 'agent.py')}:reward"]
 
-# one token each: role tags, the tool-call tags, and the JSON around a calculator call's expression (so a call is a dozen
-# tokens, not sixty characters); the text they spell is Qwen's <tool_call> format, parsed by the gateway
+# one token each: the tool-call tags and the JSON around a calculator call's expression (so a call is a dozen tokens,
+# not sixty characters); the text they spell is Qwen's <tool_call> format, which the gateway parses
 CALL_HEAD, CALL_TAIL = '{"name": "calculator", "arguments": {"expression": "', '"}}'
-TOKENS = ("*", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>", CALL_HEAD, CALL_TAIL)
-# an assistant turn ends with <eos>; tool calls as Qwen's templates write them (tojson of name and arguments)
+TOKENS = ("*", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", CALL_HEAD, CALL_TAIL)
+# each message's content as it is (examples/tool_calculator's template), an assistant turn closed by <eos>, its tool
+# calls as Qwen's templates write them (tojson of name and arguments), a tool result in <tool_response> tags
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|assistant|>{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<eos>"
-    "{% elif m.role == 'tool' %}<|tool|>{{ m.content }}"
-    "{% else %}<|user|>{{ m.content }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content or '' }}{% endif %}"
+    "{% if m.role == 'assistant' %}{% for c in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<eos>{% endif %}"
+    "{% endfor %}")
 
 
 def build_base_model(path: str, *, hidden: int, layers: int, seed: int) -> None:
@@ -88,13 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--run-dir", default="runs/agent_calculator")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--digits", type=int, default=3, help="digits of each factor")
-    p.add_argument("--n-train", type=int, default=6000)
+    p.add_argument("--n-train", type=int, default=4000)
     p.add_argument("--n-eval", type=int, default=200)
-    p.add_argument("--tool-share", type=float, default=0.15, help="share of SFT conversations that call the calculator")
+    p.add_argument("--tool-share", type=float, default=0.3, help="share of SFT conversations that call the calculator")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--sft-epochs", type=int, default=4)
-    p.add_argument("--grpo-steps", type=int, default=20)
+    p.add_argument("--grpo-steps", type=int, default=30)
     p.add_argument("--rollout-batch-size", type=int, default=8)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
     a = p.parse_args(argv)
