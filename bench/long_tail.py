@@ -15,7 +15,7 @@ for partial rollout the buffer filling up). Per mode, the median over the measur
   gen_tok_s     tokens generated per second of rollout (the cut ones included); train_tok_s: tokens trained / rollout_s
   (rollout_s here is the step's collect call, generation and scoring, measured around it for every mode)
 
-  python bench/long_tail.py --out runs/bench/long_tail.json
+  python bench/long_tail.py --out runs/bench/long_tail.json            # about 5-6 minutes on one H200 (estimate)
   python bench/long_tail.py --quick        # CPU smoke: the tiny model, 4 x 4, short lengths, 3 steps per mode
 """
 
@@ -45,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--over-sampling", type=float, default=2.0, help="prompts in flight / --prompts for partial rollout")
     p.add_argument("--lengths", default=None, help="--rollout-length-distribution (default "
                    "lognormal:median=1024,p99=8192,cap=8192; median=6,p99=20,cap=24 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="steps per mode, warm-up included (default 4; 3 with --quick)")
-    p.add_argument("--warmup", type=int, default=None, help="steps not counted (default 2; 1 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps per mode, warm-up included (default 3)")
+    p.add_argument("--warmup", type=int, default=None, help="steps not counted (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--mem-fraction", type=float, default=0.55, help="--rollout-mem-fraction (the KV cache)")
     p.add_argument("--out", default="runs/bench/long_tail.json")
@@ -58,8 +58,8 @@ def parse_args(argv=None):
     a.prompts = a.prompts or (4 if q else 64)
     a.samples = a.samples or (4 if q else 8)
     a.lengths = a.lengths or ("lognormal:median=6,p99=20,cap=24" if q else "lognormal:median=1024,p99=8192,cap=8192")
-    a.steps = a.steps or (3 if q else 4)
-    a.warmup = a.warmup if a.warmup is not None else (1 if q else 2)
+    a.steps = a.steps or 3
+    a.warmup = a.warmup if a.warmup is not None else 1
     a.mode_list = [m for m in a.modes.split(",") if m]
     if any(m not in MODES for m in a.mode_list):
         p.error(f"--modes: choose from {', '.join(MODES)}")
@@ -77,8 +77,9 @@ def train_argv(a, model_dir: str, data: str, run_dir: str, mode: str, cap: int) 
             "--num-rollout", str(a.steps), "--device", a.device, "--run-dir", run_dir, "--quiet", "--seed", "1",
             "--lr", "1e-6", "--rollout-mem-fraction", str(a.mem_fraction)]
     if a.device == "cuda":
-        # the tokens of one step: micro-batches of a token budget, not of a sample count
-        argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "32768", "--bf16"]
+        # micro-batches of a token budget, not of a sample count; eager: a compile per new micro-batch shape would
+        # land in the measured steps at these varied lengths
+        argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384", "--bf16", "--no-compile"]
     if mode != "sync":
         over = max(a.prompts, round(a.prompts * a.over_sampling))
         argv += ["--partial-rollout", "--over-sampling-batch-size", str(over),
