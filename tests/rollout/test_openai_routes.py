@@ -186,3 +186,37 @@ def test_trajectory_budgets_and_unknown_ids(gateway, engine):
         stray.chat.completions.create(model="m", messages=ASK)
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
         open_trajectory(gateway, "t4")[0].chat.completions.create(model="m", messages=ASK, n=2)
+
+
+def test_completions_in_a_trajectory_continue_by_token_prefix(gateway, engine):
+    client, rec = open_trajectory(gateway, "t5")
+    engine.script = ["12", "34"]
+    ids = engine.tokenizer.encode("1+2=", add_special_tokens=False)
+    r1 = client.completions.create(model="m", prompt=ids, max_tokens=8)
+    done = ids + engine.prompts[-1][len(ids):] + engine.tokenizer.encode("12", add_special_tokens=False) + [
+        engine.tokenizer.eos_token_id]
+    assert r1.choices[0].text == "12"
+    client.completions.create(model="m", prompt=done + engine.tokenizer.encode("3+4=", add_special_tokens=False))
+    (s,) = rec.samples()  # the second prompt extends the first prompt + completion: one sample
+    assert s.loss_mask == [1, 1, 1] + [0] * 4 + [1, 1, 1] and rec.rewrites == 0
+
+
+def test_the_gateway_refuses_what_the_server_refuses(gateway, served):
+    import urllib.error
+    import urllib.request
+
+    def post(url, data: bytes, ctype: str, key: str = KEY) -> int:
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": ctype, "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            assert json.loads(e.read())["error"]["message"]  # always a JSON error object
+            return e.code
+
+    for base in (gateway.url + "/v1", str(served.base_url).rstrip("/")):
+        url = base + "/chat/completions"
+        assert post(url, b"hello", "text/plain") == 415
+        assert post(url, b"[1, 2]", "application/json") == 400
+        assert post(url, b"{bad json", "application/json") == 400
+        assert post(url, json.dumps({"messages": ASK}).encode(), "application/json", key="nope") == 401
