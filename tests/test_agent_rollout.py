@@ -1,7 +1,7 @@
 """--agent-function-path: agents written against the OpenAI API, trained through the loopback gateway. A 2-step CPU
 `polyrl train` with an `openai` SDK agent (samples reach the trainer token-exact), failing and hanging agents counted
 and survived, final messages scored by the reward function, the OpenAI Agents SDK used unchanged (a tool call and its
-answer become one sample), and the flag's start-up checks."""
+answer become one sample), a run against a launched `polyrl serve`, and the flag's start-up checks."""
 
 from __future__ import annotations
 
@@ -168,3 +168,14 @@ def test_the_openai_agents_sdk_runs_unchanged(chat_dir, tmp_path):
     between = tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
     assert between == "<|im_start|>user\n<tool_response>42</tool_response><eos><|im_start|>assistant\n"
     assert engine.prompts[1] == s.prompt_ids + s.response_ids[:len(engine.prompts[1]) - len(s.prompt_ids)]
+
+
+def test_agents_train_against_a_launched_server(chat_dir, prompts, tmp_path):
+    """The gateway over engine servers: each agent call is one SGLang /generate with token ids on a launched
+    `polyrl serve`, calls of concurrent agents in flight together."""
+    fn = tmp_path / "agents.py"
+    fn.write_text(AGENTS)
+    assert main(_args(chat_dir, prompts, tmp_path, "--agent-function-path", f"{fn}:plain", "--rollout-engine", "server",
+                      "--num-rollout", "1", "--n-samples-per-prompt", "2")) == 0
+    (m,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert m["agent/trajectories"] == 4 and m["agent/failed"] == 0 and m["agent/calls"] == 2 and "pg_loss" in m
