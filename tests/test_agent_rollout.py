@@ -118,7 +118,9 @@ def test_flag_checks(chat_dir, prompts, tmp_path, capsys):
                        (["--agent-timeout", "5", "--rm-type", "exact"], "--agent-function-path"),
                        ([f"--agent-function-path", f"{fn}:plain", "--custom-generate-function-path", f"{fn}:plain"],
                         "keep one"),
-                       ([f"--agent-function-path", f"{fn}:plain", "--partial-rollout"], "cannot be paused")):
+                       ([f"--agent-function-path", f"{fn}:plain", "--partial-rollout"], "cannot be paused"),
+                       ([f"--agent-function-path", f"{fn}:plain", "--true-on-policy"],
+                        "--true-on-policy with --agent-function-path")):
         assert main(_args(chat_dir, prompts, tmp_path, *extra)) != 0
         assert msg in capsys.readouterr().err
 

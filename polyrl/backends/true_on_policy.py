@@ -1101,6 +1101,8 @@ def refuse_unsupported(cfg, command: str) -> None:
         raise no("--async", "the rollout runs on weights older than the trainer's")
     if r.custom_generate_function_path:
         raise no("--custom-generate-function-path", "each engine call scores its own turn, the trainer the whole sample")
+    if r.agent_function_path:
+        raise no("--agent-function-path", "each engine call scores its own turn, the trainer the whole sample")
     if cfg.data.multimodal_keys:
         raise no("--multimodal-keys", "the scoring function reads token ids only, not pixel inputs")
     if r.rollout_max_context_len is not None:
