@@ -141,11 +141,12 @@ class AgentRunner:
         url = self._url()
         base = params.seed if params.seed is not None else 0
         seeds: dict[str, int] = {}
-        self.trajectories.settings = TrajectorySettings(params.temperature, params.top_p, params.top_k,
-                                                        seed=lambda tid, k: mix_seed(seeds[tid], k),
-                                                        stop=self.stop, stop_token_ids=self.stop_ids)
+        # per call of generate: evaluation and training may run at once (--async with engine servers)
+        settings = TrajectorySettings(params.temperature, params.top_p, params.top_k,
+                                      seed=lambda tid, k: mix_seed(seeds[tid], k), stop=self.stop,
+                                      stop_token_ids=self.stop_ids)
         before = self.trajectories.overridden
-        results = asyncio.run(self._all(url, items, params, base, seeds))
+        results = asyncio.run(self._all(url, items, params, base, seeds, settings))
         samples = [s for group in results for s in group[0]]
         failures = [(k, g[1]) for k, g in enumerate(results) if g[1]]
         m = {"agent/trajectories": float(len(results)), "agent/failed": float(len(failures)),
@@ -161,14 +162,16 @@ class AgentRunner:
                   f"{k % params.n}: {err}", file=sys.stderr, flush=True)
         return samples, m
 
-    async def _all(self, url: str, items: list, params: SamplingParams, base: int, seeds: dict) -> list:
+    async def _all(self, url: str, items: list, params: SamplingParams, base: int, seeds: dict,
+                   settings: TrajectorySettings) -> list:
         gate = asyncio.Semaphore(self.concurrency)
 
         async def one(i: int, j: int):
             ids, rec = items[i]
             tid = uuid.uuid4().hex
             seeds[tid] = mix_seed(base, i * params.n + j)  # one stream per (step, prompt, sample); one seed per call
-            traj = Trajectory(max_response=params.max_new_tokens, max_context=self.max_context, max_calls=self.max_turns)
+            traj = Trajectory(max_response=params.max_new_tokens, max_context=self.max_context, max_calls=self.max_turns,
+                              sampling=settings)
             self.trajectories.open(tid, traj)
             task = AgentTask(as_messages(rec.prompt), rec.label, dict(rec.metadata), group_index=i, sample_index=j)
             client = ClientConfig(f"{url}/trajectories/{tid}/v1", self._key, self.model)

@@ -197,7 +197,7 @@ class OpenAIRoutes:
             # full context ends a sample, instead of an error that would fail the whole trajectory
             return Call(1, 1.0, 1.0, -1, 0, (), None)
         call = self._call(req, ids, room)
-        s = self.trajectories.settings
+        s = rec.sampling if rec.sampling is not None else self.trajectories.settings
         if s is None:
             return call
         if (req.temperature, req.top_p, req.seed) != (None, None, None):

@@ -17,6 +17,7 @@ and the template's, the tools' and the users' (loss mask 0, log-prob 0.0).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from polyrl.rollout.openai_api import APIError, Completion, encode, message_key, render
 from polyrl.types import Sample
@@ -53,6 +54,7 @@ class Trajectory:
     max_response: int | None = None
     max_context: int | None = None
     max_calls: int | None = None
+    sampling: Any = None  # how its calls sample (polyrl.rollout.gateway.TrajectorySettings; None: the gateway's own)
     segments: list[Segment] = field(default_factory=list)
     calls: int = 0
     rewrites: int = 0  # calls that started a new segment after the first (the agent rewrote its history)
