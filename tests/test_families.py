@@ -267,3 +267,20 @@ def test_gpu_path_names_why_not(family_dir):
         assert why is None
         return
     assert why and {"gpt_oss": "attention sinks", "mimo_v2_flash": "attention sinks", "qwen3_5_text": "DeltaNet"}[family] in why
+
+
+def test_embedded_engine_samples_of_a_prompt_share_its_prefill(family_dir):
+    """n samples of one prompt are prefilled once and the cache rows copied (for Qwen3.5, the linear-attention states
+    too): each greedy sample equals the prompt's single greedy sample."""
+    from polyrl.rollout.embedded import make_embedded_engine
+    from polyrl.types import SamplingParams
+
+    family, path = family_dir
+    eng = make_embedded_engine(path, device="cpu")
+    prompts = [[5, 9, 12, 7], [6, 8], [7, 7, 11]]
+    sp = dict(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+    one = eng.generate(prompts, SamplingParams(n=1, **sp))
+    two = eng.generate(prompts, SamplingParams(n=2, **sp))
+    for i, s in enumerate(one):
+        assert two[2 * i].response_ids == two[2 * i + 1].response_ids == s.response_ids
+        assert max(abs(a - b) for a, b in zip(two[2 * i + 1].rollout_logprobs, s.rollout_logprobs)) < 1e-4
