@@ -15,7 +15,7 @@ processes included: 1 busy process on 2 cores reads about 50%). The wait and thr
 (OMP_WAIT_POLICY, GOMP_SPINCOUNT, KMP_BLOCKTIME, OMP_NUM_THREADS, POLYRL_CPU_THREADS) are not passed on: each setting
 names its own.
 
-  python3 bench/cpu_contention.py                  # 2 repeats of 2 settings x 3 loads (~15 min on 2 idle cores)
+  python3 bench/cpu_contention.py                  # 2 repeats of 2 settings x 3 loads (50 min on 2 shared cores)
   python3 bench/cpu_contention.py --cores 2        # on a bigger machine: this process and its children on 2 cores
   python3 bench/cpu_contention.py --quick          # a smoke run: small phases, 1 repeat, loads 0 and 1
 """
