@@ -1397,6 +1397,9 @@ def _validate_outputs(cfg: Config, command: str) -> None:
     if ck.max_wall_time and not ck.save:
         raise ConfigError(f"--max-wall-time {ck.max_wall_time:g} stops the run with a checkpoint to resume from: add "
                           "--save DIR")
+    if ck.max_wall_time and cfg.ray.use_ray:
+        raise ConfigError("--max-wall-time stops the loop of this process at a step boundary; with --use-ray the loop runs "
+                          "in the train actors: drop one of them")
     if cfg.reward.max_consecutive_failed_steps and command != "train":
         raise ConfigError(f"--max-consecutive-failed-steps counts the training steps of polyrl train; polyrl {command} has "
                           "none: drop it")

@@ -101,3 +101,9 @@ def test_the_sft_console_line_shows_the_loss(tiny_model, tmp_path, capsys, monke
                  "--device", "cpu", "--run-dir", str(tmp_path / "run")]) == 0
     [r] = rows(tmp_path / "run")
     assert f"loss {r['loss']:.4f}" in capsys.readouterr().out
+
+
+def test_max_wall_time_with_ray_is_refused(tiny_model, arith_data, tmp_path, capsys):
+    assert main(train_args(tiny_model, arith_data["train"], tmp_path / "run", "--save", str(tmp_path / "ck"),
+                           "--max-wall-time", "60", "--use-ray", "--colocate")) == 2
+    assert "--max-wall-time stops the loop of this process" in capsys.readouterr().err
