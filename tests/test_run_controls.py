@@ -107,3 +107,15 @@ def test_max_wall_time_with_ray_is_refused(tiny_model, arith_data, tmp_path, cap
     assert main(train_args(tiny_model, arith_data["train"], tmp_path / "run", "--save", str(tmp_path / "ck"),
                            "--max-wall-time", "60", "--use-ray", "--colocate")) == 2
     assert "--max-wall-time stops the loop of this process" in capsys.readouterr().err
+
+
+def test_sft_stops_at_a_step_boundary_with_its_checkpoint_and_times_the_save(tiny_model, tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)}) + "\n" for i in range(8)))
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    assert main(["sft", "--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--global-batch-size", "2",
+                 "--device", "cpu", "--quiet", "--save", str(ck), "--max-wall-time", "0.001", "--run-dir", str(run)]) == 0
+    assert f"stopped after step 1 of 4 on --max-wall-time 0.001 s (another step would end past it): checkpoint of step 1" \
+           in capsys.readouterr().err
+    [r] = rows(run)
+    assert r["step"] == 1 and r["time/save"] > 0 and (ck / "step_000001").is_dir()
