@@ -8,6 +8,7 @@ entry point as the command line, so validation, error lines, checkpoints and the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import itertools
 import json
@@ -50,9 +51,9 @@ def train(model: str, prompts: str | os.PathLike | Iterable, reward_funcs: Calla
     fields = _translate(fields)
     run_dir = str(fields.setdefault("run_dir", "runs/latest"))
     os.makedirs(run_dir, exist_ok=True)
-    fields["prompt_data"] = _data_path(prompts, os.path.join(run_dir, "prompts.jsonl"), "prompts")
+    fields["prompt_data"] = _data_path(prompts, run_dir, "prompts")
     if eval_prompts is not None:
-        fields["eval_prompt_data"] = _data_path(eval_prompts, os.path.join(run_dir, "eval_prompts.jsonl"), "eval_prompts")
+        fields["eval_prompt_data"] = _data_path(eval_prompts, run_dir, "eval_prompts")
     name = None
     if reward_funcs is not None:
         if "custom_rm_path" in fields or "rm_type" in fields:
@@ -118,8 +119,9 @@ def _translate(fields: dict) -> dict:
     return out
 
 
-def _data_path(data, path: str, what: str) -> str:
-    """A path as given; rows (strings or dicts) written to `path` as jsonl."""
+def _data_path(data, run_dir: str, what: str) -> str:
+    """A path as given; rows (strings or dicts) written as jsonl to RUN_DIR/WHAT-HASH.jsonl, named by their content so
+    that a call refused for a used run dir overwrites no earlier call's file."""
     if isinstance(data, (str, os.PathLike)):
         return os.fspath(data)
     rows = []
@@ -132,8 +134,10 @@ def _data_path(data, path: str, what: str) -> str:
         rows.append(row)
     if not rows:
         raise ValueError(f"{what} is empty")
+    text = "".join(json.dumps(r, default=str) + "\n" for r in rows)
+    path = os.path.join(run_dir, f"{what}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl")
     with open(path, "w") as f:
-        f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+        f.write(text)
     return path
 
 

@@ -50,7 +50,8 @@ def test_train_takes_rows_callables_and_trl_names(tiny_model, arith_data, tmp_pa
     assert [r["step"] for r in out["metrics"]] == [0, 1, 2] and out["run_dir"] == str(tmp_path / "run")
     assert all(r["lr"] == pytest.approx(1e-3) for r in out["metrics"][1:])
     assert set(calls) <= {r["label"] for r in rows} and len(calls) >= 8  # 2 steps x 2 prompts x 2 samples (+ evals)
-    assert len(open(tmp_path / "run" / "prompts.jsonl").readlines()) == 8
+    [written] = (tmp_path / "run").glob("prompts-*.jsonl")
+    assert [json.loads(line) for line in open(written)] == rows
 
 
 def test_train_refuses_unknown_settings_and_bad_rows(tiny_model, tmp_path, capsys):
