@@ -169,12 +169,15 @@ class OpenAIRoutes:
         if req.n != 1:
             raise APIError("a trajectory records one completion per call: 'n' must be 1", param="n")
         ids, kept = await self._off_loop(rec.plan, self.tok, req.messages, req.tools, self.eot_text)
-        outs = await self._generate(ids, req, self._traced_call(tid, rec, req, ids, kept))
+        call = self._traced_call(tid, rec, req, ids, kept)
+        outs = await self._generate(ids, req, call)
         c = outs[0]
         reply = oa.chat_choice(self.tok, c, 0, req, self.eos_ids)["message"]
         norm = oa.normalize_messages([{k: v for k, v in reply.items() if k != "refusal"}])[0]
-        ended = c.finish == "stop" and bool(c.ids) and c.ids[-1] in self.eos_ids
-        rec.record(ids, kept, c, messages=req.messages, tools=req.tools, reply=norm, ended=ended)
+        # a stop token id ended it (EOS, or --rollout-stop-token-ids: a base model's <|im_end|>): its text ends the turn
+        ended = c.finish == "stop" and bool(c.ids) and c.ids[-1] in self.eos_ids | set(call.stop_token_ids)
+        rec.record(ids, kept, c, messages=req.messages, tools=req.tools, reply=norm,
+                   eot=self.tok.decode([c.ids[-1]]) if ended else None)
         return len(ids), outs
 
     def _check_prompt(self, ids: list[int]) -> None:

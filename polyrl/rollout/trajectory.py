@@ -61,11 +61,12 @@ class Trajectory:
     _messages: list[dict] | None = None  # the last call's messages and tools, and the reply the gateway returned
     _tools: list | None = None
     _reply: dict | None = None
-    _reply_ended: bool = False  # the last completion ended with an end-of-turn token
+    _eot: str | None = None  # the text of the stop token that ended the last completion (None: no stop token did)
 
     def plan(self, tokenizer, messages: list[dict], tools: list | None, eot_text: str) -> tuple[list[int], int]:
         """(prompt ids, how many of them are already in the current segment) for a chat call; starts a new segment
-        when the history does not continue the last one. `eot_text`: the end-of-turn token's text."""
+        when the history does not continue the last one. `eot_text`: the end-of-turn text the template writes after an
+        assistant turn (the EOS token's) when the completion did not end with a stop token of its own."""
         if self.max_calls is not None and self.calls >= self.max_calls:
             raise APIError(f"this trajectory made {self.calls} calls, the most --max-turns allows", status=400,
                            code="max_turns")
@@ -99,12 +100,13 @@ class Trajectory:
             full = render(tokenizer, [*base, *new], tools, generation_prompt=True) if new else None
             if full is not None and not full.startswith(hist):
                 continue
-            pos = hist.rfind(eot_text) if eot_text else -1
+            eot = self._eot or eot_text
+            pos = hist.rfind(eot) if eot else -1
             if pos < 0:
                 continue
-            after = hist[pos + len(eot_text):] + (full[len(hist):] if full is not None else "")
+            after = hist[pos + len(eot):] + (full[len(hist):] if full is not None else "")
             # a completion cut by its budget or a stop string gets the end-of-turn token the template writes
-            return encode(tokenizer, (eot_text if not self._reply_ended else "") + after)
+            return encode(tokenizer, (eot if self._eot is None else "") + after)
         return None
 
     def room(self, prompt_len: int, kept: int) -> int | None:
@@ -120,7 +122,7 @@ class Trajectory:
         return max(0, min(budgets)) if budgets else None
 
     def record(self, prompt_ids: list[int], kept: int, c: Completion, *, messages: list[dict] | None = None,
-               tools: list | None = None, reply: dict | None = None, ended: bool = False) -> None:
+               tools: list | None = None, reply: dict | None = None, eot: str | None = None) -> None:
         """Append one call: the prompt's tokens past `kept` (not the model's: mask 0) and the completion (mask 1)."""
         self.calls += 1
         if not kept:
@@ -136,7 +138,7 @@ class Trajectory:
         seg.logprobs += [0.0] * len(extra) + list(c.logprobs)
         seg.finish_reason = "length" if c.finish == "length" else "stop"
         seg.turns += 1
-        self._messages, self._tools, self._reply, self._reply_ended = messages, tools, reply, ended
+        self._messages, self._tools, self._reply, self._eot = messages, tools, reply, eot
 
     def samples(self) -> list[Sample]:
         return [s.to_sample() for s in self.segments]
