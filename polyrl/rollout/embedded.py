@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", category=FutureWarning)
 
 
+class _Scored(GenerateWatch):
+    """A caller's watch whose stop is kept and whose finished() reports wait for the --true-on-policy scoring pass."""
+
+    def __init__(self, watch: GenerateWatch) -> None:
+        self.stop = watch.stop
+
+
 class EmbeddedEngine(InProcessEngine):
     def __init__(self, hf_checkpoint: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", max_batch: int = 0, true_on_policy: bool = False):
@@ -116,8 +123,17 @@ class EmbeddedEngine(InProcessEngine):
                     out.extend(Sample(prompt_ids=list(p), response_ids=[], rollout_logprobs=[], finish_reason="abort",
                                       group_index=g) for g, p, _ in flat[s:s + step])
                     continue
-                batch = self._generate_batch(flat[s:s + step], params, should_stop, mms, limits[s:s + step], watch, s)
-                out.extend(self._score(batch, params) if self.true_on_policy else batch)
+                if not self.true_on_policy:
+                    out.extend(self._generate_batch(flat[s:s + step], params, should_stop, mms, limits[s:s + step], watch, s))
+                    continue
+                # a sample is reported once scored: until then it carries the decode's log-probs, not the trainer's
+                held = _Scored(watch) if watch is not None else None
+                batch = self._score(self._generate_batch(flat[s:s + step], params, should_stop, mms, limits[s:s + step],
+                                                         held, s), params)
+                for k, smp in enumerate(batch if watch is not None else []):
+                    if smp.finish_reason != "abort":
+                        watch.finished(s + k, smp)
+                out.extend(batch)
         finally:
             if self.routing is not None:  # a failed request must not leave its route recording armed
                 self.routing.end()

@@ -256,7 +256,7 @@ class SteppedEngine(EmbeddedEngine):
     def arm(self, k: int) -> None:
         self.hold_at, self.reached, self.go = k, threading.Event(), threading.Event()
 
-    def generate(self, prompts, params, should_stop=None):
+    def generate(self, prompts, params, should_stop=None, **kw):
         asked, hold, self.hold_at = [0], self.hold_at, None
 
         def stop(i: int) -> bool:
@@ -265,7 +265,7 @@ class SteppedEngine(EmbeddedEngine):
                 self.reached.set()
                 assert self.go.wait(30), "the test never released the held decode step"
             return should_stop(i)
-        self.last = super().generate(prompts, params, stop if should_stop is not None else None)
+        self.last = super().generate(prompts, params, stop if should_stop is not None else None, **kw)
         return self.last
 
 
@@ -339,12 +339,13 @@ def test_abort_request_stops_a_running_generation(bounded):
     st = bounded
     fut = held_request(st, "long")
     st.http.call(st.url, "/abort_request", {"rid": "long"}, timeout=30)
+    st.engine.go.set()  # as SGLang, the engine answers an aborted running request at its next step, with its tokens
     out = fut.result(60)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    st.engine.go.set()
     wait_for(lambda: not st.server._running, "the engine call to end")
     s = st.engine.last[0]
     assert s.finish_reason == "abort" and len(s.response_ids) < 40  # held at step 3 of a free run to 40
+    assert out["output_ids"] == s.response_ids  # the partial output, as generated
 
 
 def test_a_request_past_its_deadline_is_aborted_and_its_generation_stops(bounded):

@@ -327,6 +327,10 @@ class GPUEngine(InProcessEngine):
         self._generate_s += self.last_stats["wall_s"]
         if self.rescore is not None:  # --true-on-policy: report the trainer's scoring of each sample, not the decode's
             self.rescore(self._results, sp)
+            if self._watch is not None:  # only now do the samples carry the log-probs they report
+                for i, smp in enumerate(self._results):
+                    if smp.finish_reason != "abort":
+                        self._watch.finished(i, smp)
         return self._results  # type: ignore[return-value]
 
     def stats(self) -> dict[str, float]:
@@ -560,7 +564,8 @@ class GPUEngine(InProcessEngine):
                                 if self._want_routes else None)))
             mark_forced(finished[-1], seq.stop_len)
             self._results[seq.sample] = finished[-1]
-            if self._watch is not None and reason != "abort":  # its reader (a reward function) needs the text now
+            # its reader (a reward function, a server's answer) needs the text now; a sample to be rescored waits
+            if self._watch is not None and reason != "abort" and self.rescore is None:
                 finished[-1].response = self.tokenizer.decode(seq.out, skip_special_tokens=True)
                 self._watch.finished(seq.sample, finished.pop())
             self.alloc.release(seq.shared)
