@@ -230,8 +230,9 @@ class ServerConfig:
     allowed_weight_dirs: list[str] = opt([], "directories /update_weights_from_disk may read (symlinks resolved); "
                                              "none: that endpoint is refused")
     max_request_bytes: int = opt(64 * 1024**2, "largest request body accepted")
-    max_text_chars: int = opt(4 * 1024**2, "most characters of 'text' in one /generate request, its prompts together "
-                                           "(400 past it): the server tokenizes them, at ~120 bytes of memory a "
+    max_text_chars: int = opt(4 * 1024**2, "most characters of text in one /generate request (its prompts together) "
+                                           "or /v1 request (messages and tools) (400 past it): the server tokenizes "
+                                           "them, at ~120 bytes of memory a "
                                            "character; input_ids bodies are bounded by --max-request-bytes alone")
     max_running_requests: int = opt(1024, "samples (prompts x n) queued or running at once; past it /generate answers "
                                           "429 with Retry-After")

@@ -89,14 +89,28 @@ class OpenAIRoutes:
 
     def __init__(self, tokenizer, model_name: str, complete: Callable[[list[int], Call], Awaitable[list[Completion]]],
                  read_body: Callable, *, max_len: int | None, max_n: int, vocab_size: int,
-                 trajectories: Trajectories | None = None):
+                 trajectories: Trajectories | None = None, max_text_chars: int = 4 * 1024**2):
         self.tok, self.model, self.complete, self.read_body = tokenizer, model_name, complete, read_body
         self.max_len, self.max_n, self.vocab_size, self.trajectories = max_len, max_n, vocab_size, trajectories
+        # text bounds before any template or tokenizer runs, as /generate's (polyrl.rollout.server): at most
+        # max_text_chars a request, and no more than the context times the longest token's characters
+        self.max_text_chars = max_text_chars
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if eos is not None else set()
         self.eot_text = tokenizer.decode([eos]) if eos is not None else ""
         # templates and tokenizers run here, one request at a time: a long chat costs the event loop nothing
         self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-openai-tokenizer")
+
+    def _bound(self, *texts) -> None:
+        chars = _chars(texts)
+        if chars > self.max_text_chars:
+            raise APIError(f"the request holds {chars} characters of text; at most {self.max_text_chars} in one request "
+                           "(--max-text-chars)", param="messages")
+        if self.max_len and chars > self.max_len * self.max_token_chars:
+            raise APIError(f"the request holds {chars} characters of text, more than the model's context of "
+                           f"{self.max_len} tokens can hold (no token spells more than {self.max_token_chars})",
+                           param="messages")
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
@@ -116,6 +130,7 @@ class OpenAIRoutes:
         body = await self.read_body(request)
         try:
             req = oa.parse_chat(body, self.max_n)
+            self._bound(req.messages, req.tools)
             tid = request.match_info.get("tid")
             if tid is None:
                 ids = await self._off_loop(lambda: oa.encode(self.tok, oa.render(self.tok, req.messages, req.tools,
@@ -136,6 +151,7 @@ class OpenAIRoutes:
         body = await self.read_body(request)
         try:
             req = oa.parse_completion(body, self.max_n, self.vocab_size)
+            self._bound([p for p in req.prompts if isinstance(p, str)])
             tid = request.match_info.get("tid")
             if tid is not None and len(req.prompts) != 1:
                 raise APIError("a trajectory's /completions call takes one prompt", param="prompt")
@@ -424,4 +440,16 @@ class ServerBackend:
 def server_routes(server) -> OpenAIRoutes:
     """The OpenAI routes of a `polyrl serve` EngineServer (its key, body rules and batcher)."""
     return OpenAIRoutes(server.tokenizer, served_name(server.model_path), ServerBackend(server).complete, server._body,
-                        max_len=server.max_len, max_n=server.cfg.max_n, vocab_size=server.vocab_size)
+                        max_len=server.max_len, max_n=server.cfg.max_n, vocab_size=server.vocab_size,
+                        max_text_chars=server.cfg.max_text_chars)
+
+
+def _chars(x) -> int:
+    """Characters of every string in a JSON value (message contents, tool schemas, prompts)."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_chars(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_chars(v) for v in x)
+    return 0

@@ -116,6 +116,11 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, chat_dir):
         served.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="context"):
         served.chat.completions.create(model="m", messages=[{"role": "user", "content": "9" * 400}])
+    # refused by its characters before the template or the tokenizer runs (as /generate's text)
+    with pytest.raises(openai.BadRequestError, match="characters of text, more than the model's context"):
+        served.chat.completions.create(model="m", messages=[{"role": "user", "content": "9" * 200_000}])
+    with pytest.raises(openai.BadRequestError, match="characters of text, more than the model's context"):
+        served.completions.create(model="m", prompt="9" * 200_000)
     with pytest.raises(openai.BadRequestError, match="unknown field"):
         served.chat.completions.create(model="m", messages=ASK, extra_body={"bogus": 1})
     wrong = openai.OpenAI(base_url=str(served.base_url), api_key="wrong", max_retries=0, timeout=30)
