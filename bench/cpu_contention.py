@@ -5,6 +5,7 @@ with the old behaviour and polyrl's default, in one run; one table.
        busy wait at each barrier (POLYRL_CPU_THREADS=<cores> GOMP_SPINCOUNT=300000)
   new  what `polyrl` sets by itself (polyrl.cpu_env: OMP_WAIT_POLICY=PASSIVE; polyrl.dist.cpu_threads: the cores)
   one  new with one thread (POLYRL_CPU_THREADS=1): the other way to keep off a busy core (--settings old,new,one)
+  spin3k, spin10k, spin30k  a thread per core, libgomp spinning 3,000 / 10,000 / 30,000 turns before it sleeps
 
 Each cell runs `polyrl sft` (polyrl.demo.sft_args, the first --sft-rows demonstrations, one epoch) and `polyrl train`
 (polyrl.demo.train_args, --grpo-steps GRPO steps) as the demo does. SFT s is the train time of the SFT steps after the
@@ -41,7 +42,9 @@ BUSY = "while True: pass"
 def settings(cores: int) -> dict[str, dict[str, str]]:
     """Each setting's environment additions (after CLEARED is removed)."""
     return {"old": {"POLYRL_CPU_THREADS": str(cores), "GOMP_SPINCOUNT": "300000"},  # libgomp's own default spin
-            "new": {}, "one": {"POLYRL_CPU_THREADS": "1"}}
+            "new": {}, "one": {"POLYRL_CPU_THREADS": "1"},
+            # shorter spins than libgomp's default, before a thread sleeps at a barrier (--settings old,spin10k,...)
+            **{f"spin{k}k": {"POLYRL_CPU_THREADS": str(cores), "GOMP_SPINCOUNT": str(k * 1000)} for k in (3, 10, 30)}}
 
 
 def parse_args(argv=None):
