@@ -349,17 +349,11 @@ class Gateway:
             return web.json_response(APIError(f"{type(e).__name__}: {e}", status=500).body(), status=500)
 
     async def _body(self, request) -> dict:
-        raw = await request.read()
-        if request.content_type != "application/json":
-            raise APIError(f"request bodies must be JSON (Content-Type: application/json), got {request.content_type!r}",
-                           status=415)
+        from polyrl.rollout.server import HTTPError, json_object
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise APIError(f"malformed JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+            return json_object(await request.read(), request.content_type)
+        except HTTPError as e:
+            raise APIError(str(e), status=e.status) from None
 
 
 class GatewayThread:

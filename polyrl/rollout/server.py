@@ -117,6 +117,19 @@ def bad(message: str) -> HTTPError:
     return HTTPError(400, message)
 
 
+def json_object(raw: bytes, content_type: str) -> dict:
+    """A request body as polyrl's servers take it (the SGLang and the OpenAI routes): JSON only, one object."""
+    if content_type != "application/json":
+        raise HTTPError(415, f"request bodies must be JSON (Content-Type: application/json), got {content_type!r}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 # ---- request checking ------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -355,17 +368,7 @@ class EngineServer:
             raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.max_request_bytes,
                                                 actual_size=request.content_length)
         raw = await request.read()
-        if not raw:
-            return {}
-        if request.content_type != "application/json":
-            raise HTTPError(415, f"request bodies must be JSON (Content-Type: application/json), got {request.content_type!r}")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise bad(f"malformed JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+        return json_object(raw, request.content_type) if raw else {}
 
     @staticmethod
     def _json(obj: Any, status: int = 200) -> web.Response:
