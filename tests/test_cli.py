@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -439,15 +440,7 @@ def test_serve_takes_exactly_the_fields_serve_reads(tiny_model, monkeypatch):
     read: set[str] = set()
 
     def recording(section: str, obj):
-        cls = type(obj)
-        names = {f.name for f in dataclasses.fields(cls)}
-
-        def getattribute(self, k):
-            if k in names:
-                read.add(f"{section}.{k}")
-            return object.__getattribute__(self, k)
-        rec = type("Recording" + cls.__name__, (cls,), {"__getattribute__": getattribute})
-        return rec(**{n: object.__getattribute__(obj, n) for n in names})
+        return _recording(section, obj, read)
 
     cfg = config_from_args(build_parser().parse_args(["serve", "--hf-checkpoint", tiny_model, "--device", "cpu"]))
     for f in dataclasses.fields(Config):
@@ -512,15 +505,7 @@ def test_eval_and_export_accept_every_setting_they_read(tiny_model, arith_data, 
     read: set[str] = set()
 
     def recording(section: str, obj):
-        cls = type(obj)
-        names = {f.name for f in dataclasses.fields(cls)}
-
-        def getattribute(self, k):
-            if k in names:
-                read.add(f"{section}.{k}")
-            return object.__getattribute__(self, k)
-        rec = type("Recording" + cls.__name__, (cls,), {"__getattribute__": getattribute})
-        return rec(**{n: object.__getattribute__(obj, n) for n in names})
+        return _recording(section, obj, read)
 
     def trace(fn, argv):
         cfg = config_from_args(build_parser().parse_args(argv))
@@ -558,3 +543,16 @@ def test_yaml_settings_a_command_does_not_use_are_refused(tmp_path, tiny_model, 
     assert "polyrl sft does not use rollout.rollout_temperature (--rollout-temperature)" in capsys.readouterr().err
     cfg = config_from_args(build_parser().parse_args(["train", "--config", str(tmp_path / "sft.yaml")]))
     assert cfg.rollout.rollout_temperature == 0.7  # train reads it
+
+
+def _recording(section: str, obj, read: set[str]):
+    """A copy of the config section `obj` that adds "section.field" to `read` for every field read from it."""
+    cls = type(obj)
+    names = {f.name for f in dataclasses.fields(cls)}
+
+    def getattribute(self, k):
+        if k in names:
+            read.add(f"{section}.{k}")
+        return object.__getattribute__(self, k)
+    rec = type("Recording" + cls.__name__, (cls,), {"__getattribute__": getattribute})
+    return rec(**{n: object.__getattribute__(obj, n) for n in names})
