@@ -191,7 +191,12 @@ def main(argv=None) -> dict:
     if not os.path.exists(os.path.join(mdir, "config.json")):
         res["model"] = build_model_dir(mdir, a.model_shape, seed=0)
     data = write_datasets(os.path.join(root, "data"), digits=3, n_train=2048, n_eval=8, seed=0)["train"]
-    res["modes"] = [run_mode(a, mdir, data, m, dist.cap, root) for m in a.mode_list]
+    res["modes"] = []
+    for m in a.mode_list:
+        res["modes"].append(run_mode(a, mdir, data, m, dist.cap, root))
+        write_json(a.out, res)  # each mode as it ends: a run cut short keeps the modes it finished
+        print(f"{m}: step {fmt(res['modes'][-1]['step_s'], '{:.2f}')} s, "
+              f"rollout {fmt(res['modes'][-1]['rollout_s'], '{:.2f}')} s", flush=True)
     base = next((m for m in res["modes"] if m["mode"] == "sync"), None)
     rows = []
     for m in res["modes"]:

