@@ -58,7 +58,11 @@ def test_forced_eos_changes_no_token_before_the_cut(tiny_model, which):
             assert c.response_ids == f.response_ids and c.loss_mask is None
             continue
         assert c.response_ids == f.response_ids[:L - 1] + [eos]
-        assert c.rollout_logprobs[:L - 1] == f.rollout_logprobs[:L - 1] and c.rollout_logprobs[-1] == FORCED_LOGPROB
+        # A cut row leaves the batch sooner, so later GEMMs run at another M: on CPUs whose kernels block by M the
+        # fp32 sums change order, an error of a few ulps of the hidden-size dot products (~1e-6); tokens stay equal.
+        torch.testing.assert_close(torch.tensor(c.rollout_logprobs[:L - 1]), torch.tensor(f.rollout_logprobs[:L - 1]),
+                                   atol=1e-5, rtol=0)
+        assert c.rollout_logprobs[-1] == FORCED_LOGPROB
         assert c.finish_reason == "stop" and c.loss_mask == [1] * (L - 1) + [0]
 
 
