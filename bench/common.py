@@ -138,6 +138,19 @@ def build_model_dir(out_dir: str, shape: str, *, seed: int = 0) -> dict[str, Any
     return {"shape": shape, "dir": out_dir, "params": n_params, "tokenizer_decoder_fixed": fixed}
 
 
+# Peak HBM bandwidth (TB/s) by the name CUDA reports, longest match first: the decode roofline's denominator.
+HBM_TBPS = {"H200": 4.8, "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100": 3.35, "H20": 4.0, "B200": 8.0,
+            "A100-SXM4-80GB": 2.039, "A100 80GB PCIe": 1.935, "A100": 1.555, "L40S": 0.864}
+
+
+def hbm_tbps(device_name: str) -> float | None:
+    """The device's peak HBM bandwidth in TB/s from HBM_TBPS, or None for a device it does not list."""
+    for key in sorted(HBM_TBPS, key=len, reverse=True):
+        if key in device_name:
+            return HBM_TBPS[key]
+    return None
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -175,6 +175,11 @@ def run_mode(a, model_dir: str, data: str, mode: str, cap: int, root: str) -> di
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.device == "cuda":
+        # the engine sleeps between rollouts and re-takes its KV cache after training; at these lengths the training
+        # activations refill the freed cache and pin it (a 74 GiB request failed with 71 GiB reserved but free), so
+        # segments that can give back their free pages are asked for before CUDA starts
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     from polyrl.rollout.lengths import parse_length_distribution

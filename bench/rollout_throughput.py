@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_model_dir, fmt, markdown_table, write_json  # noqa: E402
+from common import build_model_dir, fmt, hbm_tbps, markdown_table, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--big-new-tokens", type=int, default=512)
     p.add_argument("--hf-new-tokens", type=int, default=256, help="new tokens for the transformers baseline (0: skip it)")
     p.add_argument("--mem-fraction", type=float, default=0.5)
-    p.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth for the roofline (H100 SXM: 3.35)")
+    p.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth for the roofline, TB/s (default: the "
+                   "device's, from bench/common.py's HBM_TBPS: H100 SXM 3.35, H200 4.8)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--greedy-prompts", type=int, default=32)
     p.add_argument("--greedy-new-tokens", type=int, default=64)
@@ -111,6 +112,9 @@ def main(argv=None) -> dict:
     from polyrl.dist import set_host_threads
     set_host_threads("cuda", 1)  # as polyrl train and serve set them
     dev = torch.cuda.get_device_name()
+    if a.hbm_tbps is None:
+        a.hbm_tbps = hbm_tbps(dev)
+        assert a.hbm_tbps is not None, f"no HBM bandwidth known for {dev!r}: give --hbm-tbps"
     res: dict = {"device": dev, "torch": torch.__version__, "args": vars(a), "date": time.strftime("%Y-%m-%d")}
     mdir = a.model_dir or tempfile.mkdtemp(prefix="rollout_bench_")
     if not os.path.exists(os.path.join(mdir, "config.json")):

@@ -432,6 +432,11 @@ def _oom_line(command: str, e: BaseException) -> str:
                 f"{(m['reserved'] - m['allocated']) / gib:.1f} GiB reserved but free, of which CUDA-graph pools "
                 f"{m['pool_reserved'] / gib:.1f} GiB ({m['pool_allocated'] / gib:.1f} allocated); other processes "
                 f"{max(0, total - free - m['reserved']) / gib:.1f} GiB of {total / gib:.0f}")
+        size = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB)", str(e))
+        if size and float(size.group(1)) * (gib if size.group(2) == "GiB" else 2**20) < m["reserved"] - m["allocated"]:
+            # freed memory the request could not reuse: its segments still hold live tensors (fragmentation)
+            held += ("; more was reserved but free than asked, in segments that live tensors pin: "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator hand such memory back")
     trainer = "the trainer's micro-batches with --max-tokens-per-gpu N or --micro-batch-size N, --gradient-checkpointing"
     engine = "the engine's KV cache with --rollout-mem-fraction"
     shrink = {"train": f"{trainer}, --offload-train, or {engine}", "sft": trainer, "eval": engine}.get(command)

@@ -3,6 +3,8 @@ package ships into an ordinary HF directory under build/ (nothing in polyrl/ kno
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 
@@ -24,6 +26,22 @@ def gguf_path() -> str | None:
     return path if os.path.exists(path) else None
 
 
+@contextlib.contextmanager
+def parsed_once():
+    """transformers reads the GGUF file three times (config, tokenizer, weights: ~8 s of parsing each on 2 cores) and
+    builds gguf's tensor-name map once per module of the model (~12 s in all); both are pure functions of their
+    arguments and only read, so the conversion keeps one of each."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def convert(gguf: str, out: str) -> str:
     """Dequantize `gguf` with transformers and write an FP32 HF directory (weights, config, tokenizer with its chat
     template) to `out`: a GGUF-loaded model refuses save_pretrained, so the model is rebuilt from its config first."""
@@ -31,8 +49,9 @@ def convert(gguf: str, out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, name = os.path.split(gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    with parsed_once():
+        loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     cfg = loaded.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # the weights written are plain FP32 tensors

@@ -419,3 +419,12 @@ def test_long_tail_quick_prints_the_three_modes_side_by_side(tmp_path):
         assert m["step_s"] > 0 and m["rollout_s"] > 0 and m["occ_mean"] > 0 and len(m["occupancy"]) == 10
     sync, partial = res["modes"][0], res["modes"][1]
     assert partial["token_lag_mean"] > 0 and sync["token_lag_mean"] is None  # resumed tokens in partial mode only
+
+
+def test_the_roofline_takes_the_bandwidth_of_the_device_it_runs_on():
+    """The decode roofline's denominator comes from the device's name: an H200 is not measured against an H100's HBM."""
+    common = load("common.py")
+    assert common.hbm_tbps("NVIDIA H200") == 4.8 and common.hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35
+    assert common.hbm_tbps("NVIDIA H100 PCIe") == 2.0 and common.hbm_tbps("NVIDIA A100-SXM4-80GB") == 2.039
+    assert common.hbm_tbps("Some Other GPU") is None
+    assert load("rollout_throughput.py").parse_args([]).hbm_tbps is None  # resolved from the device at run time

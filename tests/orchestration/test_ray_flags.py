@@ -1,6 +1,7 @@
 """Ray placement flags checked for their effect: --ray-address (the run joins the cluster it names: a two-node cluster
 the test starts with `ray start` on loopback), --actor-num-nodes (one train actor per node there), --dist-backend
-(the process group the actors train in) and --ray-num-cpus (the CPUs of the local instance). Every process is bounded
+(the process group the actors train in) and --ray-num-cpus refused where a cluster is joined (its effect on a local
+instance is checked in test_ray_job.py, on that file's Ray run). Every process is bounded
 in time and the cluster is stopped by the pids the test started."""
 
 from __future__ import annotations
@@ -108,14 +109,6 @@ def test_ray_address_joins_that_cluster_with_a_train_actor_per_node_in_a_gloo_gr
     assert all(p["assigned"] == {"polyrl_slot": 1.0} for p in places), places
     assert all(p["backend"] == "gloo" and p["world"] == 2 for p in places), places
     assert all(p["cpus"] == 2.0 for p in places)  # the nodes' own CPUs (1 each)
-
-
-def test_ray_num_cpus_sizes_the_local_instance(tiny_model, arith_data, tmp_path):
-    res, places = polyrl(["--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--ray-num-cpus", "3"],
-                         tmp_path, "local", env={"RAY_ADDRESS": ""})
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert places and all(p["cpus"] == 3.0 and p["assigned"] == {"polyrl_slot": 1.0} for p in places), places
-    assert len({p["gcs"] for p in places}) == 1 and (tmp_path / "local" / "ray").exists()
 
 
 def test_ray_num_cpus_with_a_cluster_to_join_is_refused(tiny_model, arith_data, tmp_path, capsys, monkeypatch):

@@ -18,10 +18,14 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 RECORDER = '''
-import json, os, time
+import json, os, sys, time
 def record(sample):
+    ray = sys.modules.get("ray")  # a Ray actor's: the CPUs of the instance and the resources this actor holds
+    place = [ray.cluster_resources().get("CPU"), ray.get_runtime_context().get_assigned_resources()] \\
+        if ray is not None and ray.is_initialized() else [None, None]
     with open(os.environ["POLYRL_TEST_SAMPLES"], "a") as f:
-        f.write(json.dumps([sample.prompt_ids, sample.response_ids, sample.rollout_logprobs, sample.weight_version]) + "\\n")
+        f.write(json.dumps([sample.prompt_ids, sample.response_ids, sample.rollout_logprobs, sample.weight_version,
+                            *place]) + "\\n")
     time.sleep(float(os.environ.get("POLYRL_TEST_RM_SLEEP", "0")))
     return sum(c.isdigit() for c in sample.response) / 8.0
 '''
@@ -69,13 +73,14 @@ def assert_nothing_left(run_dir) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, arith_data, tmp_path_factory):
-    """The torchrun run (2 ranks, 1 launched server) and the Ray run (2 train actors, 1 engine actor)."""
+    """The torchrun run (2 ranks, 1 launched server) and the Ray run (2 train actors, 1 engine actor, a local
+    instance of --ray-num-cpus 3)."""
     tmp = tmp_path_factory.mktemp("ray")
     common = base(arith_data, tiny_model) + ["--rollout-engine", "server", "--save", str(tmp / "ckpt")]
     torchrun = polyrl(common + ["--rollout-num-engines", "1"], tmp, "torchrun",
                       launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"])
     ray_run = polyrl(common[:-1] + [str(tmp / "ckpt_ray"), "--use-ray", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus",
-                                    "1"], tmp, "ray")
+                                    "1", "--ray-num-cpus", "3"], tmp, "ray", env={"RAY_ADDRESS": ""})
     return tmp, torchrun, ray_run
 
 
@@ -96,6 +101,9 @@ def test_ray_equals_torchrun_and_its_checkpoint_resumes_without_ray(runs, tiny_m
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
     assert_nothing_left(tmp / "ray")
     assert (tmp / "ray" / "ray").is_dir()  # Ray's temp dir and logs under the run dir
+    # --ray-num-cpus sized the local instance; each train actor (they score the samples) holds one polyrl slot
+    assert all(r[4] == 3.0 and r[5] == {"polyrl_slot": 1.0} for r in r_rows), r_rows[0][4:]
+    assert all(r[4] is None for r in t_rows)
     # the Ray run's checkpoint resumes in a plain process (embedded engine, one rank: DCP re-shards)
     res, _, m = polyrl(["--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--num-rollout", "3",
                         "--load", str(tmp / "ckpt_ray")], tmp, "resumed")
