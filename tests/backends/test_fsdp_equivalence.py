@@ -37,7 +37,20 @@ from polyrl.config import OptimizerConfig  # noqa: E402
 ROUND = 1e-5  # rounding level of one step's sums in fp32 (see the module docstring)
 
 
+_RUNS: dict[tuple, dict] = {}  # runs of a module's tests that share a setting (the worker is deterministic)
+
+
 def run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
+    """The worker's record of `nproc` ranks on `model` with `args`; a setting run once in this process is not run again
+    (two runs of one setting are bit-identical: test_resume_matches_uninterrupted_also_on_other_world_size asserts as
+    much of a resumed run), and the record is returned read-only in spirit: no test changes it."""
+    key = (model, nproc, args)
+    if key not in _RUNS:
+        _RUNS[key] = _run_worker(model, out, nproc, *args)
+    return _RUNS[key]
+
+
+def _run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, model, out, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -134,7 +147,9 @@ def test_adam_update_bound_holds_and_is_tight(history):
 
 
 @pytest.fixture(scope="module", params=["qwen2-tied", "llama-untied", "qwen3-tied"])
-def arch_model(request, tmp_path_factory):
+def arch_model(request, tmp_path_factory, tiny_model):
+    if request.param == "qwen2-tied":  # tiny_model is that one (make_model_dir's defaults): its runs are shared below
+        return tiny_model
     arch, tie = request.param.split("-")
     return make_model_dir(tmp_path_factory.mktemp(request.param), arch=arch, tied=tie == "tied")
 
@@ -168,7 +183,7 @@ def test_cpu_offload_matches_no_offload(tiny_model, tmp_path):
 
 
 def test_micro_batch_split_does_not_change_the_step(tiny_model, tmp_path):
-    whole = run_worker(tiny_model, str(tmp_path / "w.pt"), 1, "--micro-batch-size", "8")
+    whole = run_worker(tiny_model, str(tmp_path / "w.pt"), 1)  # the worker's default: one micro-batch of all 8
     split = run_worker(tiny_model, str(tmp_path / "s.pt"), 1, "--micro-batch-size", "3")
     dynamic = run_worker(tiny_model, str(tmp_path / "d.pt"), 1, "--dynamic", "24")
     packed = run_worker(tiny_model, str(tmp_path / "p.pt"), 1, "--dynamic", "24", "--layout", "packed")

@@ -68,7 +68,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
             os.killpg(p.pid, signal.SIGTERM)
     for p in procs[::-1]:
         try:
-            p.wait(timeout=30)
+            p.wait(timeout=5)  # it takes its time (over 30 s seen) to stop; its process group goes down together
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
