@@ -21,16 +21,6 @@ def trl_length(prompts, completions, **kwargs) -> list[float]:
     return [-0.01 * len(c) for c in completions]
 
 
-class Rows:
-    """What datasets.Dataset offers train(): iteration over dict rows."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __iter__(self):
-        return iter(self.rows)
-
-
 def test_import_polyrl_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, polyrl; print('torch' in sys.modules, callable(polyrl.train))"],
                          capture_output=True, text=True, timeout=120)
@@ -44,7 +34,8 @@ def test_train_takes_rows_callables_and_trl_names(tiny_model, arith_data, tmp_pa
     def polyrl_form(sample):
         calls.append(sample.label)
         return digit_count(sample)
-    out = polyrl.train(tiny_model, Rows(rows), [polyrl_form, trl_length], eval_prompts=rows[:2],
+    import datasets
+    out = polyrl.train(tiny_model, datasets.Dataset.from_list(rows), [polyrl_form, trl_length], eval_prompts=rows[:2],
                        rollout_batch_size=2, num_generations=2, max_completion_length=4, learning_rate=1e-3,
                        max_steps=2, device="cpu", quiet=True, eval_interval=2, run_dir=str(tmp_path / "run"))
     assert [r["step"] for r in out["metrics"]] == [0, 1, 2] and out["run_dir"] == str(tmp_path / "run")
@@ -85,7 +76,8 @@ def test_prompt_data_names_what_a_datasets_directory_needs(tmp_path):
 
 
 def test_a_saved_dataset_directory_reads_as_its_rows(tmp_path):
-    datasets = pytest.importorskip("datasets", reason="reading a save_to_disk directory needs the datasets package")
+    import datasets  # make install adds it
+
     from polyrl.data import load_records
     datasets.Dataset.from_list([{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(5)]).save_to_disk(
         str(tmp_path / "ds"))
