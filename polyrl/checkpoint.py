@@ -50,9 +50,11 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None, critic=None) -> str:
+def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None, critic=None,
+                    optimizer: bool = True) -> str:
     """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps.
-    critic: a second backend (PPO's critic), saved the same way under step_N/critic/."""
+    critic: a second backend (PPO's critic), saved the same way under step_N/critic/. optimizer=False: no optimizer
+    state (--no-save-optim)."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     set_phase(f"the checkpoint save of step {step}")
@@ -64,9 +66,9 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
             os.makedirs(os.path.join(tmp, CRITIC_DIR))
     barrier()
     with writing(tmp):
-        backend.save(tmp)
+        backend.save(tmp, **({} if optimizer else {"optimizer": False}))
         if critic is not None:
-            critic.save(os.path.join(tmp, CRITIC_DIR))
+            critic.save(os.path.join(tmp, CRITIC_DIR), **({} if optimizer else {"optimizer": False}))
         barrier()
         if is_main():
             _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
@@ -270,6 +272,12 @@ def _check_dcp_files(step_dir: str, what: str | None = None) -> None:
                                       f"up to byte {end})")
 
 
+def has_optimizer_state(dcp_dir: str) -> bool:
+    """Whether the DCP checkpoint `dcp_dir` holds optimizer state ("optim.*" entries): not when --no-save-optim wrote it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    return any(k.startswith("optim.") for k in FileSystemReader(dcp_dir).read_metadata().state_dict_metadata)
+
+
 def load_checkpoint(path: str, backend, critic=None) -> dict:
     """Every rank loads the step directory rank 0 resolved `path` to (the save root or one step directory)."""
     path = resolve_on_rank0(path)
@@ -293,6 +301,8 @@ def load_checkpoint(path: str, backend, critic=None) -> dict:
     except (Exception, DCPError) as e:  # a torn shard or another model's shapes surface here; say which checkpoint
         raise CheckpointError(_load_error(path, state, e)) from None
     notice(f"loaded checkpoint {os.path.abspath(path)} (step {state.get('step')})")
+    if os.path.isfile(os.path.join(path, "dcp", ".metadata")) and not has_optimizer_state(os.path.join(path, "dcp")):
+        notice("it holds no optimizer state (saved with --no-save-optim): AdamW's moments start from zero at this step")
     return state
 
 

@@ -474,6 +474,9 @@ class CheckpointConfig:
     save_hf: str | None = opt(None, "export the final actor as an HF directory (with LoRA: adapters merged in; PPO's critic, with gae: to DIR_critic)")
     save_hf_adapter: bool = opt(False, "LoRA: --save-hf writes a peft adapter directory (adapter_config.json + weights) "
                                        "instead of the merged model")
+    save_optim: bool = opt(True, "checkpoints hold the optimizer state; --no-save-optim (Megatron-LM's flag): only the "
+                                 "weights, the LR schedule and the RNG state, a third of an FP32 AdamW checkpoint's "
+                                 "bytes; a run resumed from one starts AdamW's moments from zero, and says so")
     max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
                                              "a newer one is complete (default: keep all)")
     max_wall_time: float | None = opt(None, "seconds: stop (exit status 0) with a checkpoint after the last step that "

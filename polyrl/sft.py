@@ -80,7 +80,8 @@ def sft(cfg: Config) -> dict:
             with timer("save"):  # before the log: the step's row says what its save took
                 save_checkpoint(cfg.checkpoint.save, step + 1, backend,
                                 {"step": step + 1, "data_file": identity, **run_identity(cfg),
-                                 "config": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.max_ckpt_to_keep)
+                                 "config": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.max_ckpt_to_keep,
+                                optimizer=cfg.checkpoint.save_optim)
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
         if logger.quiet and d.is_main and _progress_step(step + 1, start, total):

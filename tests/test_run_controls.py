@@ -1,6 +1,6 @@
 """What a long run needs from the outside: eval progress and its samples on disk, a timing of the checkpoint write of
-its own, a stop at a step boundary with a checkpoint (SIGUSR1, --max-wall-time), a resume at another --lr, and the
-SFT console line with its loss."""
+its own, a stop at a step boundary with a checkpoint (SIGUSR1, --max-wall-time), a resume at another --lr, checkpoints
+without the optimizer state (--no-save-optim), and the SFT console line with its loss."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from polyrl.cli import main
 
@@ -91,6 +92,57 @@ def test_a_resume_at_another_lr_applies_it_and_says_so(tiny_model, arith_data, t
                            "--load", str(ck))) == 0
     assert "--lr 0.0003 applies from the resumed step on (the checkpoint was trained at 0.001)" in capsys.readouterr().err
     assert [r["lr"] for r in rows(run)] == [pytest.approx(1e-3), pytest.approx(3e-4)]  # a constant schedule
+
+
+def test_no_save_optim_leaves_the_optimizer_out_and_a_resume_starts_it_from_zero(tiny_model, arith_data, tmp_path,
+                                                                                  capsys):
+    """--no-save-optim: the checkpoint holds the weights but no optimizer entry (a third of the bytes for FP32 AdamW).
+    Resumed from it and from a full checkpoint of the same step, step 2 samples and scores the same (the same weights:
+    equal reward, loss and gradient norm, which come before the update) and then updates differently (fresh moments)."""
+    from safetensors.torch import load_file
+
+    from polyrl.checkpoint import has_optimizer_state
+
+    def dcp_bytes(ck) -> int:
+        d = ck / "step_000001" / "dcp"
+        return sum(os.path.getsize(d / f) for f in os.listdir(d))
+    rm = tmp_path / "rm.py"  # partial credit: the random model's samples differ in reward, so every step has a gradient
+    rm.write_text("def digits(sample):\n    return sum(c.isdigit() for c in sample.response) / 3.0\n")
+
+    def args(name: str, *extra: str) -> list[str]:
+        a = train_args(tiny_model, arith_data["train"], tmp_path / f"run_{name}", "--n-samples-per-prompt", "4",
+                       "--rollout-max-response-len", "6", *extra)
+        i = a.index("--rm-type")
+        return a[:i] + ["--custom-rm-path", f"{rm}:digits"] + a[i + 2:]
+    for name, extra in (("full", ()), ("lean", ("--no-save-optim",))):
+        assert main(args(name, "--save", str(tmp_path / name), "--num-rollout", "1", *extra)) == 0
+    full, lean = tmp_path / "full", tmp_path / "lean"
+    assert has_optimizer_state(str(full / "step_000001" / "dcp"))
+    assert not has_optimizer_state(str(lean / "step_000001" / "dcp"))
+    assert dcp_bytes(lean) < 0.4 * dcp_bytes(full)  # weights only, against weights + two moments
+    capsys.readouterr()
+    for name in ("full", "lean"):
+        assert main(args(name, "--num-rollout", "2", "--load", str(tmp_path / name), "--save-hf",
+                         str(tmp_path / f"hf_{name}"))) == 0
+    assert capsys.readouterr().err.count("holds no optimizer state (saved with --no-save-optim)") == 1
+    a, b = rows(tmp_path / "run_full")[-1], rows(tmp_path / "run_lean")[-1]
+    assert a["step"] == b["step"] == 2 and a["grad_norm"] > 0
+    for k in ("reward/mean", "loss", "grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
+    wa, wb = (load_file(str(tmp_path / f"hf_{n}" / "model.safetensors")) for n in ("full", "lean"))
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_no_save_optim_on_the_megatron_backend_is_refused():
+    import dataclasses
+
+    from polyrl.capabilities import refuse_unhonoured
+    from polyrl.config import Config, ConfigError
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, train_backend="megatron"),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, save_optim=False))
+    with pytest.raises(ConfigError, match=r"--no-save-optim is not honoured by --train-backend megatron"):
+        refuse_unhonoured(cfg, "train")
 
 
 def test_the_sft_console_line_shows_the_loss(tiny_model, tmp_path, capsys, monkeypatch):

@@ -36,6 +36,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "images",  # vision-language HF models: pixel inputs and multimodal RoPE in the log-prob forward
         "true_on_policy",  # packed fixed-block forwards through polyrl.backends.true_on_policy (CPU FP32, CUDA BF16/FP32)
         "mtp_training",  # --enable-mtp-training: the MTP layers' loss beside the policy loss (polyrl.backends.fsdp.mtp)
+        "save_without_optimizer",  # --no-save-optim: save(path, optimizer=False); load() of such a checkpoint
     }),
     "megatron": frozenset({
         "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider, optimizer CPU offload
@@ -71,7 +72,9 @@ class TrainBackend(Protocol):
         """Full HF-named tensors, one at a time. May be a polyrl.weight_sync.WeightExport, whose `copy_into(views)`
         lets an engine in the same process take the weights straight into its own buffers."""
 
-    def save(self, path: str) -> None: ...
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        """A checkpoint of this backend under `path`; optimizer=False (--no-save-optim, where the backend declares
+        save_without_optimizer) leaves the optimizer state out, and load() of it keeps a fresh optimizer."""
 
     def load(self, path: str) -> None: ...
 

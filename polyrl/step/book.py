@@ -152,7 +152,7 @@ def checkpoint_saver(cfg: Config, backend, critic=None) -> Callable[[int, dict],
     def save(step: int, data_state: dict) -> None:
         save_checkpoint(ck.save, step, backend, {"step": step, "data": data_state, **run_identity(cfg),
                                                  "config": dataclasses.asdict(cfg)},
-                        keep=ck.max_ckpt_to_keep, critic=critic)
+                        keep=ck.max_ckpt_to_keep, critic=critic, optimizer=ck.save_optim)
     return save
 
 

@@ -707,9 +707,9 @@ class FSDPBackend:
             model_sd = {k: v for k, v in model_sd.items() if k in keep}
         return model_sd, optim_sd
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, optimizer: bool = True) -> None:
         model_sd, optim_sd = self._state_dicts()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        dcp.save({"model": model_sd, **({"optim": optim_sd} if optimizer else {})}, checkpoint_id=os.path.join(path, "dcp"))
         extra = {"scheduler": self.scheduler.state_dict(), "cpu_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "skipped_steps": self.skipped_steps}
@@ -718,12 +718,18 @@ class FSDPBackend:
             dcp.save({"model": get_model_state_dict(self.ref_model)}, checkpoint_id=os.path.join(path, "dcp_ref"))
 
     def load(self, path: str) -> None:
+        from polyrl.checkpoint import has_optimizer_state
         model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd}
+        with_optim = has_optimizer_state(os.path.join(path, "dcp"))  # not when --no-save-optim wrote it
+        state = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))  # a key the checkpoint lacks fails here (DCP is strict)
         # LoRA: not strict, the base weights are not in the checkpoint and stay as --hf-checkpoint has them
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=self.peft is None))
+        options = StateDictOptions(strict=self.peft is None)
+        if with_optim:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=options)
+        else:  # the optimizer as built: no step taken, zero moments
+            set_model_state_dict(self.model, state["model"], options=options)
         # A resume onto more ranks than saved reuses rank 0's scheduler and RNG-derived state
         from polyrl.checkpoint import load_extras
         extra = load_extras(path)  # tensors and plain values only: a checkpoint from elsewhere runs no code

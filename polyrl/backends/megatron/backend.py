@@ -840,7 +840,9 @@ class MegatronBackend:
         sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
         return sd
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        if not optimizer:  # refused at start-up (no save_without_optimizer capability); a direct caller hears it here
+            raise NotImplementedError("the megatron backend saves its distributed optimizer with the weights")
         with self._resident():
             self._save(path)
 
