@@ -226,3 +226,25 @@ def test_the_gateway_refuses_what_the_server_refuses(gateway, served):
         assert post(url, b"[1, 2]", "application/json") == 400
         assert post(url, b"{bad json", "application/json") == 400
         assert post(url, json.dumps({"messages": ASK}).encode(), "application/json", key="nope") == 401
+
+
+def test_the_gateway_streams_lists_its_model_and_honours_stop_and_top_p(gateway):
+    """The in-process gateway's own /v1 (no trajectory): the same stream as a plain call, its model name, a stop string
+    cutting the text before its first occurrence, and a top_p small enough to leave one token a step (greedy)."""
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        assert [m.id for m in client.models.list().data] == ["chat_model"]
+        plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, seed=5)
+        text = plain.choices[0].message.content or ""
+        chunks = list(client.chat.completions.create(model="m", messages=ASK, max_tokens=12, seed=5, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert len(text) >= 4, text  # a stop string from the middle of the text the same seed gives
+        cut = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, seed=5, stop=[text[2:4]])
+        assert cut.choices[0].message.content == text[:text.index(text[2:4])]
+        assert cut.choices[0].finish_reason == "stop"
+        greedy = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0.0)
+        narrow = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=1.0, top_p=1e-9,
+                                                seed=11)
+        assert narrow.choices[0].message.content == greedy.choices[0].message.content
+    finally:
+        client.close()
