@@ -66,9 +66,9 @@ def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int |
             os.makedirs(os.path.join(tmp, CRITIC_DIR))
     barrier()
     with writing(tmp):
-        backend.save(tmp, **({} if optimizer else {"optimizer": False}))
+        backend.save(tmp, optimizer=optimizer)
         if critic is not None:
-            critic.save(os.path.join(tmp, CRITIC_DIR), **({} if optimizer else {"optimizer": False}))
+            critic.save(os.path.join(tmp, CRITIC_DIR), optimizer=optimizer)
         barrier()
         if is_main():
             _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))

@@ -420,7 +420,7 @@ def _oom_line(command: str, e: BaseException) -> str:
 
     import torch
     import torch.distributed as dist
-    asked = re.search(r"Tried to allocate [\d.]+ \w+", str(e))
+    asked = re.search(r"Tried to allocate ([\d.]+) (\w+)", str(e))
     rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
     held = ""
     if torch.cuda.is_available():
@@ -432,8 +432,8 @@ def _oom_line(command: str, e: BaseException) -> str:
                 f"{(m['reserved'] - m['allocated']) / gib:.1f} GiB reserved but free, of which CUDA-graph pools "
                 f"{m['pool_reserved'] / gib:.1f} GiB ({m['pool_allocated'] / gib:.1f} allocated); other processes "
                 f"{max(0, total - free - m['reserved']) / gib:.1f} GiB of {total / gib:.0f}")
-        size = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB)", str(e))
-        if size and float(size.group(1)) * (gib if size.group(2) == "GiB" else 2**20) < m["reserved"] - m["allocated"]:
+        unit = {"GiB": gib, "MiB": 2**20, "KiB": 2**10, "B": 1}.get(asked.group(2)) if asked else None
+        if unit and float(asked.group(1)) * unit < m["reserved"] - m["allocated"]:
             # freed memory the request could not reuse: its segments still hold live tensors (fragmentation)
             held += ("; more was reserved but free than asked, in segments that live tensors pin: "
                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator hand such memory back")

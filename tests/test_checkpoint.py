@@ -15,7 +15,7 @@ class FakeBackend:
     def __init__(self, fail: bool = False):
         self.fail = fail
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, optimizer: bool = True) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
         dcp.save({"w": torch.arange(8.0)}, checkpoint_id=os.path.join(path, "dcp"), no_dist=True)
@@ -158,7 +158,7 @@ def test_a_save_whose_shard_vanished_before_it_was_sealed_is_not_marked_complete
     from polyrl.checkpoint import CheckpointError
 
     class Vanishing(FakeBackend):
-        def save(self, path):
+        def save(self, path, *, optimizer=True):
             super().save(path)
             for f in os.listdir(os.path.join(path, "dcp")):
                 if f.endswith(".distcp"):

@@ -195,7 +195,7 @@ def test_banner_and_closing_line_say_where_things_are(tmp_path, capsys):
     from polyrl.metrics import banner, closing_line
 
     class Backend:
-        def save(self, path):
+        def save(self, path, *, optimizer=True):
             os.makedirs(os.path.join(path, "dcp"))
 
     cfg = Config()

@@ -41,9 +41,8 @@ _RUNS: dict[tuple, dict] = {}  # runs of a module's tests that share a setting (
 
 
 def run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
-    """The worker's record of `nproc` ranks on `model` with `args`; a setting run once in this process is not run again
-    (two runs of one setting are bit-identical: test_resume_matches_uninterrupted_also_on_other_world_size asserts as
-    much of a resumed run), and the record is returned read-only in spirit: no test changes it."""
+    """The worker's record of `nproc` ranks on `model` with `args`, run once per setting in this process: the worker is
+    deterministic, and no test changes a record it gets."""
     key = (model, nproc, args)
     if key not in _RUNS:
         _RUNS[key] = _run_worker(model, out, nproc, *args)
