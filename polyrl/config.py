@@ -188,6 +188,10 @@ class EnginesConfig:
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine server (SGLang: its tensor parallel size)")
     rollout_external: bool = opt(False, "attach to running servers (--rollout-external-engine-addrs); polyrl never stops them")
     rollout_external_engine_addrs: list[str] = opt([], "URLs (or host:port) of running SGLang / polyrl serve servers")
+    rollout_external_colocated: bool = opt(False, "the --rollout-external servers run on this trainer's GPUs: they release "
+                                                  "their memory while it trains and take the weights over gloo, as "
+                                                  "launched servers sharing the GPUs do (--use-ray --colocate with "
+                                                  "--rollout-engine server sets it for its engine actors)")
     use_sglang_router: bool = opt(False, "run the real sglang-router in front of the engines (pip install sglang-router); "
                                          "without it polyrl spreads requests itself (least outstanding requests)")
     sglang_router_policy: str = opt("cache_aware", "sglang-router --policy",
@@ -1185,10 +1189,20 @@ def _validate_ray(cfg: Config) -> None:
     if e.rollout_external:
         raise ConfigError("--use-ray starts its engines as Ray actors; --rollout-external attaches to running servers: "
                           "drop one of them")
-    if y.colocate and r.rollout_engine != "embedded":
-        raise ConfigError(f"--use-ray --colocate runs the engine inside each train actor (--rollout-engine embedded, weights "
-                          f"from tensor); --rollout-engine {r.rollout_engine} servers on the train actors' GPUs are not "
-                          "supported under Ray: drop --colocate to give the servers GPUs of their own")
+    if y.colocate and r.rollout_engine not in ("embedded", "server"):
+        raise ConfigError(f"--use-ray --colocate runs the embedded engine inside each train actor, or one `polyrl serve` "
+                          f"actor beside each on its GPU (--rollout-engine server); --rollout-engine {r.rollout_engine} "
+                          "servers on the train actors' GPUs are not supported under Ray: drop --colocate to give them "
+                          "GPUs of their own")
+    if y.colocate and r.rollout_engine == "server":
+        if r.async_training:
+            raise ConfigError("--use-ray --colocate --rollout-engine server: the train and engine actors take turns on "
+                              "each GPU, which --async cannot (it trains while the engines generate): drop --async or "
+                              "--colocate")
+        if (e.rollout_num_engines or y.actor_num_nodes * y.actor_num_gpus_per_node) != y.actor_num_nodes * \
+                y.actor_num_gpus_per_node or e.rollout_num_gpus:
+            raise ConfigError("--use-ray --colocate --rollout-engine server puts one engine actor on each train actor's "
+                              "GPU: drop --rollout-num-engines / --rollout-num-gpus (the train actors set the count)")
     if not y.colocate and r.rollout_engine == "embedded":
         raise ConfigError("--use-ray without --colocate puts the engines on GPUs of their own, as servers: add "
                           "--rollout-engine server (or sglang), or --colocate to keep the embedded engine in the train actors")
@@ -1241,6 +1255,12 @@ def _validate_engines(cfg: Config) -> None:
         raise ConfigError("--rollout-external needs --rollout-external-engine-addrs URL [URL ...] (running SGLang or polyrl serve servers)")
     if e.rollout_external_engine_addrs and not e.rollout_external:
         raise ConfigError("--rollout-external-engine-addrs is given without --rollout-external; add it to attach to those servers")
+    if e.rollout_external_colocated and not e.rollout_external:
+        raise ConfigError("--rollout-external-colocated describes --rollout-external servers; launched servers share the "
+                          "trainer's GPUs whenever the GPUs past the trainer's cannot hold them: drop it")
+    if e.rollout_external_colocated and r.async_training:
+        raise ConfigError("--async trains while the engines generate, so they cannot take turns on the trainer's GPUs: "
+                          "drop --rollout-external-colocated (or --async)")
     in_process = r.rollout_engine == "embedded" and not e.rollout_external
     if in_process and e.weight_sync in ("distributed", "disk"):
         raise ConfigError(f"--weight-sync {e.weight_sync} needs engine servers (--rollout-engine server|sglang or "

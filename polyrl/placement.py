@@ -96,9 +96,11 @@ def plan(cfg: Config, visible_gpus: int, trainer_ranks: int = 1) -> Plan:
                           "--rollout-engine sglang for tensor-parallel engines, or --rollout-num-engines for more engines")
     if y.use_ray:
         ranks = y.actor_num_gpus_per_node
-        if y.colocate:  # the embedded engine inside each train actor
+        if y.colocate:  # the embedded engine inside each train actor, or a server actor beside each on its GPU
             devices = tuple(range(ranks)) if device == "cuda" else ()
-            return Plan(device, "ray", ranks, devices, kind, tuple((d,) for d in devices), device == "cuda", transport)
+            engines = tuple((d,) for d in devices) if device == "cuda" or kind == "embedded" else \
+                tuple(() for _ in range(ranks))
+            return Plan(device, "ray", ranks, devices, kind, engines, device == "cuda", transport)
         # engine actors get GPUs of their own; Ray's placement group decides which, so no ids here
         return Plan(device, "ray", ranks, (), kind, tuple(() for _ in range(n)), False, transport)
     trainer_devices = tuple(range(trainer_ranks)) if device == "cuda" else ()
@@ -110,9 +112,9 @@ def plan(cfg: Config, visible_gpus: int, trainer_ranks: int = 1) -> Plan:
     if kind == "embedded":
         return Plan(device, "process", trainer_ranks, trainer_devices, kind, tuple((d,) for d in trainer_devices),
                     device == "cuda", transport)
-    if kind == "external":
+    if kind == "external":  # --rollout-external-colocated: servers started on these GPUs (a Ray engine actor beside each)
         return Plan(device, "process", trainer_ranks, trainer_devices, kind,
-                    tuple(() for _ in e.rollout_external_engine_addrs), False, transport)
+                    tuple(() for _ in e.rollout_external_engine_addrs), e.rollout_external_colocated, transport)
     if device != "cuda":  # CPU servers: processes of their own, no devices to share
         return Plan(device, "process", trainer_ranks, (), kind, tuple(() for _ in range(n)), False, transport)
     gpus, shared = engine_gpus(n, per, trainer_ranks, visible_gpus)

@@ -428,3 +428,12 @@ def test_the_roofline_takes_the_bandwidth_of_the_device_it_runs_on():
     assert common.hbm_tbps("NVIDIA H100 PCIe") == 2.0 and common.hbm_tbps("NVIDIA A100-SXM4-80GB") == 2.039
     assert common.hbm_tbps("Some Other GPU") is None
     assert load("rollout_throughput.py").parse_args([]).hbm_tbps is None  # resolved from the device at run time
+
+
+def test_ray_step_parse_args_refuses_what_it_cannot_measure():
+    mod = load("ray_step.py")
+    a = mod.parse_args(["--quick"])
+    assert a.device == "cpu" and a.steps == 2 and a.mode_list == list(mod.MODES)
+    for bad in (["--steps", "1"], ["--modes", "plain,nope"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)

@@ -51,6 +51,11 @@ LAYOUTS = [
                  ("cuda", (0, 1), "embedded", ((0,), (1,)), True, "tensor"), id="ray-colocate-gpu-driver-without-gpus"),
     pytest.param({"ray": {"use_ray": True}, "rollout": SERVER, "engines": {"rollout_num_engines": 2}}, 0, 1,
                  ("cpu", (), "server", ((), ()), False, "distributed"), id="ray-engine-actors"),
+    pytest.param({"ray": {"use_ray": True, "colocate": True}, "rollout": SERVER, "cluster": {"device": "cuda"}}, 0, 1,
+                 ("cuda", (0,), "server", ((0,),), True, "distributed"), id="ray-colocate-server-actor-per-gpu"),
+    # what a colocated train actor sees: its engine actor's server as an external engine on its own GPU
+    pytest.param({"engines": {**EXTERNAL, "rollout_external_colocated": True}}, 1, 1,
+                 ("cuda", (0,), "external", ((), ()), True, "distributed"), id="external-colocated"),
 ]
 
 
@@ -87,3 +92,26 @@ def test_validation_refuses_an_impossible_layout_before_anything_is_built(tiny_m
     assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
                  "--rollout-engine", "server", "--rollout-num-gpus-per-engine", "2", "--device", "cpu"]) == 2
     assert "--rollout-num-gpus-per-engine 2 with --rollout-engine server" in capsys.readouterr().err
+
+
+def test_ray_colocated_servers_get_one_engine_actor_per_train_actor():
+    from polyrl.orchestration.ray_job import plan as ray_plan
+    c = cfg(ray={"use_ray": True, "colocate": True, "actor_num_gpus_per_node": 2, "actor_num_nodes": 2}, rollout=SERVER)
+    assert ray_plan(c) == (4, 4, 0)  # 4 train actors, an engine actor in each one's bundle
+    assert ray_plan(cfg(ray={"use_ray": True, "colocate": True, "actor_num_gpus_per_node": 2})) == (2, 0, 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--use-ray", "--colocate", "--rollout-engine", "sglang"], "--rollout-engine sglang servers on the train actors' GPUs"),
+    (["--use-ray", "--colocate", "--rollout-engine", "server", "--rollout-num-engines", "2"],
+     "puts one engine actor on each train actor's GPU"),
+    (["--use-ray", "--colocate", "--rollout-engine", "server", "--async"], "take turns on each GPU"),
+    (["--rollout-external-colocated"], "--rollout-external-colocated describes --rollout-external servers"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:1", "--rollout-external-colocated",
+      "--async"], "cannot take turns on the trainer's GPUs"),
+])
+def test_colocated_server_flags_refuse_what_cannot_take_turns(tiny_model, arith_data, capsys, args, message):
+    from polyrl.cli import main
+    assert main(["train", "--hf-checkpoint", tiny_model, "--prompt-data", arith_data["train"], "--rm-type", "arithmetic",
+                 "--device", "cpu", *args]) == 2
+    assert message in capsys.readouterr().err

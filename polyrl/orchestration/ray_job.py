@@ -11,7 +11,10 @@ custom resource the local instance declares) and, disaggregated, a bundle per en
                                   the engine actors' servers as external engines (weights from
                                   distributed). `--colocate`: no engine actors; the embedded engine
                                   runs inside each train actor on its GPU and the two take turns
-                                  (offload/onload, sleep/wake), weights from tensor.
+                                  (offload/onload, sleep/wake), weights from tensor. `--colocate
+                                  --rollout-engine server`: one engine actor in each train actor's
+                                  bundle (a fraction of its GPU each), taking turns the same way
+                                  through the server's memory routes, weights over gloo.
 The reference model is part of each train actor's backend (slime's `with_ref`), as under torchrun.
 The driver waits on the actors; a train actor that dies (or raises) ends the run with a message
 naming it, every actor is killed, the placement group removed, and a local Ray instance stopped:
@@ -34,6 +37,9 @@ from polyrl.metrics import notice
 log = logging.getLogger(__name__)
 
 RAY_HINT = "--use-ray needs Ray: pip install 'polyrl[ray]' (or pip install ray)"
+# --colocate with servers: the engine actor's share of its train actor's bundle, for Ray's bookkeeping only (the two
+# take turns on the whole GPU: the engine releases its memory while the trainer trains)
+ENGINE_SHARE = 0.5
 CPU_SLOT = "polyrl_slot"  # what a "GPU" is on CPU: declared by the local instance, or by `ray start --resources`
 
 
@@ -51,6 +57,11 @@ def _import_ray():
 
 def _unit(cfg: Config) -> str:
     return "GPU" if cfg.cluster.device == "cuda" else CPU_SLOT
+
+
+def _needs(unit: str, amount: float) -> dict:
+    """An actor's resource options: Ray takes GPUs as num_gpus only (a "GPU" key in resources is refused)."""
+    return {"num_gpus": amount} if unit == "GPU" else {"resources": {unit: amount}}
 
 
 def _absolute(cfg: Config) -> Config:
@@ -177,6 +188,8 @@ def plan(cfg: Config) -> tuple[int, int, int]:
     world = cfg.ray.actor_num_nodes * p.trainer_ranks
     if p.in_process:
         return world, 0, 0
+    if cfg.ray.colocate:  # a server actor in each train actor's bundle
+        return world, world, 0
     return world, len(p.engine_devices), cfg.engines.rollout_num_gpus_per_engine
 
 
@@ -193,7 +206,8 @@ def train_on_ray(cfg: Config) -> dict:
     engines: list = []
     pg = None
     try:
-        bundles = [{unit: 1} for _ in range(world)] + [{unit: per_eng} for _ in range(n_eng)]
+        shared = cfg.ray.colocate and n_eng > 0  # engine actor k shares train actor k's bundle (and GPU)
+        bundles = [{unit: 1} for _ in range(world)] + ([] if shared else [{unit: per_eng} for _ in range(n_eng)])
         pg = placement_group(bundles, strategy="PACK")
         timeout = cfg.engines.rollout_engine_startup_timeout
         ready, _ = ray.wait([pg.ready()], timeout=timeout)
@@ -213,15 +227,18 @@ def train_on_ray(cfg: Config) -> dict:
             run_cfg.engines.api_key = key = engines_api_key(cfg, launched=True)
             run_cfg.engines.api_key_file = None
             eng_cls = ray.remote(num_cpus=0)(EngineRayActor)
-            engines = [eng_cls.options(scheduling_strategy=at(world + k), resources={unit: per_eng}).remote()
+            engines = [eng_cls.options(scheduling_strategy=at(k if shared else world + k),
+                                       **_needs(unit, ENGINE_SHARE if shared else per_eng)).remote()
                        for k in range(n_eng)]
             log_dir = os.path.join(cfg.log.run_dir, "engines")
             urls = _get(ray, [e.start.remote(cfg, k, log_dir, "node" if multi_node else "loopback", key)
                               for k, e in enumerate(engines)], timeout + 30, "engine actors starting their servers")
             run_cfg.engines.rollout_external, run_cfg.engines.rollout_external_engine_addrs = True, urls
+            run_cfg.engines.rollout_external_colocated = shared
         train_cls = ray.remote(num_cpus=0)(TrainRayActor)
         for restart in range(cfg.ray.max_restarts + 1):
-            actors = [train_cls.options(scheduling_strategy=at(i), resources={unit: 1}).remote() for i in range(world)]
+            actors = [train_cls.options(scheduling_strategy=at(i), **_needs(unit, 1 - ENGINE_SHARE if shared else 1)).remote()
+                      for i in range(world)]
             master = _get(ray, [actors[0].master.remote()], 120, "train actor 0 (its address)")[0]
             pids = _get(ray, [a.pid.remote() for a in actors + engines], 120, "actors (their pids)")
             os.makedirs(cfg.log.run_dir, exist_ok=True)

@@ -319,6 +319,7 @@ class HTTPEngine:
         self.router_log = os.path.join(log_dir, "router.log")
         if e.rollout_external:
             self.servers = [Server(k, normalize_url(a)) for k, a in enumerate(e.rollout_external_engine_addrs)]
+            self.shares_devices = e.rollout_external_colocated
             self._probe_external(e.rollout_external_startup_timeout)
         else:
             n = num_engines(cfg)

@@ -125,6 +125,27 @@ def test_colocated_and_disaggregated_give_the_same_first_step(runs, tiny_model, 
     assert_nothing_left(tmp / "colocated")
 
 
+def test_colocated_server_actor_shares_its_train_actors_slot_and_samples_the_same(runs, tiny_model, arith_data):
+    """--colocate --rollout-engine server: the engine actor sits in the train actor's bundle (half a slot each), the
+    train actor attaches to its server as a colocated external engine (sleep/wake, weights over gloo)."""
+    tmp, _, (r_res, r_rows, _) = runs
+    assert r_res.returncode == 0
+    res, rows, m = polyrl(base(arith_data, tiny_model) + ["--num-rollout", "1", "--use-ray", "--colocate",
+                                                          "--rollout-engine", "server", "--actor-num-gpus-per-node", "2",
+                                                          "--ray-num-cpus", "3"],
+                          tmp, "colocated_server", env={"RAY_ADDRESS": ""})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [x["step"] for x in m] == [1]
+    assert all(r[5] == {"polyrl_slot": 0.5} for r in rows), rows[0][5]
+    disagg = {json.dumps(r[:2]): r[2] for r in r_rows if r[3] == 0}
+    first = {json.dumps(r[:2]): r[2] for r in rows}
+    assert first.keys() == disagg.keys()
+    for k in first:
+        assert max(abs(a - b) for a, b in zip(first[k], disagg[k])) < LOGPROB_TOL
+    assert len(json.load(open(tmp / "colocated_server" / "ray_actors.json"))["engines"]) == 2
+    assert_nothing_left(tmp / "colocated_server")
+
+
 def test_a_killed_train_actor_ends_the_run_with_a_message(tiny_model, arith_data, tmp_path):
     rm = tmp_path / "rm.py"
     rm.write_text(RECORDER)
