@@ -19,6 +19,8 @@ names its own.
   python3 bench/cpu_contention.py                  # 2 repeats of 2 settings x 3 loads (50 min on 2 shared cores)
   python3 bench/cpu_contention.py --cores 2        # on a bigger machine: this process and its children on 2 cores
   python3 bench/cpu_contention.py --quick          # a smoke run: small phases, 1 repeat, loads 0 and 1
+  python3 bench/cpu_contention.py --real-model build/smollm2-135m-instruct --loads 0,1 --repeats 1
+                                                   # the real-weight example's GRPO step instead of the demo's phases
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one phase may take (default 1800)")
     p.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary directory, removed)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    p.add_argument("--real-model", default=None, metavar="DIR",
+                   help="instead of the demo: GRPO steps of examples/real_model/config.yaml's task on this converted "
+                        "SmolLM2-135M-Instruct directory (python tests/real_model.py builds build/smollm2-135m-instruct)")
+    p.add_argument("--real-steps", type=int, default=3, help="--real-model: GRPO steps, the first not timed (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 256 SFT rows, 4 GRPO steps, 1 repeat, loads 0 and 1")
     a = p.parse_args(argv)
@@ -79,6 +85,10 @@ def parse_args(argv=None):
         p.error("--grpo-steps must be 4 or more (3 timed after the first)")
     if a.repeats < 1:
         p.error("--repeats must be 1 or more")
+    if a.real_model is not None and not os.path.isfile(os.path.join(a.real_model, "config.json")):
+        p.error(f"--real-model {a.real_model}: no config.json there (python tests/real_model.py builds one)")
+    if a.real_steps < 2:
+        p.error("--real-steps must be 2 or more (the first is not timed)")
     if a.cores is not None and not 1 <= a.cores <= len(os.sched_getaffinity(0)):
         p.error(f"--cores {a.cores}: this process may use {len(os.sched_getaffinity(0))} cores")
     return a
@@ -133,6 +143,27 @@ def grpo_step_seconds(run_dir: str) -> float:
     return median(steps)
 
 
+def real_model_args(model: str, data: dict, run_dir: str, steps: int) -> list[str]:
+    """examples/real_model/config.yaml's training, without its evals and checkpoints."""
+    return ["train", "--device", "cpu", "--hf-checkpoint", model, "--prompt-data", data["train"], "--apply-chat-template",
+            "--rm-type", "gsm8k", "--advantage-estimator", "grpo", "--rollout-batch-size", "8", "--n-samples-per-prompt",
+            "4", "--rollout-max-response-len", "24", "--rollout-temperature", "1.0", "--num-rollout", str(steps),
+            "--lr", "1e-5", "--seed", "1", "--run-dir", run_dir, "--quiet"]
+
+
+def run_real_cell(work: str, data: dict, setting: str, load: int, rep: int, cores: int, a) -> dict:
+    cell = os.path.join(work, f"real_{setting}_load{load}_rep{rep}")
+    os.makedirs(cell, exist_ok=True)
+    run = os.path.join(cell, "grpo")
+    with ContentionProbe() as probe:
+        run_phase(f"{setting} real-model GRPO beside {load} busy", real_model_args(a.real_model, data, run, a.real_steps),
+                  child_env(setting, cores), a.timeout, os.path.join(cell, "grpo.log"))
+    rows = [r for r in read_rows(os.path.join(run, "metrics.jsonl")) if r.get("step", 0) > 1]
+    part = {k: median([r[f"time/{k}"] for r in rows]) for k in ("rollout", "train")}
+    return {"setting": setting, "load": load, "repeat": rep, "sft_s": None, "grpo_step_s": grpo_step_seconds(run),
+            **{f"{k}_s": v for k, v in part.items()}, "others_busy": probe.other_frac, "wall_s": probe.wall}
+
+
 def run_cell(work: str, paths: dict, base: str, setting: str, load: int, rep: int, cores: int, a) -> dict:
     from polyrl.demo import sft_args, train_args
     cell = os.path.join(work, f"{setting}_load{load}_rep{rep}")
@@ -158,12 +189,14 @@ def table(rows: list[dict], settings_: list[str], loads: list[int]) -> tuple[lis
             rs = [r for r in rows if r["setting"] == s and r["load"] == load]
             if not rs:
                 continue
-            sft, step = median([r["sft_s"] for r in rs]), median([r["grpo_step_s"] for r in rs])
+            sfts = [r["sft_s"] for r in rs if r["sft_s"] is not None]
+            sft, step = (median(sfts) if sfts else None), median([r["grpo_step_s"] for r in rs])
             if load == 0:
                 idle = (sft, step)
-            slow = f"{sft / idle[0]:.2f}x / {step / idle[1]:.2f}x" if idle else "-"
+            slow = (f"{sft / idle[0]:.2f}x" if sft is not None and idle[0] else "-") + f" / {step / idle[1]:.2f}x" \
+                if idle else "-"
             busy = median([r["others_busy"] for r in rs if r["others_busy"] is not None])
-            spread = ", ".join(f"{r['sft_s']:.1f}/{r['grpo_step_s']:.2f}" for r in rs)
+            spread = ", ".join(f"{fmt(r['sft_s'], '{:.1f}')}/{r['grpo_step_s']:.2f}" for r in rs)
             out.append([s, load, fmt(sft, "{:.1f}"), fmt(step, "{:.3f}"), slow, fmt(busy * 100, "{:.0f}%"), spread])
     return headers, out
 
@@ -178,9 +211,14 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     rows: list[dict] = []
     try:
-        paths = write_datasets(os.path.join(work, "data"), seed=1, digits=2, n_train=a.sft_rows)
-        base = os.path.join(work, "base_model")
-        build_model(base, seed=1)
+        if a.real_model:
+            sys.path.insert(0, os.path.join(BENCH, "..", "examples", "real_model"))
+            from make_data import write as write_real
+            paths, base = write_real(os.path.join(work, "real_data")), None
+        else:
+            paths = write_datasets(os.path.join(work, "data"), seed=1, digits=2, n_train=a.sft_rows)
+            base = os.path.join(work, "base_model")
+            build_model(base, seed=1)
         print(f"{cores} cores; settings {', '.join(a.setting_list)}; loads {a.loads}; {a.repeats} repeat(s); "
               f"{a.sft_rows // 64} SFT steps, {a.grpo_steps} GRPO steps a cell; runs under {work}", flush=True)
         for load in a.load_list:
@@ -189,10 +227,11 @@ def main(argv=None) -> int:
                 for rep in range(a.repeats):
                     for s in (a.setting_list if rep % 2 == 0 else a.setting_list[::-1]):
                         t0 = time.perf_counter()
-                        r = run_cell(work, paths, base, s, load, rep, cores, a)
+                        r = run_real_cell(work, paths, s, load, rep, cores, a) if a.real_model else \
+                            run_cell(work, paths, base, s, load, rep, cores, a)
                         rows.append(r)
-                        print(f"  {s} beside {load} busy, repeat {rep + 1}: SFT {r['sft_s']:.1f} s, GRPO step "
-                              f"{r['grpo_step_s']:.3f} s ({time.perf_counter() - t0:.0f} s)", flush=True)
+                        print(f"  {s} beside {load} busy, repeat {rep + 1}: SFT {fmt(r['sft_s'], '{:.1f}')} s, GRPO "
+                              f"step {r['grpo_step_s']:.3f} s ({time.perf_counter() - t0:.0f} s)", flush=True)
             finally:
                 for b in busy:
                     b.kill()

@@ -67,6 +67,7 @@ NEEDS: dict[str, Need] = {
     # Ray waits on its placement group with this timeout whatever the engine
     "rollout_engine_startup_timeout": Need("engine", "launch", unless=lambda c: c.ray.use_ray),
     "rollout_external_startup_timeout": Need("engine", "attach"),
+    "rollout_external_colocated": Need("engine", "attach"),
     "rollout_health_check_interval": Need("engine", "servers"),
     "api_key": Need("engine", "servers"),
     "api_key_file": Need("engine", "servers"),

@@ -77,6 +77,21 @@ def test_an_openai_agent_trains_token_exact(chat_dir, prompts, tmp_path, monkeyp
         assert m["agent/split_trajectories"] == 0  # the second call extends the first: one sample each
 
 
+def test_a_two_call_agent_under_true_on_policy_trains_on_exactly_the_reported_log_probs(chat_dir, prompts, tmp_path):
+    """--true-on-policy: each call is scored alone when it is made; the assembled sample (both turns and the template
+    tokens between them) is scored once more, whole, by the engine's scoring function, so the trainer's log-probs of
+    every sampled token equal the reported ones bit for bit (the run stops on any difference above 0)."""
+    fn = tmp_path / "agents.py"
+    fn.write_text(AGENTS)
+    assert main(_args(chat_dir, prompts, tmp_path, "--agent-function-path", f"{fn}:plain", "--true-on-policy",
+                      "--ci-train-rollout-logprob-abs-diff-threshold", "0")) == 0
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["agent/calls"] == 2 and m["agent/split_trajectories"] == 0
+        assert m["train_rollout_logprob_abs_diff_max"] == 0.0 and m["grad_norm"] > 0
+
+
 def test_the_samples_hold_both_turns_with_the_template_masked(chat_dir, prompts, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     fn, rm = tmp_path / "agents.py", tmp_path / "rm.py"
@@ -119,8 +134,8 @@ def test_flag_checks(chat_dir, prompts, tmp_path, capsys):
                        ([f"--agent-function-path", f"{fn}:plain", "--custom-generate-function-path", f"{fn}:plain"],
                         "keep one"),
                        ([f"--agent-function-path", f"{fn}:plain", "--partial-rollout"], "cannot be paused"),
-                       ([f"--agent-function-path", f"{fn}:plain", "--true-on-policy"],
-                        "--true-on-policy with --agent-function-path")):
+                       ([f"--agent-function-path", f"{fn}:plain", "--true-on-policy", "--rollout-engine", "server"],
+                        "--true-on-policy with --agent-function-path and --rollout-engine server")):
         assert main(_args(chat_dir, prompts, tmp_path, *extra)) != 0
         assert msg in capsys.readouterr().err
 

@@ -891,8 +891,8 @@ def score_samples(lm: torch.nn.Module, samples: list, temperature: float, device
 
 def report(samples: list, logps: list[torch.Tensor]) -> float:
     """Each sample's rollout_logprobs replaced by its scored log-probs (logps, from score_samples); returns the
-    largest |sampler's log-prob - scored one| over their tokens (rollout/sampler_logprob_abs_diff_max), computed
-    over all samples at once."""
+    largest |sampler's log-prob - scored one| over the tokens the sampler drew (loss mask 1: an agent's sample also
+    holds template and tool tokens, logged 0.0) (rollout/sampler_logprob_abs_diff_max), over all samples at once."""
     lens = [int(x.numel()) for x in logps]
     bad = next((i for i, (s, n) in enumerate(zip(samples, lens)) if len(s.rollout_logprobs) != n), None)
     if bad is not None:
@@ -902,8 +902,9 @@ def report(samples: list, logps: list[torch.Tensor]) -> float:
     if not decoded:
         return 0.0
     decoded = torch.tensor(decoded, dtype=torch.float32)  # host work while the device still scores
+    drawn = torch.tensor([m for s, n in zip(samples, lens) for m in (s.loss_mask or [1] * n)], dtype=torch.bool)
     scored = torch.cat(logps).cpu()  # the one wait for the scoring pass
-    worst = float((scored - decoded).abs().max())
+    worst = float((scored - decoded).abs()[drawn].max()) if bool(drawn.any()) else 0.0
     flat, start = scored.tolist(), 0
     for s, n in zip(samples, lens):
         s.rollout_logprobs = flat[start:start + n]
@@ -1084,8 +1085,8 @@ def refuse_unsupported(cfg, command: str) -> None:
     if command not in ("train", "eval"):
         return
     kind = engine_kind(cfg)
+    shown = {"external": "--rollout-external", "none": "--debug-train-only"}.get(kind, f"--rollout-engine {kind}")
     if "true_on_policy" not in ENGINE_CAPABILITIES[kind]:
-        shown = {"external": "--rollout-external", "none": "--debug-train-only"}.get(kind, f"--rollout-engine {kind}")
         who = ", ".join(k for k, c in ENGINE_CAPABILITIES.items() if "true_on_policy" in c)
         raise no(shown, f"only engines that score with the trainer's function honour it ({who})")
     if r.rollout_top_p < 1.0:
@@ -1101,8 +1102,9 @@ def refuse_unsupported(cfg, command: str) -> None:
         raise no("--async", "the rollout runs on weights older than the trainer's")
     if r.custom_generate_function_path:
         raise no("--custom-generate-function-path", "each engine call scores its own turn, the trainer the whole sample")
-    if r.agent_function_path:
-        raise no("--agent-function-path", "each engine call scores its own turn, the trainer the whole sample")
+    if r.agent_function_path and kind != "embedded":
+        raise no(f"--agent-function-path and {shown}", "an agent's sample is scored once whole after its calls, by "
+                 "the engine in the trainer's process only (a server has no route that scores given tokens)")
     if cfg.data.multimodal_keys:
         raise no("--multimodal-keys", "the scoring function reads token ids only, not pixel inputs")
     if r.rollout_max_context_len is not None:

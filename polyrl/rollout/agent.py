@@ -99,6 +99,7 @@ class AgentRunner:
         self.fn = resolve_agent_fn(self.path)
         self.engine, self.tok = engine, engine.tokenizer
         self.timeout, self.concurrency, self.per_trajectory = r.agent_timeout, r.agent_concurrency, r.agent_samples_per_trajectory
+        self.exact = cfg.model.true_on_policy
         self.max_context, self.max_turns = r.rollout_max_context_len, r.max_turns
         self.stop, self.stop_ids = tuple(r.rollout_stop), tuple(r.rollout_stop_token_ids)
         self.model = served_name(cfg.model.hf_checkpoint)
@@ -148,6 +149,8 @@ class AgentRunner:
         before = self.trajectories.overridden
         results = asyncio.run(self._all(url, items, params, base, seeds, settings))
         samples = [s for group in results for s in group[0]]
+        if self.exact:  # each call was scored alone; the trainer scores the assembled sample as one sequence
+            self.engine.score_trajectories([s for s in samples if not s.metadata.get("agent_padding")], params)
         failures = [(k, g[1]) for k, g in enumerate(results) if g[1]]
         m = {"agent/trajectories": float(len(results)), "agent/failed": float(len(failures)),
              "agent/timeouts": float(sum("--agent-timeout" in e for _, e in failures)),

@@ -113,6 +113,10 @@ class ServedEngine(RolloutEngine, Protocol):
     def get_weight(self, name: str) -> torch.Tensor:
         """The engine's current copy of one HF-named weight (read-back for --check-weight-update-equal)."""
 
+    def score_trajectories(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """--true-on-policy (capability "true_on_policy"): replace each sample's rollout_logprobs with the trainer's
+        scoring function's over its whole response (an agent's sample, assembled from several calls)."""
+
 
 class ServerEngines(RolloutEngine, Protocol):
     """Engine servers behind one client (polyrl.rollout.http_engine.HTTPEngine): what the server transports use."""

@@ -315,6 +315,13 @@ class EmbeddedEngine(InProcessEngine):
         self._sampler_diff = max(self._sampler_diff or 0.0, worst)
         return samples
 
+    def score_trajectories(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """--true-on-policy: each sample's rollout log-probs, over its whole response, from the trainer's scoring
+        function: an agent's sample, assembled from several calls (each scored alone) and the tokens between them."""
+        if not self.true_on_policy:
+            raise RuntimeError("score_trajectories: this engine was not built with true_on_policy")
+        return self._score(samples, params)
+
     def stats(self) -> dict[str, float]:
         """--true-on-policy: rollout/sampler_logprob_abs_diff_max, how far the sampler's (KV-cache decode) log-probs of
         the sampled tokens were from the reported ones since the last call: the sampler's distance from exact."""

@@ -125,27 +125,6 @@ def test_colocated_and_disaggregated_give_the_same_first_step(runs, tiny_model, 
     assert_nothing_left(tmp / "colocated")
 
 
-def test_colocated_server_actor_shares_its_train_actors_slot_and_samples_the_same(runs, tiny_model, arith_data):
-    """--colocate --rollout-engine server: the engine actor sits in the train actor's bundle (half a slot each), the
-    train actor attaches to its server as a colocated external engine (sleep/wake, weights over gloo)."""
-    tmp, _, (r_res, r_rows, _) = runs
-    assert r_res.returncode == 0
-    res, rows, m = polyrl(base(arith_data, tiny_model) + ["--num-rollout", "1", "--use-ray", "--colocate",
-                                                          "--rollout-engine", "server", "--actor-num-gpus-per-node", "2",
-                                                          "--ray-num-cpus", "3"],
-                          tmp, "colocated_server", env={"RAY_ADDRESS": ""})
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [x["step"] for x in m] == [1]
-    assert all(r[5] == {"polyrl_slot": 0.5} for r in rows), rows[0][5]
-    disagg = {json.dumps(r[:2]): r[2] for r in r_rows if r[3] == 0}
-    first = {json.dumps(r[:2]): r[2] for r in rows}
-    assert first.keys() == disagg.keys()
-    for k in first:
-        assert max(abs(a - b) for a, b in zip(first[k], disagg[k])) < LOGPROB_TOL
-    assert len(json.load(open(tmp / "colocated_server" / "ray_actors.json"))["engines"]) == 2
-    assert_nothing_left(tmp / "colocated_server")
-
-
 def test_a_killed_train_actor_ends_the_run_with_a_message(tiny_model, arith_data, tmp_path):
     rm = tmp_path / "rm.py"
     rm.write_text(RECORDER)
@@ -185,11 +164,14 @@ def test_a_killed_train_actor_ends_the_run_with_a_message(tiny_model, arith_data
 
 
 KILLER = '''
-import os, signal
+import json, os, signal, sys
 _calls = [0]
 def digits(sample):
-    """partial credit, and a SIGKILL of train actor 1 at its first reward of step 3 on the first attempt"""
+    """partial credit, and a SIGKILL of train actor 1 at its first reward of step 3 on the first attempt; writes the
+    Ray resources the scoring train actor holds"""
     _calls[0] += 1
+    with open(os.environ["POLYRL_TEST_HELD"], "a") as f:
+        f.write(json.dumps(sys.modules["ray"].get_runtime_context().get_assigned_resources()) + "\\n")
     if os.environ["RANK"] == "1" and os.environ.get("POLYRL_RESTART_COUNT") == "0" and _calls[0] == 9:
         os.kill(os.getpid(), signal.SIGKILL)
     return sum(c.isdigit() for c in sample.response) / 6.0
@@ -197,23 +179,29 @@ def digits(sample):
 
 
 def test_max_restarts_resumes_the_train_actors_and_keeps_the_engine_actors(tiny_model, arith_data, tmp_path):
+    """With --colocate --rollout-engine server: each engine actor sits in its train actor's bundle (half a slot each;
+    the train actor attaches to it as a colocated external engine: sleep/wake, weights over gloo) and outlives it."""
     rm = tmp_path / "rm.py"
     rm.write_text(KILLER)
     run = tmp_path / "run"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "POLYRL_TEST_HELD": str(tmp_path / "held")}
     p = subprocess.run([sys.executable, "-m", "polyrl", "train", "--hf-checkpoint", tiny_model, "--prompt-data",
                         arith_data["train"], "--custom-rm-path", f"{rm}:digits", "--rollout-batch-size", "4",
                         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--lr", "1e-3",
                         "--num-rollout", "4", "--seed", "3", "--device", "cpu", "--quiet", "--run-dir", str(run),
                         "--save", str(tmp_path / "ck"), "--save-interval", "1", "--use-ray",
-                        "--actor-num-gpus-per-node", "2", "--rollout-engine", "server", "--rollout-num-gpus", "1",
-                        "--max-restarts", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+                        "--actor-num-gpus-per-node", "2", "--colocate", "--rollout-engine", "server", "--ray-num-cpus", "3",
+                        "--max-restarts", "1"], capture_output=True, text=True, env={**env, "RAY_ADDRESS": ""},
+                       cwd=tmp_path, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "train actor 1 (rank 1) died" in p.stderr and "restart 1 of 1: resuming from" in p.stderr
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r.get("restarts", 0) for r in rows] == [0, 0, 1, 1]
     # the engine actor stayed up and holds the resumed weights: the restarted trainer's log-probs are the engine's
-    assert json.load(open(run / "ray_actors.json"))["restart"] == 1
+    actors = json.load(open(run / "ray_actors.json"))
+    assert actors["restart"] == 1 and len(actors["engines"]) == 2
+    held = [json.loads(line) for line in open(tmp_path / "held")]
+    assert held and all(h == {"polyrl_slot": 0.5} for h in held), held[:2]
     logs = [f for f in os.listdir(run / "engines") if f.endswith(".log")]
     assert logs and all(open(run / "engines" / f).read().count("listening on") == 1 for f in logs)  # started once
     assert all(r["train_rollout_logprob_abs_diff_max"] < LOGPROB_TOL for r in rows)

@@ -784,6 +784,14 @@ class GPUEngine(InProcessEngine):
         if not self.asleep:
             self._graph_sets.use(self._addresses())
 
+    def score_trajectories(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """--true-on-policy: each sample's rollout log-probs, over its whole response, from the trainer's scoring
+        function (EngineScorer): an agent's sample, assembled from several calls and the tokens between them."""
+        if self.rescore is None:
+            raise RuntimeError("score_trajectories: this engine was not built with true_on_policy")
+        self._restore()
+        return self.rescore(samples, params)
+
     # ---- reading weights back (engine servers: /get_weights_by_name, --check-weight-update-equal) ----
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every weight update_weights accepts."""
