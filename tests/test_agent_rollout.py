@@ -1,7 +1,7 @@
 """--agent-function-path: agents written against the OpenAI API, trained through the loopback gateway. A 2-step CPU
 `polyrl train` with an `openai` SDK agent (samples reach the trainer token-exact), failing and hanging agents counted
-and survived, final messages scored by the reward function, the OpenAI Agents SDK used unchanged (a tool call and its
-answer become one sample), a run against a launched `polyrl serve`, and the flag's start-up checks."""
+and survived, final messages scored by the reward function, the OpenAI Agents SDK and LangGraph used unchanged (a tool
+call and its answer become one sample), a run against a launched `polyrl serve`, and the flag's start-up checks."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ async def plain(task, client):
                    {"role": "user", "content": "more"}]
         r2 = await oa.chat.completions.create(model=client.model, messages=history, max_tokens=4)
     return float(len(r2.choices[0].message.content or "") > len(r1.choices[0].message.content or ""))
+
+async def rewrites(task, client):
+    """The second call does not extend the first: it replaces the history with a summary (a new segment)."""
+    async with openai.AsyncOpenAI(**client.openai_kwargs(), max_retries=0) as oa:
+        r1 = await oa.chat.completions.create(model=client.model, messages=task.messages, max_tokens=4)
+        summary = [{"role": "user", "content": "so far: " + (r1.choices[0].message.content or "")[:8]}]
+        r2 = await oa.chat.completions.create(model=client.model, messages=summary, max_tokens=4)
+    return [*summary, r2.choices[0].message.model_dump(exclude_none=True)]
 
 async def flaky(task, client):
     """Sample 0 of every prompt raises, sample 1 hangs, the others answer and return their messages."""
@@ -113,6 +121,28 @@ def test_the_samples_hold_both_turns_with_the_template_masked(chat_dir, prompts,
         assert r["meta"]["turns"] == 2 and r["response"] == (r["meta"]["messages"][-1]["content"] or "")
 
 
+def test_an_agent_that_rewrites_its_history_splits_into_segments_that_train(chat_dir, prompts, tmp_path, monkeypatch):
+    """Through `polyrl train`: every trajectory splits at its second call; --agent-samples-per-trajectory 2 trains both
+    segments (each its own prompt: the task's, then the summary's), each with the trajectory's reward."""
+    fn, rm = tmp_path / "agents.py", tmp_path / "rm.py"
+    fn.write_text(AGENTS)
+    rm.write_text(RECORDER)
+    out = tmp_path / "samples.jsonl"
+    monkeypatch.setenv("POLYRL_TEST_SAMPLES", str(out))
+    assert main(_args(chat_dir, prompts, tmp_path, "--agent-function-path", f"{fn}:rewrites", "--custom-rm-path",
+                      f"{rm}:record", "--num-rollout", "1", "--agent-samples-per-trajectory", "2")) == 0
+    (m,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert m["agent/split_trajectories"] == 8 and m["agent/dropped_segments"] == 0 and m["agent/calls"] == 2
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 16 and all(r["meta"]["agent_segments"] == 2 for r in rows)
+    firsts = [r for r in rows if "so far: " not in tok.decode(r["prompt_ids"])]
+    seconds = [r for r in rows if "so far: " in tok.decode(r["prompt_ids"])]
+    assert len(firsts) == len(seconds) == 8  # one sample of each segment per trajectory, none a padding sample
+    assert all(any(r["loss_mask"]) and "agent_padding" not in r["meta"] for r in rows)
+
+
 def test_failing_and_hanging_agents_are_counted_not_fatal(chat_dir, prompts, tmp_path, capfd):
     fn, rm = tmp_path / "agents.py", tmp_path / "rm.py"
     fn.write_text(AGENTS)
@@ -185,6 +215,63 @@ def test_the_openai_agents_sdk_runs_unchanged(chat_dir, tmp_path):
     between = tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
     assert between == "<|im_start|>user\n<tool_response>42</tool_response><eos><|im_start|>assistant\n"
     assert engine.prompts[1] == s.prompt_ids + s.response_ids[:len(engine.prompts[1]) - len(s.prompt_ids)]
+
+
+LANGGRAPH = '''
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+
+@tool
+def calc(e: str) -> str:
+    """Evaluate an addition such as 12+30."""
+    a, b = e.split("+")
+    return str(int(a) + int(b))
+
+async def agent(task, client):
+    llm = ChatOpenAI(model=client.model, base_url=client.base_url, api_key=client.api_key, max_retries=0).bind_tools([calc])
+
+    async def model(state):
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("model", model)
+    graph.add_node("tools", ToolNode([calc]))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", lambda s: "tools" if s["messages"][-1].tool_calls else END)
+    graph.add_edge("tools", "model")
+    out = await graph.compile().ainvoke({"messages": [("user", task.messages[0]["content"])]})
+    return float(out["messages"][-1].content.strip() == task.label)
+'''
+
+
+def test_a_langgraph_tool_agent_runs_unchanged(chat_dir, tmp_path):
+    """A LangGraph graph (ChatOpenAI with a bound tool, LangGraph's ToolNode) against the gateway: the model's tool
+    call, the tool's answer and the final answer are one sample, as with the OpenAI Agents SDK above."""
+    pytest.importorskip("langgraph")
+    from polyrl.config import Config
+    from polyrl.rollout.agent import AgentRewards, AgentRunner
+    fn = tmp_path / "graph_agent.py"
+    fn.write_text(LANGGRAPH)
+    cfg = Config()
+    cfg.model.hf_checkpoint, cfg.rollout.agent_function_path = chat_dir, f"{fn}:agent"
+    engine = ScriptedEngine(chat_dir, dtype=torch.float32)
+    engine.script = ['<tool_call>{"name": "calc", "arguments": {"e": "12+30"}}</tool_call>', "42"]
+    runner = AgentRunner(cfg, engine)
+    try:
+        (s,) = runner.generate([([1], PromptRecord("12+30", label="42"))], SamplingParams(n=1, max_new_tokens=200, seed=0))
+    finally:
+        runner.close()
+    AgentRewards(None).score([s])
+    assert "agent_failed" not in s.metadata, s.metadata.get("agent_failed")
+    assert s.reward == 1.0 and s.metadata["turns"] == 2 and s.metadata["agent_segments"] == 1
+    tok = engine.tokenizer
+    trained = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
+    assert trained == tok.encode('<tool_call>{"name": "calc", "arguments": {"e": "12+30"}}</tool_call>',
+                                 add_special_tokens=False) + [tok.eos_token_id] + tok.encode("42", add_special_tokens=False) \
+        + [tok.eos_token_id]
+    assert "<tool_response>42</tool_response>" in tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
 
 
 def test_agents_train_against_a_launched_server(chat_dir, prompts, tmp_path):
