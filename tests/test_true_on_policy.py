@@ -900,3 +900,6 @@ def test_report_replaces_each_samples_logprobs_and_returns_the_samplers_largest_
     with pytest.raises(ValueError, match="sample 0's sampler reported 2 log-probs for 1"):
         report([c, d], [torch.tensor([-1.0]), torch.tensor([-1.0, -1.0])])
     assert c.rollout_logprobs == [-1.0, -1.0]  # nothing replaced
+    # an agent's sample: a template token (loss mask 0, logged 0.0) is replaced too, but is no distance of the sampler's
+    e = types.SimpleNamespace(rollout_logprobs=[-1.0, 0.0, -3.0], loss_mask=[1, 0, 1])
+    assert report([e], [torch.tensor([-1.0, -7.0, -3.5])]) == 0.5 and e.rollout_logprobs == [-1.0, -7.0, -3.5]

@@ -902,7 +902,7 @@ def report(samples: list, logps: list[torch.Tensor]) -> float:
     if not decoded:
         return 0.0
     decoded = torch.tensor(decoded, dtype=torch.float32)  # host work while the device still scores
-    drawn = torch.tensor([m for s, n in zip(samples, lens) for m in (s.loss_mask or [1] * n)], dtype=torch.bool)
+    drawn = torch.tensor([m for s, n in zip(samples, lens) for m in (getattr(s, "loss_mask", None) or [1] * n)], dtype=torch.bool)
     scored = torch.cat(logps).cpu()  # the one wait for the scoring pass
     worst = float((scored - decoded).abs()[drawn].max()) if bool(drawn.any()) else 0.0
     flat, start = scored.tolist(), 0
