@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-megatron-families test-gpu-exact test-gpu-rest
+.PHONY: install demo test test-gpu bench-smoke clean test-gpu-megatron test-gpu-megatron-families test-gpu-exact test-gpu-rest test-gpu-ray
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,8 @@ test: $(STAMP)
 # (pytest-xdist, in the GPU image); GPU_WORKERS=0 runs the tests one after another. Four parts, each one 10-minute
 # device call with room to spare on one H200 (bench/RESULTS.md#gpu-test-suites): test-gpu-megatron (the parity,
 # resume, offload and CLI runs of tests/backends/megatron/test_megatron_gpu.py), test-gpu-megatron-families (the other
-# families, VL, MTP, LoRA), test-gpu-exact (the --true-on-policy runs of both backends) and test-gpu-rest.
+# families, VL, MTP, LoRA), test-gpu-exact (the --true-on-policy runs of both backends) and test-gpu-rest; and
+# test-gpu-ray, `--use-ray` on the GPU, where Ray has been brought to the machine (docs/ray.md; skipped without it).
 # Each test's outcome is printed as it ends (-v) and appended to GPU_REPORT as it goes, with a per-test limit
 # (GPU_TEST_TIMEOUT): a run cut short still names what failed and what was running (`python3
 # tests/tools/gpu_report.py GPU_REPORT` summarises it; the target prints that summary at its end).
@@ -48,6 +49,7 @@ GPU_REPORT ?= $(if $(OUT),$(OUT),build)/gpu-report.txt
 GPU_EXACT = tests/backends/test_true_on_policy_gpu.py tests/backends/megatron/test_megatron_exact_gpu.py
 GPU_MEGATRON_MAIN = tests/backends/megatron/test_megatron_gpu.py
 GPU_MEGATRON = tests/backends/megatron tests/backends/test_megatron_lora_gpu.py
+GPU_RAY = tests/orchestration/test_ray_gpu.py
 GPU_PATHS ?= tests
 test-gpu:
 	mkdir -p $(dir $(GPU_REPORT))
@@ -65,7 +67,11 @@ test-gpu-exact:
 	$(MAKE) test-gpu GPU_PATHS="$(GPU_EXACT)"
 
 test-gpu-rest:
-	$(MAKE) test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON) $(GPU_EXACT))"
+	$(MAKE) test-gpu GPU_PATHS="tests $(addprefix --ignore=,$(GPU_MEGATRON) $(GPU_EXACT) $(GPU_RAY))"
+
+# one Ray instance at a time: its runs are subprocesses that each start and stop a local instance
+test-gpu-ray:
+	$(MAKE) test-gpu GPU_PATHS="$(GPU_RAY)" GPU_WORKERS=0
 
 clean:
 	rm -rf $(VENV) runs

@@ -3,7 +3,7 @@
 --rollout-engine server), and --max-restarts with the train actor killed mid-step. Every run is a subprocess bounded
 in time, with --true-on-policy so that two processes with the same seeds sample the same tokens (its kernels do not
 depend on the batch, and its log-probs are the trainer's own). Needs Ray on the GPU machine (docs/ray.md says how to
-bring its wheel there); `make test-gpu-rest` skips this file without it.
+bring its wheel there); `make test-gpu-ray` runs it, and skips it without Ray.
 """
 
 from __future__ import annotations
