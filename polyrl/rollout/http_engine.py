@@ -27,6 +27,7 @@ import asyncio
 import base64
 import atexit
 import collections
+import contextlib
 import concurrent.futures
 import importlib.util
 import logging
@@ -470,6 +471,8 @@ class HTTPEngine:
         rids = [f"polyrl-{tag}-{k}" for k in range(len(jobs))] if watch is not None else [None] * len(jobs)
         out_rids = set(r for r in rids if r is not None)  # requests not answered yet (the ones a stop aborts)
 
+        stopped: asyncio.Event | None = None  # set on the client's loop when an answer stops the watch
+
         def place(k: int, got: list[dict]) -> list[dict]:
             i, j, n, _ = jobs[k]
             for m, o in enumerate(got):
@@ -479,6 +482,8 @@ class HTTPEngine:
                 if watch is not None and s.finish_reason != "abort":
                     watch.finished(i * params.n + j + m, s)
             out_rids.discard(rids[k])
+            if watch is not None and watch.stop.is_set():
+                stopped.set()  # the answer that completed the step: the aborts go out now, not at the next poll
             return got
 
         async def job(k: int):
@@ -488,7 +493,9 @@ class HTTPEngine:
                                             stop_length=stop_len, rid=rids[k], watch=watch))
 
         async def all_jobs():
-            aborter = asyncio.ensure_future(self._abort_on_stop(watch, out_rids)) if watch is not None else None
+            nonlocal stopped
+            stopped = asyncio.Event()
+            aborter = asyncio.ensure_future(self._abort_on_stop(watch, out_rids, stopped)) if watch is not None else None
             try:
                 return await asyncio.gather(*(job(k) for k in range(len(jobs))))
             finally:
@@ -497,11 +504,14 @@ class HTTPEngine:
         self.http.run(all_jobs(), timeout=budget)
         return samples
 
-    async def _abort_on_stop(self, watch: GenerateWatch, out_rids: set) -> None:
+    async def _abort_on_stop(self, watch: GenerateWatch, out_rids: set, stopped: asyncio.Event) -> None:
         """Once the watch stops: /abort_request for every request still out, on every live server (behind the router
-        too: a server that does not hold a rid ignores it), again every 0.5 s for any that had not reached its server."""
+        too: a server that does not hold a rid ignores it), again every 0.5 s for any that had not reached its server.
+        An answer that stops the watch sets `stopped` at once; a stop from another thread (a group filter's scorer) is
+        seen within 20 ms."""
         while not watch.stop.is_set():
-            await asyncio.sleep(0.02)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopped.wait(), 0.02)
         urls = [s.url for s in self.servers if s.alive] or ([self.router_url] if self.router_url else [])
         while out_rids:
             calls = [self.http.request(u, "/abort_request", {"rid": r}, timeout=10) for r in list(out_rids) for u in urls]
@@ -774,7 +784,12 @@ class HTTPEngine:
     def _to_sample_fields(o: dict) -> tuple[list[int], list[float], str]:
         mi = o["meta_info"]
         ids = list(o["output_ids"])
-        lps = [float(x[0]) for x in mi["output_token_logprobs"]]
+        # a request aborted while still queued comes back with no tokens and (as from SGLang) no log-prob field
+        raw = mi.get("output_token_logprobs", [] if not ids else None)
+        if raw is None or len(raw) != len(ids):
+            raise ValueError(f"a /generate answer with {len(ids)} output ids carries "
+                             f"{'no' if raw is None else len(raw)} output_token_logprobs (return_logprob was asked)")
+        lps = [float(x[0]) for x in raw]
         kind = (mi["finish_reason"] or {}).get("type")
         return ids, lps, (kind if kind in ("stop", "abort") else "length")
 

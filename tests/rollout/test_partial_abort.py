@@ -122,3 +122,16 @@ def test_http_engine_watch_aborts_what_is_out_and_keeps_the_partial_tokens(srv, 
         else:
             assert g.finish_reason == "abort" and len(g.response_ids) < len(w.response_ids)
             assert g.response_ids == w.response_ids[:len(g.response_ids)]
+
+
+def test_a_request_aborted_while_queued_comes_back_empty_and_a_short_answer_is_an_error():
+    """SGLang (and polyrl serve) answer a request aborted before it ran with no tokens and no log-prob field; a faster
+    abort makes that common, and it is a partial sample of length 0, not a KeyError. An answer whose log-probs do not
+    cover its tokens is refused by name."""
+    queued = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"},
+                                                          "prompt_tokens": 6, "completion_tokens": 0}}
+    assert HTTPEngine._to_sample_fields(queued) == ([], [], "abort")
+    short = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"},
+                                                 "output_token_logprobs": [[-0.5, 5, None]]}}
+    with pytest.raises(ValueError, match="2 output ids carries 1 output_token_logprobs"):
+        HTTPEngine._to_sample_fields(short)

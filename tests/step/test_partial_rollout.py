@@ -112,12 +112,20 @@ def test_flags_that_need_partial_rollout(args, tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+# A server decodes the tiny model's whole 24-token tail in a few milliseconds, about what the client takes to read the
+# first groups' answers and send /abort_request: at the fixture's lengths a loaded machine can see every request
+# answered before its abort lands and nothing cut (the embedded engine checks the stop at every decode step instead).
+# The server runs keep the median and stretch the tail to 200 tokens, so stragglers are still decoding when it lands.
+SERVER_TAIL = ["--rollout-max-response-len", "200", "--rollout-length-distribution", "lognormal:median=6,p99=200,cap=200"]
+
+
 @pytest.mark.parametrize("extra", [
     ["--async"],  # generation a step ahead on the rollout thread, the buffer carried between its steps
     ["--dynamic-sampling-filter-path", "polyrl.rewards.filters:nonzero_std"],  # a filtered group does not count
-    ["--rollout-engine", "server", "--rollout-num-engines", "1", "--weight-sync", "distributed"],  # polyrl serve
+    ["--rollout-engine", "server", "--rollout-num-engines", "1", "--weight-sync", "distributed", *SERVER_TAIL],
     # the real sglang-router in front of two: aborts go to every worker by rid
-    ["--rollout-engine", "server", "--rollout-num-engines", "2", "--weight-sync", "distributed", "--use-sglang-router"],
+    ["--rollout-engine", "server", "--rollout-num-engines", "2", "--weight-sync", "distributed", "--use-sglang-router",
+     *SERVER_TAIL],
 ], ids=["async", "dynamic-sampling", "polyrl-serve", "router"])
 def test_other_modes_hold_complete_groups_and_continue_cut_ones(args, tmp_path, extra):
     rows, steps = run(args, tmp_path, "o", "--num-rollout", "3", *extra)
