@@ -52,6 +52,7 @@ NEEDS: dict[str, Need] = {
     "mtp_detach_encoder": Need("backend", "mtp_training"),
     "multimodal_keys": Need("backend", "images"),
     "save_optim": Need("backend", "save_without_optimizer"),
+    "async_save": Need("backend", "async_save"),
     "freeze_vision_tower": Need("backend", "images"),
     # rollout engines
     "rollout_batch_generate": Need("engine", "embedded_settings"),

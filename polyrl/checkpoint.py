@@ -15,6 +15,7 @@ a secret (api keys are redacted before it is written).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -51,39 +52,89 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 def save_checkpoint(root: str, step: int, backend, loop_state: dict, keep: int | None = None, critic=None,
-                    optimizer: bool = True) -> str:
+                    optimizer: bool = True, background: bool = False) -> "str | PendingSave":
     """Write SAVE/step_N atomically; then, with `keep`, delete all but the newest `keep` complete steps.
     critic: a second backend (PPO's critic), saved the same way under step_N/critic/. optimizer=False: no optimizer
-    state (--no-save-optim)."""
+    state (--no-save-optim). background=True (--async-save, backends declaring async_save): the backends copy their
+    state to host memory and return; the files are written on a thread, and the PendingSave returned seals the step
+    when its wait() is called (on every rank); until then the previous complete step stays `latest`."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     set_phase(f"the checkpoint save of step {step}")
-    loop_state = redact_secrets(loop_state)
     if is_main():
         _clear_leftovers(root)
         os.makedirs(tmp)
         if critic is not None:
             os.makedirs(os.path.join(tmp, CRITIC_DIR))
     barrier()
+    kw = {"background": True} if background else {}  # a backend without async_save is refused at start-up
     with writing(tmp):
-        backend.save(tmp, optimizer=optimizer)
+        writes = [backend.save(tmp, optimizer=optimizer, **kw)]
         if critic is not None:
-            critic.save(os.path.join(tmp, CRITIC_DIR), optimizer=optimizer)
-        barrier()
-        if is_main():
-            _atomic_write(os.path.join(tmp, "loop_state.json"), json.dumps(loop_state))
-            _seal(tmp, step, root)
-    if is_main():
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write(os.path.join(root, "latest"), os.path.basename(final))
-        if keep is not None:
-            for old in complete_steps(root)[:-keep]:
-                _delete_step(os.path.join(root, f"step_{old:06d}"))
-    barrier()
+            writes.append(critic.save(os.path.join(tmp, CRITIC_DIR), optimizer=optimizer, **kw))
+    pending = PendingSave(root, step, tmp, final, [w for w in writes if w is not None], redact_secrets(loop_state), keep)
     set_phase(None)
-    return final
+    return pending if background else pending.wait()
+
+
+class PendingSave:
+    """A checkpoint step whose state is copied and whose files are being written (or written): wait() waits for the
+    writes, then seals it (manifest, COMPLETE, the rename, `latest`, --max-ckpt-to-keep), on every rank together."""
+
+    def __init__(self, root: str, step: int, tmp: str, final: str, writes: list, loop_state: dict, keep: int | None):
+        self.root, self.step, self.tmp, self.final, self.writes = root, step, tmp, final, writes
+        self.loop_state, self.keep = loop_state, keep
+
+    def wait(self, timeout: float | None = None) -> str:
+        set_phase(f"the checkpoint save of step {self.step}")
+        with writing(self.tmp):
+            for w in self.writes:
+                try:
+                    w.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    raise CheckpointError(f"the background write of checkpoint step {self.step} to {self.tmp} did not "
+                                          f"finish within {timeout:.0f} s") from None
+            barrier()
+            if is_main():
+                _atomic_write(os.path.join(self.tmp, "loop_state.json"), json.dumps(self.loop_state))
+                _seal(self.tmp, self.step, self.root)
+        if is_main():
+            if os.path.exists(self.final):
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _atomic_write(os.path.join(self.root, "latest"), os.path.basename(self.final))
+            if self.keep is not None:
+                for old in complete_steps(self.root)[:-self.keep]:
+                    _delete_step(os.path.join(self.root, f"step_{old:06d}"))
+        barrier()
+        set_phase(None)
+        return self.final
+
+
+class CheckpointWriter:
+    """A run's --save writes. save() seals the write before it first; with background (--async-save) it returns once
+    the state is copied to host memory, and settle(), called at the end of the next step, seals it: the files are
+    written while that step runs. A run that dies before settle() leaves the previous complete step `latest`."""
+
+    def __init__(self, root: str, *, keep: int | None, optimizer: bool, background: bool, critic=None,
+                 timeout: float | None = None):
+        self.root, self.keep, self.optimizer, self.background = root, keep, optimizer, background
+        self.critic, self.timeout = critic, timeout
+        self.pending: PendingSave | None = None
+
+    def save(self, step: int, backend, loop_state: dict, *, wait: bool = False) -> None:
+        self.settle()
+        out = save_checkpoint(self.root, step, backend, loop_state, keep=self.keep, critic=self.critic,
+                              optimizer=self.optimizer, background=self.background and not wait)
+        self.pending = out if isinstance(out, PendingSave) else None
+
+    def settle(self) -> bool:
+        """Seal the background write in flight, if any (on every rank); True if there was one."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return False
+        pending.wait(self.timeout)
+        return True
 
 
 def _seal(tmp: str, step: int, root: str) -> None:

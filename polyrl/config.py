@@ -481,6 +481,11 @@ class CheckpointConfig:
     save_optim: bool = opt(True, "checkpoints hold the optimizer state; --no-save-optim (Megatron-LM's flag): only the "
                                  "weights, the LR schedule and the RNG state, a third of an FP32 AdamW checkpoint's "
                                  "bytes; a run resumed from one starts AdamW's moments from zero, and says so")
+    async_save: bool = opt(False, "write checkpoints in the background (Megatron-LM's flag): a save copies the state to "
+                                  "host memory (one more copy of the weights and optimizer state there) and returns; "
+                                  "the files are written while the next step runs and sealed at its end, and until "
+                                  "then the previous checkpoint stays the latest. The run's last save is written "
+                                  "before it ends")
     max_ckpt_to_keep: int | None = opt(None, "keep the newest N complete checkpoints in --save; older ones are deleted once "
                                              "a newer one is complete (default: keep all)")
     max_wall_time: float | None = opt(None, "seconds: stop (exit status 0) with a checkpoint after the last step that "
@@ -1421,6 +1426,8 @@ def _validate_outputs(cfg: Config, command: str) -> None:
     if ck.max_wall_time and not ck.save:
         raise ConfigError(f"--max-wall-time {ck.max_wall_time:g} stops the run with a checkpoint to resume from: add "
                           "--save DIR")
+    if ck.async_save and not ck.save:
+        raise ConfigError("--async-save writes --save's checkpoints in the background: add --save DIR")
     if ck.max_wall_time and cfg.ray.use_ray:
         raise ConfigError("--max-wall-time stops the loop of this process at a step boundary; with --use-ray the loop runs "
                           "in the train actors: drop one of them")

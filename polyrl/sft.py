@@ -10,7 +10,7 @@ import torch
 
 from polyrl import assemble as asm
 from polyrl.algorithms.losses import sft_loss
-from polyrl.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from polyrl.checkpoint import CheckpointWriter, export_hf, load_checkpoint
 from polyrl.config import Config
 from polyrl.data import DataError, build_sft_example, load_sft_records
 from polyrl.multimodal import VisionProcessor, build_image_sft_example, parse_multimodal_keys
@@ -62,6 +62,9 @@ def sft(cfg: Config) -> dict:
         if start >= total:
             notice(f"nothing to train: the checkpoint is at step {start}, at or past the {total} steps of this run "
                    "(--num-epoch x rows / --global-batch-size)")
+    ck = cfg.checkpoint
+    writer = CheckpointWriter(ck.save, keep=ck.max_ckpt_to_keep, optimizer=ck.save_optim, background=ck.async_save,
+                              timeout=60.0 * cfg.cluster.distributed_timeout_minutes) if ck.save else None
     t0 = time.perf_counter()
     for step in range(start, total):
         epoch, k = divmod(step, per_epoch)
@@ -75,13 +78,14 @@ def sft(cfg: Config) -> dict:
         with timer("train"):
             m = backend.train_step(batch, sft_loss)
         why = boundary_stop(cfg, d, t0, timer.times["train"]) if step + 1 < total else None
-        if cfg.checkpoint.save and (step + 1 == total or why is not None or (
+        if writer is not None and writer.pending is not None:
+            with timer("save_wait"):  # the previous save's background write (--async-save), sealed now
+                writer.settle()
+        if writer is not None and (step + 1 == total or why is not None or (
                 cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
             with timer("save"):  # before the log: the step's row says what its save took
-                save_checkpoint(cfg.checkpoint.save, step + 1, backend,
-                                {"step": step + 1, "data_file": identity, **run_identity(cfg),
-                                 "config": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.max_ckpt_to_keep,
-                                optimizer=cfg.checkpoint.save_optim)
+                writer.save(step + 1, backend, {"step": step + 1, "data_file": identity, **run_identity(cfg),
+                                                "config": dataclasses.asdict(cfg)}, wait=step + 1 == total or why is not None)
         m.update({f"time/{k}": v for k, v in timer.times.items()}, epoch=epoch)
         logger.log(step + 1, m)
         if logger.quiet and d.is_main and _progress_step(step + 1, start, total):

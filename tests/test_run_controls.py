@@ -1,6 +1,7 @@
 """What a long run needs from the outside: eval progress and its samples on disk, a timing of the checkpoint write of
 its own, a stop at a step boundary with a checkpoint (SIGUSR1, --max-wall-time), a resume at another --lr, checkpoints
-without the optimizer state (--no-save-optim), and the SFT console line with its loss."""
+without the optimizer state (--no-save-optim), checkpoints written in the background (--async-save), and the SFT
+console line with its loss."""
 
 from __future__ import annotations
 
@@ -131,6 +132,88 @@ def test_no_save_optim_leaves_the_optimizer_out_and_a_resume_starts_it_from_zero
         assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
     wa, wb = (load_file(str(tmp_path / f"hf_{n}" / "model.safetensors")) for n in ("full", "lean"))
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def dcp_model(step_dir) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = os.path.join(str(step_dir), "model.pt")
+    dcp_to_torch_save(os.path.join(str(step_dir), "dcp"), out)
+    return torch.load(out, weights_only=True)["model"]
+
+
+def test_async_save_writes_what_the_foreground_save_does_and_seals_it_a_step_later(tiny_model, arith_data, tmp_path):
+    """--async-save: each checkpoint holds the weights of its own step, bit for bit those of a foreground save (the
+    copy is taken before training goes on), sealed at the next step's end (time/save_wait); the last is complete
+    before the run ends."""
+    for name, extra in (("fg", ()), ("bg", ("--async-save",))):
+        assert main(train_args(tiny_model, arith_data["train"], tmp_path / f"run_{name}", "--save",
+                               str(tmp_path / name), "--save-interval", "1", *extra)) == 0
+    from polyrl.checkpoint import complete_steps, latest_complete
+    for name in ("fg", "bg"):
+        assert complete_steps(str(tmp_path / name)) == [1, 2, 3]
+        assert latest_complete(str(tmp_path / name)).endswith("step_000003")
+    for step in (1, 2, 3):
+        a, b = (dcp_model(tmp_path / n / f"step_{step:06d}") for n in ("fg", "bg"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    fg, bg = rows(tmp_path / "run_fg"), rows(tmp_path / "run_bg")
+    assert [r["step"] for r in bg if "time/save_wait" in r] == [2, 3] and not any("time/save_wait" in r for r in fg)
+    assert [(r["loss"], r["reward/mean"]) for r in fg] == [(r["loss"], r["reward/mean"]) for r in bg]
+
+
+def test_a_background_save_holds_the_state_of_its_call_not_what_training_does_next(tiny_model, tmp_path):
+    """The weights change in place right after save(background=True) returns, before its write is waited for: the
+    checkpoint holds the weights as they were at the call (DCP copied them to host memory first)."""
+    from polyrl.backends.fsdp.backend import FSDPBackend
+    from polyrl.config import BatchConfig, ModelConfig, OptimizerConfig
+    from polyrl.dist import init_distributed
+    init_distributed("cpu")
+    be = FSDPBackend(ModelConfig(hf_checkpoint=tiny_model), OptimizerConfig(lr=1e-3), BatchConfig(), device="cpu")
+    before = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+              for k, v in be._state_dicts()[0].items()}
+    written = be.save(str(tmp_path), background=True)
+    with torch.no_grad():
+        for p in be.model.parameters():
+            p.add_(1.0)
+    written.result(timeout=120)
+    saved = dcp_model(tmp_path)
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+
+
+def test_a_run_that_dies_before_its_background_write_is_sealed_resumes_from_the_one_before(
+        tiny_model, arith_data, tmp_path, monkeypatch):
+    from polyrl.checkpoint import latest_complete
+    from polyrl.step.learner import Learner
+    update = Learner.update
+
+    def fails_in_step_3(self, samples, scored, step, m, timer):
+        if step == 2:
+            raise RuntimeError("injected failure in step 3")
+        return update(self, samples, scored, step, m, timer)
+    monkeypatch.setattr(Learner, "update", fails_in_step_3)
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected failure in step 3"):
+        main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--save-interval", "1", "--async-save"))
+    # step 1 was sealed at step 2's end; step 2's write was never sealed: it is not a checkpoint
+    assert latest_complete(str(ck)).endswith("step_000001") and os.path.isdir(ck / "step_000002.tmp")
+    monkeypatch.setattr(Learner, "update", update)
+    assert main(train_args(tiny_model, arith_data["train"], run, "--save", str(ck), "--load", str(ck),
+                           "--async-save")) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3] and latest_complete(str(ck)).endswith("step_000003")
+    assert not os.path.exists(ck / "step_000002.tmp")
+
+
+def test_async_save_without_save_and_on_megatron_is_refused(tiny_model, arith_data, tmp_path, capsys):
+    import dataclasses
+
+    from polyrl.capabilities import refuse_unhonoured
+    from polyrl.config import Config, ConfigError
+    assert main(train_args(tiny_model, arith_data["train"], tmp_path / "run", "--async-save")) == 2
+    assert "--async-save writes --save's checkpoints in the background: add --save DIR" in capsys.readouterr().err
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, train_backend="megatron"),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, async_save=True, save="x"))
+    with pytest.raises(ConfigError, match=r"--async-save is not honoured by --train-backend megatron"):
+        refuse_unhonoured(cfg, "train")
 
 
 def test_no_save_optim_on_the_megatron_backend_is_refused():

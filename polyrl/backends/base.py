@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from concurrent.futures import Future
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -37,6 +38,7 @@ BACKEND_CAPABILITIES: dict[str, frozenset[str]] = {
         "true_on_policy",  # packed fixed-block forwards through polyrl.backends.true_on_policy (CPU FP32, CUDA BF16/FP32)
         "mtp_training",  # --enable-mtp-training: the MTP layers' loss beside the policy loss (polyrl.backends.fsdp.mtp)
         "save_without_optimizer",  # --no-save-optim: save(path, optimizer=False); load() of such a checkpoint
+        "async_save",  # --async-save: save(path, background=True) copies the state and writes it on a thread
     }),
     "megatron": frozenset({
         "megatron_parallelism",  # TP/PP/VPP/CP/EP, recompute, Megatron-FSDP, custom model provider, optimizer CPU offload
@@ -72,9 +74,11 @@ class TrainBackend(Protocol):
         """Full HF-named tensors, one at a time. May be a polyrl.weight_sync.WeightExport, whose `copy_into(views)`
         lets an engine in the same process take the weights straight into its own buffers."""
 
-    def save(self, path: str, *, optimizer: bool = True) -> None:
+    def save(self, path: str, *, optimizer: bool = True, background: bool = False) -> "Future | None":
         """A checkpoint of this backend under `path`; optimizer=False (--no-save-optim, where the backend declares
-        save_without_optimizer) leaves the optimizer state out, and load() of it keeps a fresh optimizer."""
+        save_without_optimizer) leaves the optimizer state out, and load() of it keeps a fresh optimizer.
+        background=True (--async-save, where it declares async_save): the state is copied to host memory before it
+        returns (training may go on at once) and written on a thread; the Future completes when the files are written."""
 
     def load(self, path: str) -> None: ...
 

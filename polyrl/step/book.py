@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable
 
-from polyrl.checkpoint import save_checkpoint
+from polyrl.checkpoint import CheckpointWriter
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
 from polyrl.metrics import PROGRESS, GcWatch, MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
@@ -34,7 +33,7 @@ def boundary_stop(cfg: Config, d: Dist, t_start: float, step_s: float) -> str | 
 
 class Book:
     def __init__(self, cfg: Config, d: Dist, logger: MetricsLogger, cursor: PromptCursor, engine: RolloutEngine,
-                 evaluate: Evaluator | None, save: Callable[[int, dict], None] | None, device: str):
+                 evaluate: Evaluator | None, save: "Saver | None", device: str):
         """evaluate: the held-out eval (None without --eval-prompt-data and --eval-interval); save(step, loop_state):
         a checkpoint (None without --save)."""
         self.cfg, self.d, self.logger, self.cursor, self.engine = cfg, d, logger, cursor, engine
@@ -81,9 +80,12 @@ class Book:
         step_s = time.perf_counter() - self._t_step
         why = boundary_stop(cfg, d, self._t_start, step_s) if not last else None
         saving = last or (ck.save_interval and (step + 1) % ck.save_interval == 0) or why is not None
+        if self.save is not None and self.save.writer.pending is not None:
+            with timer("save_wait"):  # the previous save's background write (--async-save), sealed at this boundary
+                self.save.writer.settle()
         if self.save is not None and saving:  # before the log: its row says what the save took (time/save)
-            with timer("save"):
-                self.save(step + 1, data_state)
+            with timer("save"):  # the run's last checkpoint, and one it stops at, are complete before it ends
+                self.save(step + 1, data_state, wait=last or why is not None)
         now = time.perf_counter()
         m.update({f"time/{k}": v for k, v in timer.times.items()})
         m["time/step"], self._t_step = now - self._t_step, now
@@ -143,17 +145,25 @@ class Book:
         return combine_rank_stats(parts)
 
 
-def checkpoint_saver(cfg: Config, backend, critic=None) -> Callable[[int, dict], None] | None:
-    """save(step, data position) for --save: the backend (and critic), the loop state and the config."""
-    ck = cfg.checkpoint
-    if not ck.save:
-        return None
+class Saver:
+    """save(step, data position) for --save: the backend (and critic), the loop state and the config, through a
+    CheckpointWriter (writer.pending: a background write to seal at the next step's end)."""
 
-    def save(step: int, data_state: dict) -> None:
-        save_checkpoint(ck.save, step, backend, {"step": step, "data": data_state, **run_identity(cfg),
-                                                 "config": dataclasses.asdict(cfg)},
-                        keep=ck.max_ckpt_to_keep, critic=critic, optimizer=ck.save_optim)
-    return save
+    def __init__(self, cfg: Config, backend, critic=None):
+        ck = cfg.checkpoint
+        self.cfg, self.backend = cfg, backend
+        self.writer = CheckpointWriter(ck.save, keep=ck.max_ckpt_to_keep, optimizer=ck.save_optim,
+                                       background=ck.async_save, critic=critic,
+                                       timeout=60.0 * cfg.cluster.distributed_timeout_minutes)
+
+    def __call__(self, step: int, data_state: dict, wait: bool = False) -> None:
+        cfg = self.cfg
+        self.writer.save(step, self.backend, {"step": step, "data": data_state, **run_identity(cfg),
+                                              "config": dataclasses.asdict(cfg)}, wait=wait)
+
+
+def checkpoint_saver(cfg: Config, backend, critic=None) -> Saver | None:
+    return Saver(cfg, backend, critic) if cfg.checkpoint.save else None
 
 
 def run_identity(cfg: Config) -> dict:

@@ -183,6 +183,7 @@ class FSDPBackend:
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dims = ParallelDims.from_world()
         self.dp_rank = dist.get_rank()
+        self._save_group = None  # --async-save's process group, made at the first background save
         self.mesh = self.dims.build_dp_mesh(self.device.type)
         self.dtype = model_cfg.dtype(self.device.type)
         from polyrl.backends.fsdp.attention import resolve
@@ -707,15 +708,23 @@ class FSDPBackend:
             model_sd = {k: v for k, v in model_sd.items() if k in keep}
         return model_sd, optim_sd
 
-    def save(self, path: str, *, optimizer: bool = True) -> None:
+    def save(self, path: str, *, optimizer: bool = True, background: bool = False):
         model_sd, optim_sd = self._state_dicts()
-        dcp.save({"model": model_sd, **({"optim": optim_sd} if optimizer else {})}, checkpoint_id=os.path.join(path, "dcp"))
+        state = {"model": model_sd, **({"optim": optim_sd} if optimizer else {})}
+        written = None
+        if background:  # DCP copies the state to host memory before it returns, then writes it on its own thread
+            if self._save_group is None:  # its collectives on a gloo group of their own, never beside training's
+                self._save_group = dist.new_group(backend="gloo")
+            written = dcp.async_save(state, checkpoint_id=os.path.join(path, "dcp"), process_group=self._save_group)
+        else:
+            dcp.save(state, checkpoint_id=os.path.join(path, "dcp"))
         extra = {"scheduler": self.scheduler.state_dict(), "cpu_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "skipped_steps": self.skipped_steps}
         torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
         if self.ref_model is not None:
             dcp.save({"model": get_model_state_dict(self.ref_model)}, checkpoint_id=os.path.join(path, "dcp_ref"))
+        return written
 
     def load(self, path: str) -> None:
         from polyrl.checkpoint import has_optimizer_state

@@ -840,9 +840,11 @@ class MegatronBackend:
         sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
         return sd
 
-    def save(self, path: str, *, optimizer: bool = True) -> None:
+    def save(self, path: str, *, optimizer: bool = True, background: bool = False) -> None:
         if not optimizer:  # refused at start-up (no save_without_optimizer capability); a direct caller hears it here
             raise NotImplementedError("the megatron backend saves its distributed optimizer with the weights")
+        if background:  # refused at start-up (no async_save capability)
+            raise NotImplementedError("the megatron backend writes its checkpoints in the foreground")
         with self._resident():
             self._save(path)
 
