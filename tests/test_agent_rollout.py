@@ -1,7 +1,8 @@
 """--agent-function-path: agents written against the OpenAI API, trained through the loopback gateway. A 2-step CPU
 `polyrl train` with an `openai` SDK agent (samples reach the trainer token-exact), failing and hanging agents counted
 and survived, final messages scored by the reward function, the OpenAI Agents SDK and LangGraph used unchanged (a tool
-call and its answer become one sample), a run against a launched `polyrl serve`, and the flag's start-up checks."""
+call and its answer become one sample), runs against a launched and an external `polyrl serve`, and the flag's
+start-up checks."""
 
 from __future__ import annotations
 
@@ -283,3 +284,23 @@ def test_agents_train_against_a_launched_server(chat_dir, prompts, tmp_path):
                       "--num-rollout", "1", "--n-samples-per-prompt", "2")) == 0
     (m,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert m["agent/trajectories"] == 4 and m["agent/failed"] == 0 and m["agent/calls"] == 2 and "pg_loss" in m
+
+
+def test_agents_train_against_an_external_server_and_sample_from_the_trained_weights(chat_dir, prompts, tmp_path):
+    """--rollout-external: the gateway sends the agents' calls to a `polyrl serve` this run did not start; after step
+    1 the run pushed its weights there, so step 2's calls sample from the trained policy (the trainer's log-probs of
+    those tokens agree with the server's to FP32 rounding, tests/test_external_engine.py's bound)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from serve_procs import serving
+    fn = tmp_path / "agents.py"
+    fn.write_text(AGENTS)
+    with serving(chat_dir, tmp_path, 1) as (srv,):
+        assert main(_args(chat_dir, prompts, tmp_path, "--agent-function-path", f"{fn}:plain", "--rollout-external",
+                          "--rollout-external-engine-addrs", srv.url, "--n-samples-per-prompt", "2", "--lr", "1e-2")) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["agent/trajectories"] == 4 and r["agent/failed"] == 0 and r["agent/calls"] == 2 and "pg_loss" in r
+        assert r["train_rollout_logprob_abs_diff_max"] < 1e-4, r
+    assert rows[0]["grad_norm"] > 0  # step 1 moved the weights that step 2's calls were answered with
