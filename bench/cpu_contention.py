@@ -3,8 +3,10 @@ with the old behaviour and polyrl's default, in one run; one table.
 
   old  torch's defaults on a machine of these cores: a thread per core and libgomp's default wait, a 300,000-spin
        busy wait at each barrier (POLYRL_CPU_THREADS=<cores> GOMP_SPINCOUNT=300000)
-  new  what `polyrl` sets by itself (polyrl.cpu_env: OMP_WAIT_POLICY=PASSIVE; polyrl.dist.cpu_threads: the cores)
-  one  new with one thread (POLYRL_CPU_THREADS=1): the other way to keep off a busy core (--settings old,new,one)
+  new  what `polyrl` does by itself: a single-process CPU run spins at barriers and its thread count follows the
+       machine's load (polyrl.cpu_env, polyrl.cpu_governor)
+  passive  a thread per core, every thread waiting passively (OMP_WAIT_POLICY=PASSIVE; the default before)
+  one  one thread, waiting passively (POLYRL_CPU_THREADS=1): the other way to keep off a busy core
   spin3k, spin10k, spin30k  a thread per core, libgomp spinning 3,000 / 10,000 / 30,000 turns before it sleeps
 
 Each cell runs `polyrl sft` (polyrl.demo.sft_args, the first --sft-rows demonstrations, one epoch) and `polyrl train`
@@ -45,6 +47,8 @@ def settings(cores: int) -> dict[str, dict[str, str]]:
     """Each setting's environment additions (after CLEARED is removed)."""
     return {"old": {"POLYRL_CPU_THREADS": str(cores), "GOMP_SPINCOUNT": "300000"},  # libgomp's own default spin
             "new": {}, "one": {"POLYRL_CPU_THREADS": "1"},
+            # the default before the thread count followed the load: every thread waits passively
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
             # shorter spins than libgomp's default, before a thread sleeps at a barrier (--settings old,spin10k,...)
             **{f"spin{k}k": {"POLYRL_CPU_THREADS": str(cores), "GOMP_SPINCOUNT": str(k * 1000)} for k in (3, 10, 30)}}
 
@@ -54,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=int, default=None,
                    help="run on the first N cores this process may use (os.sched_setaffinity; default: all of them)")
     p.add_argument("--loads", default="0,1,2", help="busy processes beside the run, comma-separated (default 0,1,2)")
-    p.add_argument("--settings", default="old,new", help="comma-separated, of: old, new, one (default old,new)")
+    p.add_argument("--settings", default="old,new", help="comma-separated, of: old, new, passive, one, spin3k, spin10k, spin30k (default old,new)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell, in alternating order (default 2)")
     p.add_argument("--sft-rows", type=int, default=1280, help="SFT demonstrations, one epoch at 64 a step (default 1280)")
     p.add_argument("--grpo-steps", type=int, default=5, help="GRPO steps (the first is not timed; default 5)")

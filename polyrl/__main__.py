@@ -1,8 +1,8 @@
 import sys
 
-from polyrl.cpu_env import apply_cpu_defaults
+from polyrl.cpu_env import start_process
 
-apply_cpu_defaults()  # before anything imports torch: its OpenMP runtime reads the wait policy once, when loaded
+start_process()  # before anything imports torch: its OpenMP runtime reads the wait policy once, when loaded
 from polyrl.cli import cli  # noqa: E402
 
 sys.exit(cli())

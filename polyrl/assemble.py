@@ -141,7 +141,8 @@ def setup_command(cfg: Config) -> tuple[str, Dist]:
     """The process group, seeds and threads of a command: (device, this rank's Dist)."""
     c = cfg.cluster
     return setup(c.device, c.dist_backend, c.seed, c.distributed_timeout_minutes,
-                 cpu_optimizer=cfg.model.fsdp_cpu_offload or cfg.megatron.optimizer_cpu_offload)
+                 cpu_optimizer=cfg.model.fsdp_cpu_offload or cfg.megatron.optimizer_cpu_offload,
+                 threads_of_work=2 if cfg.rollout.async_training else 1)
 
 
 @dataclass

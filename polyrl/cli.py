@@ -605,8 +605,8 @@ def cli() -> int:
     thread can drop a finished collective's tensors after the run is over, and doing so needs the GIL, which a
     finalizing interpreter answers by ending the thread, aborting the process ("terminate called without an active
     exception", exit -6) though every rank had finished."""
-    from polyrl.cpu_env import apply_cpu_defaults
-    apply_cpu_defaults()  # before main imports torch: its OpenMP runtime reads the wait policy once, when loaded
+    from polyrl.cpu_env import start_process
+    start_process()  # before main imports torch: its OpenMP runtime reads the wait policy once, when loaded
     before = len(_INTERRUPTED)
     code = main()
     sys.stdout.flush()

@@ -21,10 +21,13 @@ WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # the environment paragraph of `polyrl train | sft | eval | serve | export-hf --help`
 CPU_HELP = ("CPU threads: a CPU rank computes on the cores this process may use (its affinity mask) split over the "
-            "ranks; POLYRL_CPU_THREADS=N sets the count (OMP_NUM_THREADS does not: torchrun sets it to 1). Their "
-            "OpenMP runtime waits passively at barriers (OMP_WAIT_POLICY=PASSIVE, set unless OMP_WAIT_POLICY, "
-            "GOMP_SPINCOUNT or KMP_BLOCKTIME is set): threads that spin there run a CPU step many times slower "
-            "beside any other busy process (docs/operations.md, Precision and memory, has the figures).")
+            "ranks; POLYRL_CPU_THREADS=N sets the count (OMP_NUM_THREADS does not: torchrun sets it to 1). A "
+            "single-process CPU run's threads spin at OpenMP barriers (the fastest on free cores) and their count "
+            "follows the machine's load, read every 0.25 s: fewer threads while other processes compute, one when "
+            "they take the cores (POLYRL_CPU_GOVERNOR=0 turns that off). Ranks, servers, --async and a fixed "
+            "POLYRL_CPU_THREADS wait passively instead (OMP_WAIT_POLICY=PASSIVE, set unless OMP_WAIT_POLICY, "
+            "GOMP_SPINCOUNT or KMP_BLOCKTIME is set): threads that spin beside another busy process run a CPU step "
+            "many times slower (docs/operations.md, Precision and memory, has the figures).")
 
 
 def apply_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -35,6 +38,35 @@ def apply_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> dict[
         return {}
     env.update(DEFAULTS)
     return dict(DEFAULTS)
+
+
+GOVERNED_COMMANDS = ("train", "sft", "eval")
+GOVERNED = False  # this process loaded OpenMP spinning, and polyrl.cpu_governor sets its thread count (a CPU run)
+
+
+def governable(environ: MutableMapping[str, str], argv: list[str]) -> bool:
+    """A command whose process may spin at barriers, its thread count following the load (polyrl.cpu_governor): one
+    process computing alone (no torchrun ranks, no Ray, no --async's second thread of work), polyrl choosing the
+    threads (no POLYRL_CPU_THREADS) and no wait setting of the user's."""
+    if len(argv) < 2 or argv[1] not in GOVERNED_COMMANDS or any(environ.get(k) for k in WAIT_KEYS):
+        return False
+    if environ.get("POLYRL_CPU_THREADS") or environ.get("POLYRL_CPU_GOVERNOR", "1") == "0":
+        return False
+    if environ.get("WORLD_SIZE", "1") not in ("", "1") or environ.get("RAY_ADDRESS"):
+        return False
+    return not any(a in ("--use-ray", "--async") for a in argv[2:])
+
+
+def start_process(argv: list[str] | None = None) -> None:
+    """At an entry point, before anything imports torch. A governable command loads torch's OpenMP runtime now with
+    libgomp's own spinning wait (GOVERNED); then, and for every other command, the passive wait goes into the
+    environment for the processes this one starts (servers, ranks, Ray's workers)."""
+    import sys
+    global GOVERNED
+    if governable(os.environ, list(sys.argv if argv is None else argv)):
+        import torch  # noqa: F401  (libgomp reads the wait policy as torch loads it)
+        GOVERNED = True
+    apply_cpu_defaults()
 
 
 def wait_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from polyrl.cpu_env import apply_cpu_defaults
-    apply_cpu_defaults()  # before build_model imports torch; the polyrl commands it runs inherit it
+    from polyrl.cpu_env import apply_cpu_defaults, governable
+    # before build_model imports torch. The polyrl commands it runs choose their own wait (a governed CPU run each, see
+    # polyrl.cpu_env.start_process) unless this environment fixes it; then they inherit the passive one
+    if not governable(os.environ, ["polyrl", "train"]):
+        apply_cpu_defaults()
     sys.exit(main())

@@ -184,10 +184,21 @@ def set_host_threads(device: str, world_size: int, cpu_optimizer: bool = False) 
 
 
 def setup(device: str, backend: str, seed: int, timeout_minutes: float,
-          cpu_optimizer: bool = False) -> tuple[str, Dist]:
-    """The process group, seeds and CPU threads (host_threads) of a command; returns (device, this rank's Dist)."""
+          cpu_optimizer: bool = False, threads_of_work: int = 1) -> tuple[str, Dist]:
+    """The process group, seeds and CPU threads (host_threads) of a command; returns (device, this rank's Dist).
+    threads_of_work: threads of this process that compute at once (--async: the trainer's and the rollout's). A
+    process that loaded OpenMP spinning (polyrl.cpu_env.GOVERNED) and computes on the CPU on one thread of work gets a
+    thread count that follows the machine's load (polyrl.cpu_governor); with two, each takes half the cores, so that
+    their spinning threads never outnumber them."""
+    from polyrl import cpu_env
     device = resolve_device(device)
     init_distributed(device, backend, timeout_minutes)
     seed_everything(seed)
-    set_host_threads(device, dist.get_world_size(), cpu_optimizer)
+    n = set_host_threads(device, dist.get_world_size(), cpu_optimizer)
+    if cpu_env.GOVERNED and device == "cpu" and dist.get_world_size() == 1:
+        if threads_of_work > 1:
+            torch.set_num_threads(max(1, n // threads_of_work))
+        else:
+            from polyrl import cpu_governor
+            cpu_governor.start(n)
     return device, Dist(dist.get_rank(), dist.get_world_size())

@@ -121,6 +121,9 @@ class Timer:
     @contextmanager
     def __call__(self, name: str):
         from torch.profiler import record_function
+
+        from polyrl.cpu_governor import tick
+        tick()  # a phase starts: the CPU thread count the machine's load allows now
         t0 = time.perf_counter()
         set_phase(name)
         with record_function(f"phase/{name}"):

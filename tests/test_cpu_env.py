@@ -1,5 +1,7 @@
-"""polyrl's OpenMP wait policy (polyrl.cpu_env): every entry point puts it into the environment before torch, and so
-its OpenMP runtime, is loaded, and a wait setting the user chose is left as it is."""
+"""polyrl's OpenMP wait policy and thread count (polyrl.cpu_env, polyrl.cpu_governor): every entry point decides the
+wait before torch, and so its OpenMP runtime, is loaded (a single-process CPU command spins, with a thread count that
+follows the machine's load; everything else, and every process one starts, waits passively), and a wait setting the
+user chose is left as it is."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ ENTRIES = {
 
 
 def env_at_torch_import(entry: str, tmp_path, **env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in WAIT}
+    # make test fixes POLYRL_CPU_THREADS; these runs choose their threads as a user's do unless `env` says otherwise
+    base = {k: v for k, v in os.environ.items() if k not in WAIT and k != "POLYRL_CPU_THREADS"}
     out = subprocess.run([sys.executable, "-c", AT_TORCH + ENTRIES[entry], str(tmp_path / "run")],
                          env={**base, **env}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip(), f"{entry} never imported torch: {out.stdout}{out.stderr}"
@@ -41,8 +44,31 @@ def env_at_torch_import(entry: str, tmp_path, **env: str) -> dict:
 
 @pytest.mark.parametrize("entry", list(ENTRIES))
 def test_each_entry_point_sets_passive_waiting_before_torch_is_imported(entry, tmp_path):
-    assert env_at_torch_import(entry, tmp_path) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None,
+    """With the thread count fixed (POLYRL_CPU_THREADS) nothing follows the load: the threads wait passively."""
+    assert env_at_torch_import(entry, tmp_path, POLYRL_CPU_THREADS="2") == {
+        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "KMP_BLOCKTIME": None}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_single_process_command_loads_openmp_spinning(entry, tmp_path):
+    """polyrl eval (and the demo's commands) on their own: libgomp's own spinning wait, no setting added before it."""
+    assert env_at_torch_import(entry, tmp_path) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None,
                                                     "KMP_BLOCKTIME": None}
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    (["polyrl", "train"], {}, True), (["polyrl", "sft"], {}, True), (["polyrl", "eval"], {}, True),
+    (["polyrl", "serve"], {}, False),  # a server beside a trainer: both would spin on the same cores
+    (["polyrl", "train", "--async"], {}, False),  # two threads of work in one process
+    (["polyrl", "train", "--use-ray"], {}, False),
+    (["polyrl", "train"], {"WORLD_SIZE": "2"}, False),  # a torchrun rank
+    (["polyrl", "train"], {"POLYRL_CPU_THREADS": "2"}, False),
+    (["polyrl", "train"], {"POLYRL_CPU_GOVERNOR": "0"}, False),
+    (["polyrl", "train"], {"OMP_WAIT_POLICY": "ACTIVE"}, False),
+    (["polyrl", "train"], {"WORLD_SIZE": "1"}, True),
+])
+def test_which_commands_follow_the_load(argv, env, want):
+    assert cpu_env.governable(env, argv) is want
 
 
 @pytest.mark.parametrize("entry", ["python -m polyrl", "python -m polyrl.demo"])
@@ -53,12 +79,14 @@ def test_the_users_wait_setting_is_kept(entry, tmp_path):
         "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": None}
 
 
-def test_torchs_openmp_runtime_runs_with_it():
-    """libgomp itself reports the setting it read when torch loaded it (OMP_DISPLAY_ENV): no spinning at barriers."""
-    base = {k: v for k, v in os.environ.items() if k not in WAIT}
-    out = subprocess.run([sys.executable, "-m", "polyrl", "eval"], env={**base, "OMP_DISPLAY_ENV": "VERBOSE"},
-                         capture_output=True, text=True, timeout=180)
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr and "GOMP_SPINCOUNT = '0'" in out.stderr, out.stderr[-3000:]
+@pytest.mark.parametrize("threads, spin", [("2", "0"), (None, "300000")])
+def test_torchs_openmp_runtime_runs_with_it(threads, spin):
+    """libgomp itself reports the setting it read when torch loaded it (OMP_DISPLAY_ENV): no spinning at barriers
+    with a fixed thread count, its own 300,000-turn spin in a command whose thread count follows the load."""
+    base = {k: v for k, v in os.environ.items() if k not in WAIT and k != "POLYRL_CPU_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "polyrl", "eval"], capture_output=True, text=True, timeout=180,
+                         env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **({"POLYRL_CPU_THREADS": threads} if threads else {})})
+    assert f"GOMP_SPINCOUNT = '{spin}'" in out.stderr, out.stderr[-3000:]
     assert out.returncode == 2 and "polyrl eval: error:" in out.stderr  # and the command went on to its own check
 
 
@@ -101,3 +129,4 @@ def test_help_says_what_the_cpu_threads_and_their_wait_are(command, capsys):
         build_parser().parse_args([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "POLYRL_CPU_THREADS=N sets the count" in text and "OMP_WAIT_POLICY=PASSIVE, set unless" in text
+    assert "their count follows the machine's load" in text and "POLYRL_CPU_GOVERNOR=0" in text

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache
 
 from polyrl import hf_families, multimodal
+from polyrl.cpu_governor import tick as cpu_tick
 from polyrl.rollout.base import GenerateWatch, InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import decode_all
 from polyrl.rollout.gpu import ops
@@ -235,6 +236,7 @@ class EmbeddedEngine(InProcessEngine):
         # trainer's forward (transformers scatters image features into every pad of the sequence)
         never = (torch.tensor(self.processor.placeholder_ids, device=self.device) if vision else None)
         for t in range(max_new):
+            cpu_tick()  # a single-process CPU run's thread count follows the machine's load (polyrl.cpu_governor)
             self.count_decode_step(len(rows))
             if never is not None:
                 logits = logits.index_fill(1, never, float("-inf"))

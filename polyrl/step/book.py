@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import time
 
+from polyrl import cpu_governor
 from polyrl.checkpoint import CheckpointWriter
 from polyrl.config import Config
 from polyrl.dist import Dist, restart_count
@@ -70,6 +71,7 @@ class Book:
         if self.restarts:
             m["restarts"] = float(self.restarts)
         m.update(self.gpu_memory())
+        m.update(cpu_governor.metrics())
         m.update({"response_len/mean": n_tok / max(n_resp, 1), "dropped_prompts": self.cursor.num_dropped,
                   "truncated_frac": n_trunc / max(n_resp, 1), "tokens_per_s": n_tok / max(rollout_s, 1e-9)})
         last = step + 1 == cfg.rollout.num_rollout

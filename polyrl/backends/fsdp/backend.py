@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
 from polyrl import hf_families
+from polyrl.cpu_governor import tick as cpu_tick
 from polyrl.algorithms.losses import merge_metric
 from polyrl.backends.base import LossFn, fewer_blocks, plan_micro_batches, to_device
 from polyrl.backends.fsdp.lora import adapters_off, add_lora, merged_weights
@@ -469,6 +470,7 @@ class FSDPBackend:
                       and batch.recorded_routed_experts is None)
             routes: list = [None] * len(batch)
             for idx in self._micro_batches(batch):
+                cpu_tick()
                 _, logp, *_ = self._forward(m, batch, idx, temperature, False, record=record)
                 if idx:
                     order += idx
@@ -512,6 +514,7 @@ class FSDPBackend:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         plans = self._micro_batches(batch)
         for idx in plans:
+            cpu_tick()  # a single-process CPU run's thread count follows the machine's load (polyrl.cpu_governor)
             mb, logp, ent, seq, tail = self._forward(self.model, batch, idx, temperature, with_entropy)
             if idx:
                 keys = list(mb.token_fields)
