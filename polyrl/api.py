@@ -61,11 +61,14 @@ def train(model: str, prompts: str | os.PathLike | Iterable, reward_funcs: Calla
         name = f"reward_{next(_COUNTER)}"
         _REWARDS[name] = combined_reward(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         fields["custom_rm_path"] = f"polyrl.api:{name}"
-    try:
-        code = main(["train", "--hf-checkpoint", str(model), *to_flags(fields)])
-    finally:
-        if name is not None:
-            _REWARDS.pop(name, None)
+    argv = ["train", "--hf-checkpoint", str(model), *to_flags(fields)]
+    from polyrl import cpu_env
+    with cpu_env.in_this_process(["polyrl", *argv]):  # the CPU threads and their wait, as the command gets them
+        try:
+            code = main(argv)
+        finally:
+            if name is not None:
+                _REWARDS.pop(name, None)
     if code != 0:
         raise ValueError(f"polyrl.train: polyrl train exited with status {code}; its error line is above")
     path = os.path.join(run_dir, "metrics.jsonl")

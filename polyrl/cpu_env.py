@@ -12,7 +12,9 @@ This module imports only the standard library: it runs before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import MutableMapping
 
 # Any of these set by the user is their choice of the wait behaviour, left as it is: GOMP_SPINCOUNT overrides the
@@ -61,12 +63,34 @@ def start_process(argv: list[str] | None = None) -> None:
     """At an entry point, before anything imports torch. A governable command loads torch's OpenMP runtime now with
     libgomp's own spinning wait (GOVERNED); then, and for every other command, the passive wait goes into the
     environment for the processes this one starts (servers, ranks, Ray's workers)."""
-    import sys
     global GOVERNED
     if governable(os.environ, list(sys.argv if argv is None else argv)):
         import torch  # noqa: F401  (libgomp reads the wait policy as torch loads it)
         GOVERNED = True
     apply_cpu_defaults()
+
+
+@contextlib.contextmanager
+def in_this_process(argv: list[str]):
+    """start_process for a command run inside a Python program (polyrl.train): torch may be loaded already, with the
+    environment as it is now (a wait setting there is the program's); the passive wait that the processes the run
+    starts inherit is taken out of the environment again afterwards."""
+    before = {k: os.environ.get(k) for k in WAIT_KEYS}
+    start_process(argv)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None  # the program's, if it runs torch already
+    try:
+        yield
+    finally:
+        if "polyrl.cpu_governor" in sys.modules:  # the run's governor ends with it
+            sys.modules["polyrl.cpu_governor"].stop()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def wait_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

@@ -113,10 +113,14 @@ def start(most: int) -> Governor | None:
 
 
 def stop() -> None:
+    """Stop the governor, the thread count back at what it started from."""
     global _GOVERNOR
-    if _GOVERNOR is not None:
-        _GOVERNOR.stop()
-        _GOVERNOR = None
+    g, _GOVERNOR = _GOVERNOR, None
+    if g is not None:
+        g.stop()
+        if g.applied != g.most and threading.get_ident() == g.owner:
+            import torch
+            torch.set_num_threads(g.most)
 
 
 def metrics() -> dict[str, float]:

@@ -4,6 +4,7 @@ callables in polyrl's or TRL's form; TRL's names of the settings), on the tiny m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,25 @@ def test_the_docs_example_on_the_real_model(real_model, tmp_path):
                        quiet=True, run_dir=str(tmp_path / "run"))
     [m] = out["metrics"]
     assert 0.0 <= m["reward/mean"] <= 1.0 and m["lr"] == pytest.approx(1e-5) and m["train_rollout_logprob_abs_diff"] < 1e-4
+
+
+def test_a_cpu_run_in_a_program_follows_the_load_and_gives_the_program_its_threads_back(tiny_model, tmp_path):
+    """In a program that set no wait and no POLYRL_CPU_THREADS (a notebook): the run's rows carry the governed thread
+    count, and afterwards the environment and torch's thread count are the program's again."""
+    code = f"""
+import json, os, torch, polyrl
+torch.set_num_threads(2)
+def digits(sample):
+    return sum(c.isdigit() for c in sample.response) / 4.0
+out = polyrl.train({tiny_model!r}, ["1+1=", "2+2="], digits, rollout_batch_size=2, n_samples_per_prompt=2,
+                   rollout_max_response_len=3, num_rollout=2, device="cpu", quiet=True, run_dir={str(tmp_path / "run")!r})
+print(json.dumps([[r.get("cpu/threads") for r in out["metrics"]], os.environ.get("OMP_WAIT_POLICY"),
+                  torch.get_num_threads()]))
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("POLYRL_CPU_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    threads, wait, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(threads) == 2 and all(t is not None and t >= 1 for t in threads)
+    assert wait is None and after == 2
