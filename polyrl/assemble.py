@@ -137,12 +137,13 @@ def announce_changed_rates(state: dict, cfg: Config) -> None:
                    "schedule goes on from the checkpoint's step")
 
 
-def setup_command(cfg: Config) -> tuple[str, Dist]:
-    """The process group, seeds and threads of a command: (device, this rank's Dist)."""
+def setup_command(cfg: Config, threads_of_work: int = 1) -> tuple[str, Dist]:
+    """The process group, seeds and threads of a command: (device, this rank's Dist). threads_of_work: 2 for
+    polyrl train --async (the trainer's thread and the rollout's compute at once)."""
     c = cfg.cluster
     return setup(c.device, c.dist_backend, c.seed, c.distributed_timeout_minutes,
                  cpu_optimizer=cfg.model.fsdp_cpu_offload or cfg.megatron.optimizer_cpu_offload,
-                 threads_of_work=2 if cfg.rollout.async_training else 1)
+                 threads_of_work=threads_of_work)
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Parts:
 
 def assemble(cfg: Config, title: str = "polyrl train") -> Parts:
     plan = plan_here(cfg)
-    device, d = setup_command(cfg)
+    device, d = setup_command(cfg, threads_of_work=2 if cfg.rollout.async_training else 1)
     r = cfg.rollout
     for flag, n in (("--rollout-batch-size", r.rollout_batch_size), ("--over-sampling-batch-size", r.over_sampling_batch_size)):
         if (n or 0) % d.world:

@@ -49,12 +49,14 @@ GOVERNED = False  # this process loaded OpenMP spinning, and polyrl.cpu_governor
 def governable(environ: MutableMapping[str, str], argv: list[str]) -> bool:
     """A command whose process may spin at barriers, its thread count following the load (polyrl.cpu_governor): one
     process computing alone (no torchrun ranks, no Ray, no --async's second thread of work), polyrl choosing the
-    threads (no POLYRL_CPU_THREADS) and no wait setting of the user's."""
+    threads (no POLYRL_CPU_THREADS), no wait setting of the user's, and a Linux /proc to read the load from."""
     if len(argv) < 2 or argv[1] not in GOVERNED_COMMANDS or any(environ.get(k) for k in WAIT_KEYS):
         return False
     if environ.get("POLYRL_CPU_THREADS") or environ.get("POLYRL_CPU_GOVERNOR", "1") == "0":
         return False
     if environ.get("WORLD_SIZE", "1") not in ("", "1") or environ.get("RAY_ADDRESS"):
+        return False
+    if not (os.path.exists("/proc/self/stat") and hasattr(os, "sched_getaffinity")):  # nothing to read the load from
         return False
     return not any(a in ("--use-ray", "--async") for a in argv[2:])
 
