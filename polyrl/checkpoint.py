@@ -122,6 +122,15 @@ class CheckpointWriter:
         self.critic, self.timeout = critic, timeout
         self.pending: PendingSave | None = None
 
+    @classmethod
+    def from_config(cls, cfg, critic=None) -> "CheckpointWriter | None":
+        """The writer of --save (None without it), with --max-ckpt-to-keep, --no-save-optim and --async-save."""
+        ck = cfg.checkpoint
+        if not ck.save:
+            return None
+        return cls(ck.save, keep=ck.max_ckpt_to_keep, optimizer=ck.save_optim, background=ck.async_save,
+                   critic=critic, timeout=60.0 * cfg.cluster.distributed_timeout_minutes)
+
     def save(self, step: int, backend, loop_state: dict, *, wait: bool = False) -> None:
         self.settle()
         out = save_checkpoint(self.root, step, backend, loop_state, keep=self.keep, critic=self.critic,

@@ -62,9 +62,7 @@ def sft(cfg: Config) -> dict:
         if start >= total:
             notice(f"nothing to train: the checkpoint is at step {start}, at or past the {total} steps of this run "
                    "(--num-epoch x rows / --global-batch-size)")
-    ck = cfg.checkpoint
-    writer = CheckpointWriter(ck.save, keep=ck.max_ckpt_to_keep, optimizer=ck.save_optim, background=ck.async_save,
-                              timeout=60.0 * cfg.cluster.distributed_timeout_minutes) if ck.save else None
+    writer = CheckpointWriter.from_config(cfg)
     t0 = time.perf_counter()
     for step in range(start, total):
         epoch, k = divmod(step, per_epoch)

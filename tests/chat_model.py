@@ -69,3 +69,18 @@ class ScriptedEngine(EmbeddedEngine):
                 fin = "stop" if ids and ids[-1] == self.tokenizer.eos_token_id else "length"
                 out.append(Sample(list(p), ids, [-0.25] * len(ids), fin, group_index=i))
         return out
+
+
+# An agent of two chat calls through the openai SDK (tests of the gateway import it into an agent module)
+PLAIN_AGENT = '''
+import openai
+
+async def plain(task, client):
+    """Two chat calls; the reward: whether the second answer is longer than the first (something to learn)."""
+    async with openai.AsyncOpenAI(**client.openai_kwargs(), max_retries=0) as oa:
+        r1 = await oa.chat.completions.create(model=client.model, messages=task.messages, max_tokens=4)
+        history = [*task.messages, {"role": "assistant", "content": r1.choices[0].message.content},
+                   {"role": "user", "content": "more"}]
+        r2 = await oa.chat.completions.create(model=client.model, messages=history, max_tokens=4)
+    return float(len(r2.choices[0].message.content or "") > len(r1.choices[0].message.content or ""))
+'''

@@ -12,22 +12,12 @@ import os
 import pytest
 import torch
 
-from chat_model import ScriptedEngine, make_chat_model
+from chat_model import PLAIN_AGENT, ScriptedEngine, make_chat_model
 from polyrl.cli import main
 from polyrl.types import PromptRecord, SamplingParams
 
-AGENTS = '''
+AGENTS = PLAIN_AGENT + '''
 import asyncio, json, os
-import openai
-
-async def plain(task, client):
-    """Two chat calls; the reward: whether the second answer is longer than the first (something to learn)."""
-    async with openai.AsyncOpenAI(**client.openai_kwargs(), max_retries=0) as oa:
-        r1 = await oa.chat.completions.create(model=client.model, messages=task.messages, max_tokens=4)
-        history = [*task.messages, {"role": "assistant", "content": r1.choices[0].message.content},
-                   {"role": "user", "content": "more"}]
-        r2 = await oa.chat.completions.create(model=client.model, messages=history, max_tokens=4)
-    return float(len(r2.choices[0].message.content or "") > len(r1.choices[0].message.content or ""))
 
 async def rewrites(task, client):
     """The second call does not extend the first: it replaces the history with a summary (a new segment)."""

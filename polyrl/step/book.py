@@ -152,11 +152,8 @@ class Saver:
     CheckpointWriter (writer.pending: a background write to seal at the next step's end)."""
 
     def __init__(self, cfg: Config, backend, critic=None):
-        ck = cfg.checkpoint
         self.cfg, self.backend = cfg, backend
-        self.writer = CheckpointWriter(ck.save, keep=ck.max_ckpt_to_keep, optimizer=ck.save_optim,
-                                       background=ck.async_save, critic=critic,
-                                       timeout=60.0 * cfg.cluster.distributed_timeout_minutes)
+        self.writer = CheckpointWriter.from_config(cfg, critic)
 
     def __call__(self, step: int, data_state: dict, wait: bool = False) -> None:
         cfg = self.cfg

@@ -208,34 +208,20 @@ def test_max_restarts_resumes_the_train_actors_and_keeps_the_engine_actors(tiny_
     assert_nothing_left(run)
 
 
-AGENT = '''
-import openai
-
-async def two_calls(task, client):
-    """Two chat calls through the train actor's gateway; the reward: whether the second answer is the longer."""
-    async with openai.AsyncOpenAI(**client.openai_kwargs(), max_retries=0) as oa:
-        r1 = await oa.chat.completions.create(model=client.model, messages=task.messages, max_tokens=4)
-        history = [*task.messages, {"role": "assistant", "content": r1.choices[0].message.content},
-                   {"role": "user", "content": "more"}]
-        r2 = await oa.chat.completions.create(model=client.model, messages=history, max_tokens=4)
-    return float(len(r2.choices[0].message.content or "") > len(r1.choices[0].message.content or ""))
-'''
-
-
 def test_an_openai_agent_trains_under_ray_against_an_engine_actor(tmp_path):
     """--agent-function-path under --use-ray: each train actor runs its gateway and its agents, whose calls go to the
     engine actor's server (disaggregated); the trajectories train, and the trainer's log-probs are the engine's."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from chat_model import make_chat_model
+    from chat_model import PLAIN_AGENT, make_chat_model
     model = make_chat_model(str(tmp_path / "chat_model"))
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"add {a}+{a}", "label": str(2 * a)}) + "\n" for a in range(8)))
     fn = tmp_path / "agent.py"
-    fn.write_text(AGENT)
+    fn.write_text(PLAIN_AGENT)
     run = tmp_path / "run"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
     p = subprocess.run([sys.executable, "-m", "polyrl", "train", "--hf-checkpoint", model, "--prompt-data", str(data),
-                        "--agent-function-path", f"{fn}:two_calls", "--rollout-batch-size", "2",
+                        "--agent-function-path", f"{fn}:plain", "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "40", "--num-rollout", "1",
                         "--lr", "1e-3", "--seed", "1", "--device", "cpu", "--quiet", "--run-dir", str(run), "--use-ray",
                         "--actor-num-gpus-per-node", "1", "--rollout-engine", "server", "--rollout-num-gpus", "1",
