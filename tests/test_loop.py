@@ -266,6 +266,45 @@ def test_colocated_sync_wakes_weights_then_offloads_the_trainer_then_wakes_the_k
     assert ("push", [("w", 1)], 0) in calls  # external engines: the trainer's weights before the first rollout
 
 
+def _handoff_rank(rank, port, log):
+    import contextlib
+    import os
+    import time
+    import torch.distributed as dist
+    from polyrl.step.handoff import Handoff
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    class SharedServers:  # both ranks' engines are the same servers: a sleep holds every rank's requests
+        def sleep(self):
+            with open(log, "a") as f:
+                f.write(f"sleep {rank}\n")
+
+    if rank == 1:
+        time.sleep(1.0)  # this rank's rollout is still out when rank 0's ends
+        with open(log, "a") as f:
+            f.write("rollout 1 done\n")
+    Handoff(None, SharedServers(), None, contextlib.nullcontext(), push_at_start=False).to_trainer()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # no interpreter finalization with gloo threads about
+
+
+def test_colocated_servers_sleep_only_once_every_ranks_rollout_is_over(tmp_path):
+    """Ranks that share their servers (--use-ray --colocate, torchrun with shared servers): a rank whose rollout ends
+    first must not put the servers to sleep while another rank's requests are out (they would wait for a wake that
+    comes only after the step, which waits for them)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "events"
+    mp.spawn(_handoff_rank, args=(port, str(log)), nprocs=2)
+    events = log.read_text().splitlines()
+    assert events[0] == "rollout 1 done" and sorted(events[1:]) == ["sleep 0", "sleep 1"], events
+
+
 def test_memory_tags_are_checked():
     from polyrl.rollout.base import wake_tags
     assert wake_tags(None) == {"weights", "kv_cache"} and wake_tags(["weights"]) == {"weights"}

@@ -9,7 +9,7 @@ import time
 from polyrl import cpu_governor
 from polyrl.checkpoint import CheckpointWriter
 from polyrl.config import Config
-from polyrl.dist import Dist, restart_count
+from polyrl.dist import Dist, barrier, restart_count
 from polyrl.metrics import PROGRESS, GcWatch, MetricsLogger, Timer, combine_rank_stats, stop_if_signalled
 from polyrl.rollout.base import RolloutEngine
 from polyrl.step.cursor import PromptCursor
@@ -95,6 +95,10 @@ class Book:
         # what no phase accounts for (metrics reduction, logging, Python between phases)
         m["time/other"] = m["time/step"] - sum(timer.times.values())
         self.logger.log(step + 1, m)
+        if saving and self.save is not None and d.world > 1:
+            # the row of a checkpointed step is written before any rank goes on: a rank dying in the next step must
+            # not stop rank 0 between the save and its log line, or a resume from that checkpoint skips the row
+            barrier()
         self.gc.freeze()  # after the run's first step: what is alive now lives for the run
         stop_if_signalled()
         if why is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import ContextManager
 
 from polyrl.backends.base import TrainBackend
+from polyrl.dist import barrier
 from polyrl.metrics import notice
 from polyrl.rollout.base import RolloutEngine
 from polyrl.weight_sync import WeightTransport
@@ -36,7 +37,9 @@ class Handoff:
         self.backend.offload()
 
     def to_trainer(self) -> None:
-        """After a rollout: the engine gives the shared devices to the trainer."""
+        """After a rollout: the engine gives the shared devices to the trainer, once every rank's rollout is over (the
+        ranks share the servers: one rank's sleep would hold another's requests still out until the next wake)."""
+        barrier()
         self.engine.sleep()
 
     def sync(self, version: int) -> None:
