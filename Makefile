@@ -31,7 +31,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 3
 TEST_THREADS ?= 1
 test: $(STAMP)
-	OMP_NUM_THREADS=$(TEST_THREADS) POLYRL_CPU_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests --durations=15 \
+	OMP_NUM_THREADS=$(TEST_THREADS) POLYRL_CPU_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests --durations=40 \
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # GPU machines: their own python3 (with torch), the repo on PYTHONPATH, nothing installed. Workers share one GPU
