@@ -26,6 +26,9 @@ class SamplingParams:
     # per sample (prompt i, sample j at i * n + j): the response ends with EOS once it holds this many tokens, the
     # tokens before unchanged (polyrl.rollout.lengths: a length-controlled workload); None or 0 for a sample: no cut
     stop_lengths: list[int] | None = None
+    # per response token, the k most likely tokens and their log-probs under the distribution the token was drawn
+    # from (Sample.top_logprobs; SGLang's top_logprobs_num, OpenAI's top_logprobs); 0: none
+    top_logprobs: int = 0
 
     def max_new_tokens_of(self, i: int) -> int:
         """The budget of prompt i's samples."""
@@ -65,6 +68,8 @@ class Sample:
     # the weight version of every response token (--partial-rollout: a resumed response spans several); None: every
     # token is weight_version's
     token_versions: list[int] | None = None
+    # SamplingParams.top_logprobs > 0: per response token, (token id, log-prob) of the k most likely, most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,7 @@ class RolloutEngine(Protocol):
     version: int  # the weight version (trainer step) it holds
     concurrent_update: bool  # update_weights may run while a generate is in flight (the async loop relies on it)
     tokenizer: Any  # the HF tokenizer of its model (custom generate functions and cut responses decode with it)
+    reports_top_logprobs: bool  # generate() fills Sample.top_logprobs when asked (SamplingParams.top_logprobs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, watch: GenerateWatch | None = None) -> list[Sample]:
         """params.n samples per prompt, grouped: samples[i * n + j] answers prompts[i]
@@ -147,6 +148,7 @@ class InProcessEngine:
     max_len: int | None = None  # the GPU path's position limit; None: the model config's max_position_embeddings
     asleep = False  # the GPU path after sleep(): weights released until wake()
     reports_routed_experts = False  # MoE engines that record routes override this
+    reports_top_logprobs = False  # engines that report the top alternatives of each sampled token override this
     processor = None  # vision-language models: the polyrl.multimodal.VisionProcessor that makes the pixel inputs
     # True when the trainer runs in this process (polyrl.assemble.build_engine): sleep() then leaves what it frees in PyTorch's
     # caching allocator, where the train phase's allocations find it, instead of handing it back to the CUDA driver.

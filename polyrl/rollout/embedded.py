@@ -87,6 +87,8 @@ class EmbeddedEngine(InProcessEngine):
         from polyrl.backends.routing_replay import MoERouting
         self.routing = MoERouting.attach(self.model)  # MoE: records the routes a request asks for (idle otherwise)
 
+    reports_top_logprobs = True
+
     @property
     def reports_routed_experts(self) -> bool:
         """Whether generate() can fill Sample.routed_experts (SamplingParams.return_routed_experts)."""
@@ -229,6 +231,8 @@ class EmbeddedEngine(InProcessEngine):
         next_pos = (pos.amax(dim=(0, 2)) if vision else pos[:, -1]) + 1
         responses: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
+        k_top = min(sp.top_logprobs, logits_dim(self.model))
+        tops: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(B)] if k_top > 0 else None
         finish = ["length"] * B
         built: dict[int, Sample] = {}  # rows handed to the watch as they finished
         eos = self.tokenizer.eos_token_id
@@ -245,6 +249,10 @@ class EmbeddedEngine(InProcessEngine):
             tok, lp = ops.sample(logits, inv_temp, noise, thresh, seeds, counters)
             done = torch.isin(tok, stop_t)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
+            if tops is not None:  # the alternatives under the distribution the token was drawn from (as its log-prob)
+                tv, ti = torch.log_softmax(logits.float() * inv_temp[:, None], -1).topk(k_top, -1)
+                for r, ids_r, lps_r in zip(rows.tolist(), ti.tolist(), tv.tolist()):
+                    tops[r].append(list(zip(ids_r, lps_r)))
             for j, r in enumerate(rows.tolist()):
                 budget, stop_len = limits[r]
                 if stop_len and len(responses[r]) + 1 == stop_len and eos is not None:
@@ -261,7 +269,7 @@ class EmbeddedEngine(InProcessEngine):
                 elif len(responses[r]) >= budget:
                     done_l[j] = True  # its own budget (a resumed response's): "length"
                 if done_l[j] and watch is not None:
-                    built[r] = self._sample(flat, r, responses, logps, finish, routes, mms, limits)
+                    built[r] = self._sample(flat, r, responses, logps, finish, routes, mms, limits, tops=tops)
                     watch.finished(offset + r, built[r])
             stopped = watch is not None and watch.stop.is_set()
             if should_stop is not None or stopped:
@@ -293,16 +301,17 @@ class EmbeddedEngine(InProcessEngine):
             counters = counters + 1
         rest = [r for r in range(B) if r not in built]
         texts = dict(zip(rest, decode_all(self.tokenizer, [responses[r] for r in rest])))
-        return [built[r] if r in built else self._sample(flat, r, responses, logps, finish, routes, mms, limits, texts[r])
+        return [built[r] if r in built else self._sample(flat, r, responses, logps, finish, routes, mms, limits, texts[r], tops)
                 for r in range(B)]
 
-    def _sample(self, flat, r: int, responses, logps, finish, routes, mms, limits, text: str | None = None) -> Sample:
+    def _sample(self, flat, r: int, responses, logps, finish, routes, mms, limits, text: str | None = None,
+                tops: list | None = None) -> Sample:
         g, p, _ = flat[r]
         if text is None:
             text = self.tokenizer.decode(responses[r], skip_special_tokens=True)
         s = Sample(prompt_ids=list(p), response_ids=responses[r], rollout_logprobs=logps[r], finish_reason=finish[r],
                    group_index=g, response=text, routed_experts=torch.cat(routes[r]) if routes is not None else None,
-                   multimodal=mms[g] if mms is not None else None)
+                   multimodal=mms[g] if mms is not None else None, top_logprobs=tops[r] if tops is not None else None)
         mark_forced(s, limits[r][1])
         return s
 

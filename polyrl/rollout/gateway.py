@@ -32,6 +32,8 @@ from polyrl.rollout.trajectory import Trajectory
 from polyrl.types import SamplingParams
 
 log = logging.getLogger(__name__)
+NO_TOP_LOGPROBS = ("'top_logprobs': this engine reports the sampled token's log-prob only (the GPU engine; the "
+                   "transformers path, --no-rollout-gpu-engine, reports the top alternatives)")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Call:
     stop: tuple[str, ...]
     seed: int | None
     stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # per token, this many likeliest alternatives with their log-probs
 
 
 @dataclass
@@ -207,7 +210,8 @@ class OpenAIRoutes:
         mnt = req.max_tokens if req.max_tokens is not None else min(left) if left else 1024
         mnt = min([mnt, *left])
         return Call(req.n, 1.0 if req.temperature is None else float(req.temperature),
-                    1.0 if req.top_p is None else float(req.top_p), -1, mnt, tuple(req.stop), req.seed)
+                    1.0 if req.top_p is None else float(req.top_p), -1, mnt, tuple(req.stop), req.seed,
+                    top_logprobs=req.top_logprobs)
 
     def _traced_call(self, tid: str, rec: Trajectory, req: oa.Request, ids: list[int], kept: int) -> Call:
         room = rec.room(len(ids), kept)
@@ -268,6 +272,8 @@ class EngineBackend:
         self._stop_ids = {eos} if eos is not None else set()
 
     async def complete(self, ids: list[int], call: Call) -> list[Completion]:
+        if call.top_logprobs and not self.engine.reports_top_logprobs:
+            raise APIError(NO_TOP_LOGPROBS, param="top_logprobs")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((ids, call, fut))
         if self._task is None or self._task.done():
@@ -293,7 +299,8 @@ class EngineBackend:
         import random
         seeds = [p[1].seed if p[1].seed is not None else random.getrandbits(62) for p in batch]
         sp = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens,
-                            stop=list(c.stop), stop_token_ids=list(c.stop_token_ids), n=c.n, prompt_seeds=seeds)
+                            stop=list(c.stop), stop_token_ids=list(c.stop_token_ids), n=c.n, prompt_seeds=seeds,
+                            top_logprobs=c.top_logprobs)
         version = self.engine.version
         try:
             samples = await asyncio.get_running_loop().run_in_executor(
@@ -308,7 +315,7 @@ class EngineBackend:
             outs = [Completion(list(s.response_ids), list(s.rollout_logprobs), s.finish_reason,
                                finish_of(self.engine.tokenizer, s.response_ids, s.finish_reason, c.stop,
                                          self._stop_ids | set(c.stop_token_ids)),
-                               s.weight_version if s.weight_version is not None else version)
+                               s.weight_version if s.weight_version is not None else version, s.top_logprobs)
                     for s in samples[i * c.n:(i + 1) * c.n]]
             if not p[2].done():
                 p[2].set_result(outs)
@@ -413,11 +420,13 @@ class ServerBackend:
 
         from polyrl.rollout.server import GenSettings, Item, OutSettings
         s = self.server
+        if call.top_logprobs and not s.engine.reports_top_logprobs:
+            raise APIError(NO_TOP_LOGPROBS, param="top_logprobs")
         gen = GenSettings(call.temperature, call.top_p, call.top_k, call.max_new_tokens, call.stop,
                           tuple(sorted(set(call.stop_token_ids))), call.n)
         seed = call.seed if call.seed is not None else s._rng.getrandbits(62)
         item = Item(list(ids), gen, OutSettings(skip_special_tokens=True, no_stop_trim=True, return_logprob=True,
-                                                return_text_in_logprobs=False),
+                                                return_text_in_logprobs=False, top_logprobs_num=call.top_logprobs),
                     seed, f"oai-{uuid.uuid4().hex}", asyncio.get_running_loop().create_future())
         (outs,) = await s.submit([item])
         res = []
@@ -425,9 +434,11 @@ class ServerBackend:
             meta, fin = o["meta_info"], o["meta_info"]["finish_reason"]
             matched = fin.get("matched") if fin["type"] == "stop" else None
             version = meta["weight_version"]
+            tops = meta.get("output_top_logprobs")
             res.append(Completion(list(o["output_ids"]), [x[0] for x in meta.get("output_token_logprobs", [])],
                                   fin["type"], matched if isinstance(matched, str) else None,
-                                  int(version) if str(version).isdigit() else None))
+                                  int(version) if str(version).isdigit() else None,
+                                  [[(x[1], x[0]) for x in pos] for pos in tops] if tops is not None else None))
         return res
 
 

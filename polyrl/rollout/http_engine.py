@@ -270,6 +270,7 @@ class HTTPEngine:
     """`--rollout-engine server|sglang` (launched) or `--rollout-external` (attached)."""
 
     concurrent_update = True  # servers load weights between engine calls, each response reports its version
+    reports_top_logprobs = True  # SGLang's top_logprobs_num (a polyrl serve on the GPU engine refuses it by name)
 
     @classmethod
     def from_config(cls, cfg: Config, device: str) -> "HTTPEngine":
@@ -558,6 +559,8 @@ class HTTPEngine:
             out["image_data"] = image_data
         if p.return_routed_experts:
             out["return_routed_experts"] = True
+        if p.top_logprobs:
+            out["top_logprobs_num"] = p.top_logprobs
         return out
 
     async def _one(self, prompt: list[int], params: SamplingParams, n: int, seed: int,
@@ -799,9 +802,14 @@ class HTTPEngine:
         routes = o["meta_info"].get("routed_experts")
         if routes is not None:
             routes = decode_routed_experts(routes, len(prompt) + len(ids), *self._route_shape())
+        tops = o["meta_info"].get("output_top_logprobs")
+        if tops is not None:  # SGLang's per token [[logprob, token id, text or null], ...]
+            if len(tops) != len(ids):
+                raise ValueError(f"a /generate answer with {len(ids)} output ids carries {len(tops)} output_top_logprobs")
+            tops = [[(int(x[1]), float(x[0])) for x in pos] for pos in tops]
         return Sample(prompt_ids=list(prompt), response_ids=ids, rollout_logprobs=lps, finish_reason=finish, group_index=i,
                       response=self.tokenizer.decode(ids, skip_special_tokens=True), weight_version=int(v) if v.isdigit() else None,
-                      routed_experts=routes)
+                      routed_experts=routes, top_logprobs=tops)
 
     def _route_shape(self) -> tuple[int, int]:
         """(num_hidden_layers, experts per token) of the served model: how routed_experts reshapes."""

@@ -2,8 +2,8 @@
 answer them: request checking, chat rendering with the model's own chat template, tool-call parsing and response
 building. No HTTP here (polyrl/rollout/gateway.py serves it), no engine (a backend's `complete` generates).
 
-What the engine cannot do is refused with a 400 naming the field, never ignored: `top_logprobs` > 0 (the engine reports
-the sampled token's log-prob only), penalties and `logit_bias`, `tool_choice` "required" or a named function (no
+What the engine cannot do is refused with a 400 naming the field, never ignored: `top_logprobs` > 0 on an engine that
+reports the sampled token's log-prob only (the GPU engine), penalties and `logit_bias`, `tool_choice` "required" or a named function (no
 constrained decoding), `response_format` other than text, non-text content parts, `echo`, `suffix`, `best_of` > 1.
 Fields that change nothing the model does (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`,
 `model`: every name is served by the one model) are accepted.
@@ -80,6 +80,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # per token, this many most likely alternatives (chat's top_logprobs, completions' logprobs)
     stream: bool = False
     include_usage: bool = False
     # chat only
@@ -122,9 +123,9 @@ def parse_chat(body: dict, max_n: int) -> Request:
     mt = _get(body, "max_completion_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1")
     r.max_tokens = mt if mt is not None else _get(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1")
     r.logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
-    if _get(body, "top_logprobs", lambda v: _int(v) and 0 <= v <= 20, "an integer in [0, 20]", 0):
-        raise APIError("'top_logprobs' > 0 is not supported: the engine reports the sampled token's log-prob only "
-                       "(logprobs: true)", param="top_logprobs")
+    r.top_logprobs = _get(body, "top_logprobs", lambda v: _int(v) and 0 <= v <= 20, "an integer in [0, 20]", 0)
+    if r.top_logprobs and not r.logprobs:
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
     if fmt is not None and fmt.get("type") != "text":
         raise APIError("'response_format' other than {\"type\": \"text\"} is not supported (no constrained decoding)",
@@ -155,10 +156,7 @@ def parse_completion(body: dict, max_n: int, vocab_size: int) -> Request:
     r = _common(body, max_n)
     r.max_tokens = _get(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", COMPLETIONS_DEFAULT_MAX_TOKENS)
     lp = _get(body, "logprobs", lambda v: _int(v) and 0 <= v <= 5, "an integer in [0, 5]")
-    if lp:
-        raise APIError("'logprobs' > 0 (top alternatives) is not supported: logprobs 0 returns the sampled tokens' "
-                       "log-probs", param="logprobs")
-    r.logprobs = lp == 0
+    r.logprobs, r.top_logprobs = lp is not None, lp or 0
     for k, ok in (("echo", False), ("suffix", None), ("best_of", 1)):
         if body.get(k) not in (None, ok):
             raise APIError(f"'{k}' is not supported (only {json.dumps(ok)})", param=k)
@@ -271,6 +269,7 @@ class Completion:
     finish: str  # "stop" | "length" | "abort"
     stop_text: str | None = None  # the stop string that ended it, if one did
     weight_version: int | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, (id, log-prob) of the likeliest first
 
 
 def completion_text(tokenizer, c: Completion, eos_ids: set[int]) -> str:
@@ -308,10 +307,20 @@ def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str | None, l
     return rest.strip() or None, calls
 
 
-def _logprobs(tokenizer, c: Completion) -> dict:
+def _top(tokenizer, c: Completion, k: int) -> list[list[tuple[str, float]]]:
+    """Per token, the text and log-prob of its k likeliest alternatives ([] each when none were asked for)."""
+    if not k:
+        return [[] for _ in c.ids]
+    if c.top_logprobs is None or len(c.top_logprobs) != len(c.ids):
+        raise APIError("the engine returned no top log-probs for this completion", status=500)
+    return [[(tokenizer.decode([t]), lp) for t, lp in pos[:k]] for pos in c.top_logprobs]
+
+
+def _logprobs(tokenizer, c: Completion, k: int) -> dict:
     toks = [tokenizer.decode([t]) for t in c.ids]
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(toks, c.logprobs)]}
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top]}
+                        for t, lp, top in zip(toks, c.logprobs, _top(tokenizer, c, k))]}
 
 
 def chat_choice(tokenizer, c: Completion, index: int, req: Request, eos_ids: set[int]) -> dict:
@@ -321,7 +330,7 @@ def chat_choice(tokenizer, c: Completion, index: int, req: Request, eos_ids: set
     if calls:
         msg["tool_calls"] = calls
     finish = "tool_calls" if calls else "length" if c.finish == "length" else "stop"
-    return {"index": index, "message": msg, "logprobs": _logprobs(tokenizer, c) if req.logprobs else None,
+    return {"index": index, "message": msg, "logprobs": _logprobs(tokenizer, c, req.top_logprobs) if req.logprobs else None,
             "finish_reason": finish}
 
 
@@ -364,7 +373,8 @@ def completion_choice(tokenizer, c: Completion, index: int, req: Request, eos_id
     lp = None
     if req.logprobs:
         toks = [tokenizer.decode([t]) for t in c.ids]
-        lp = {"tokens": toks, "token_logprobs": list(c.logprobs), "top_logprobs": None, "text_offset": None}
+        top = [dict(pos) for pos in _top(tokenizer, c, req.top_logprobs)] if req.top_logprobs else None
+        lp = {"tokens": toks, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": None}
     return {"index": index, "text": completion_text(tokenizer, c, eos_ids), "logprobs": lp,
             "finish_reason": "length" if c.finish == "length" else "stop"}
 

@@ -43,6 +43,8 @@ def cut_to_budget(sample, max_new_tokens: int, max_context_len: int | None) -> b
     if len(sample.response_ids) <= n:
         return False
     sample.response_ids, sample.rollout_logprobs = sample.response_ids[:n], sample.rollout_logprobs[:n]
+    if getattr(sample, "top_logprobs", None) is not None:
+        sample.top_logprobs = sample.top_logprobs[:n]
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask[:n]
     sample.finish_reason = "length"

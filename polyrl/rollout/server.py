@@ -26,7 +26,8 @@ Deviations from SGLang (beyond features the engine lacks, which answer 400 when 
 - /get_weights_by_name also takes `"return_format": "sha256"` (the digest of the whole tensor's
   bytes in the engine's dtype) or `"base64"` (the whole tensor's raw bytes): an exact read-back
   for --check-weight-update-equal; without it, SGLang's truncated float lists;
-- meta_info has no input_token_logprobs / top logprobs; `weight_version` starts at "0";
+- meta_info has no input_token_logprobs (the output tokens' log-probs and their top alternatives only; the GPU
+  engine reports no alternatives); top_logprobs_num is at most 20; `weight_version` starts at "0";
 - /update_weights_from_disk reads *.safetensors files only (never pickled .bin checkpoints).
 """
 
@@ -75,6 +76,7 @@ WEIGHT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
 # polyrl's one sampling parameter of its own (polyrl.rollout.lengths): the response ends with EOS at this many tokens
 # (n = 1 requests). Prefixed so that it never means something else: a real SGLang refuses the unknown key outright
 STOP_LENGTH_KEY = "polyrl_stop_length"
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num's bound: the OpenAI API's, and a bounded answer per token
 # SGLang sampling parameters the engine implements, with SGLang's defaults (None = the default)
 SAMPLING_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
                      "top_k": -1, "n": 1, "sampling_seed": None, "skip_special_tokens": True, "no_stop_trim": False,
@@ -186,6 +188,7 @@ class OutSettings:
     return_logprob: bool
     return_text_in_logprobs: bool
     return_routed_experts: bool = False  # MoE: meta_info.routed_experts, SGLang's base64 of int32 [tokens - 1, layers, k]
+    top_logprobs_num: int = 0  # meta_info.output_top_logprobs: per token, the k most likely [logprob, id, text]
 
 
 @dataclass
@@ -382,8 +385,8 @@ class EngineServer:
         for k, ok in GENERATE_UNSUPPORTED.items():
             if body.get(k) not in (None, ok):
                 raise bad(f"{k!r} is not supported by polyrl serve")
-        if body.get("top_logprobs_num") not in (None, 0) or body.get("logprob_start_len") not in (None, -1):
-            raise bad("polyrl serve returns output_token_logprobs only (no top_logprobs_num, no logprob_start_len)")
+        if body.get("logprob_start_len") not in (None, -1):
+            raise bad("polyrl serve returns the output tokens' log-probs only (no logprob_start_len)")
         B = len(prompts)
         sps = body.get("sampling_params")
         if sps is None or isinstance(sps, dict):
@@ -401,6 +404,15 @@ class EngineServer:
             isinstance(x, bool) for x in v)), f"a bool or a list of {B} bools", False)
         lps = lp if isinstance(lp, list) else [lp] * B
         text_lp = _field(body, "return_text_in_logprobs", lambda v: isinstance(v, bool), "a bool", False)
+        ok_top = lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS  # noqa: E731
+        top = _field(body, "top_logprobs_num", lambda v: ok_top(v) or (isinstance(v, list) and len(v) == B and all(
+            ok_top(x) for x in v)), f"an int in [0, {MAX_TOP_LOGPROBS}] or a list of {B}", 0)
+        tops = top if isinstance(top, list) else [top] * B
+        if any(k and not want for k, want in zip(tops, lps)):
+            raise bad("'top_logprobs_num' comes with the output log-probs: send 'return_logprob' true")
+        if any(tops) and not self.engine.reports_top_logprobs:
+            raise bad("'top_logprobs_num': this server's engine reports the sampled token's log-prob only (the GPU "
+                      "engine; --no-rollout-gpu-engine reports the top alternatives)")
         routed = _field(body, "return_routed_experts", lambda v: isinstance(v, bool), "a bool", False)
         if routed and not self.engine.reports_routed_experts:
             raise bad("'return_routed_experts': the served model has no MoE router")
@@ -408,7 +420,7 @@ class EngineServer:
             raise bad("polyrl serve returns the routed experts of every token ('routed_experts_start_len' 0)")
         rids = self._rids(body.get("rid"), B, single)
         loop = asyncio.get_running_loop()
-        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed), seed, rids[i], loop.create_future(),
+        items = [Item(p, g, OutSettings(skip, trim, lps[i], text_lp, routed, tops[i]), seed, rids[i], loop.create_future(),
                       images=images[i], stop_length=stop_lens[i])
                  for i, (p, (g, (skip, trim), seed)) in enumerate(zip(prompts, settings))]
         results = await self.submit(items)
@@ -648,6 +660,7 @@ class EngineServer:
                             stop=list(g.stop), stop_token_ids=list(g.stop_token_ids), n=g.n,
                             prompt_seeds=[it.seed for it in batch],
                             return_routed_experts=any(it.out.return_routed_experts for it in batch),
+                            top_logprobs=max(it.out.top_logprobs_num for it in batch),
                             prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
                             stop_lengths=[it.stop_length for it in batch for _ in range(g.n)]
                             if any(it.stop_length for it in batch) else None)
@@ -690,6 +703,10 @@ class EngineServer:
         if o.return_logprob:
             toks = [self.tokenizer.decode([t]) for t in ids] if o.return_text_in_logprobs else [None] * len(ids)
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(s.rollout_logprobs, ids, toks)]
+        if o.return_logprob and o.top_logprobs_num:
+            k, text = o.top_logprobs_num, o.return_text_in_logprobs
+            meta["output_top_logprobs"] = [[[lp, t, self.tokenizer.decode([t]) if text else None] for t, lp in pos[:k]]
+                                           for pos in (s.top_logprobs or [])]
         if o.return_routed_experts:
             meta["routed_experts"] = encode_routed_experts(s.routed_experts)
         return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -57,6 +57,32 @@ def test_logprobs_match_a_plain_forward_at_the_sampling_temperature(tiny_model):
         torch.testing.assert_close(torch.tensor(s.rollout_logprobs), want, atol=1e-4, rtol=0)
 
 
+def test_top_logprobs_are_the_likeliest_tokens_of_the_sampling_distribution(tiny_model):
+    """Each response token's k alternatives: the k largest of a plain forward's log-softmax at the sampling temperature,
+    likeliest first, the sampled token's own log-prob among them whenever it is one of them; the tokens sampled are
+    those of a call without them. 1e-4 as above: the cached decode and the plain forward sum in other orders (fp32)."""
+    e = EmbeddedEngine(tiny_model)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    sp = SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=1)
+    plain = e.generate(prompts(e), sp)
+    out = e.generate(prompts(e), SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=1, top_logprobs=4))
+    assert [s.response_ids for s in out] == [s.response_ids for s in plain] and plain[0].top_logprobs is None
+    for s in out:
+        assert len(s.top_logprobs) == len(s.response_ids) and all(len(pos) == 4 for pos in s.top_logprobs)
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            want = torch.log_softmax(ref(ids).logits[0, len(s.prompt_ids) - 1:-1] / 0.8, -1).topk(4, -1)
+        got_lp = torch.tensor([[lp for _, lp in pos] for pos in s.top_logprobs])
+        torch.testing.assert_close(got_lp, want.values, atol=1e-4, rtol=0)
+        # the same tokens, unless two alternatives are closer than that tolerance (then their order may swap)
+        close = (want.values[:, :-1] - want.values[:, 1:]).abs().min() < 1e-4
+        assert close or [[t for t, _ in pos] for pos in s.top_logprobs] == want.indices.tolist()
+        for tok, lp, pos in zip(s.response_ids, s.rollout_logprobs, s.top_logprobs):
+            assert [a for _, a in pos] == sorted((a for _, a in pos), reverse=True)
+            if tok in dict(pos):
+                assert abs(dict(pos)[tok] - lp) < 1e-5
+
+
 def test_stop_token_ids_and_stop_strings(tiny_model):
     e = EmbeddedEngine(tiny_model)
     p = prompts(e)

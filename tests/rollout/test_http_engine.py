@@ -57,6 +57,9 @@ def same_samples(got, want) -> None:
                                                                                    w.finish_reason)
         assert g.response == w.response
         assert max(abs(a - b) for a, b in zip(g.rollout_logprobs, w.rollout_logprobs)) < LOGPROB_TOL
+        assert (g.top_logprobs is None) == (w.top_logprobs is None)
+        for gp, wp in zip(g.top_logprobs or [], w.top_logprobs or []):  # SGLang's output_top_logprobs, read back
+            assert len(gp) == len(wp) and max(abs(a[1] - b[1]) for a, b in zip(gp, wp)) < LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,8 @@ def two_servers(tiny_model, tmp_path_factory):
     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=8, n=2, seed=11),
     SamplingParams(temperature=0.0, max_new_tokens=6, n=1, seed=1),
     SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=3, stop=["1"], stop_token_ids=[5]),
-], ids=["sampled", "topk-topp", "greedy", "stops"])
+    SamplingParams(temperature=0.9, max_new_tokens=6, n=2, seed=5, top_logprobs=3),
+], ids=["sampled", "topk-topp", "greedy", "stops", "top-logprobs"])
 def test_samples_equal_the_embedded_engine(two_servers, tiny_model, sp):
     ref = EmbeddedEngine(tiny_model, dtype=torch.float32)
     ps = prompts(ref.tokenizer, 6)

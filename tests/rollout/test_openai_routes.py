@@ -91,6 +91,38 @@ def test_completions_with_text_and_token_ids(served, engine):
     assert len(a.choices[0].logprobs.token_logprobs) == a.usage.completion_tokens
 
 
+def test_top_logprobs_through_both_apis_on_the_server_and_the_gateway(served, gateway, engine):
+    """Chat's top_logprobs and completions' logprobs k: k alternatives a token, likeliest first, the sampled token's
+    log-prob equal to its own entry where it is one of them (one engine call computes both; 1e-5 covers fp32's two
+    reductions of one row); the text is that of the same call without them."""
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        for api in (served, client):
+            plain = api.chat.completions.create(model="m", messages=ASK, max_tokens=6, seed=4, temperature=0.9)
+            r = api.chat.completions.create(model="m", messages=ASK, max_tokens=6, seed=4, temperature=0.9,
+                                            logprobs=True, top_logprobs=3)
+            assert r.choices[0].message.content == plain.choices[0].message.content
+            content = r.choices[0].logprobs.content
+            assert len(content) == r.usage.completion_tokens
+            for t in content:
+                alts = [a.logprob for a in t.top_logprobs]
+                assert len(alts) == 3 and alts == sorted(alts, reverse=True)
+                assert all(a.bytes == list(a.token.encode()) for a in t.top_logprobs)
+                mine = [a.logprob for a in t.top_logprobs if a.token == t.token]
+                assert not mine or abs(mine[0] - t.logprob) < 1e-5
+            c = api.completions.create(model="m", prompt="1+2=", max_tokens=4, seed=1, logprobs=2)
+            lp = c.choices[0].logprobs
+            assert len(lp.top_logprobs) == len(lp.tokens) and all(len(d) <= 2 for d in lp.top_logprobs)
+            assert all(max(d.values()) >= lp_t - 1e-5 for d, lp_t in zip(lp.top_logprobs, lp.token_logprobs))
+        engine.reports_top_logprobs = False  # as the GPU engine: refused by name, on both
+        for api in (served, client):
+            with pytest.raises(openai.BadRequestError, match="sampled token's log-prob only"):
+                api.chat.completions.create(model="m", messages=ASK, max_tokens=2, logprobs=True, top_logprobs=1)
+    finally:
+        engine.reports_top_logprobs = True
+        client.close()
+
+
 def test_tool_calls_are_parsed_and_malformed_ones_are_text(served, engine):
     engine.script = ['let me see<tool_call>{"name": "calc", "arguments": {"e": "12+30"}}</tool_call>']
     r = served.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=80)
@@ -108,7 +140,7 @@ def test_tool_calls_are_parsed_and_malformed_ones_are_text(served, engine):
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, chat_dir):
-    for kwargs in ({"top_logprobs": 2, "logprobs": True}, {"tool_choice": "required", "tools": TOOLS},
+    for kwargs in ({"top_logprobs": 2}, {"top_logprobs": 21, "logprobs": True}, {"tool_choice": "required", "tools": TOOLS},
                    {"frequency_penalty": 0.5}, {"temperature": 3}, {"n": 0}):
         with pytest.raises(openai.BadRequestError) as e:
             served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **kwargs)

@@ -120,6 +120,32 @@ def test_single_batch_and_n_payload_shapes(srv):
     assert isinstance(text["meta_info"]["output_token_logprobs"][0][2], str)
     texts = call(srv, "/generate", {"text": ["1+2=", "3+4="], "sampling_params": sp})
     assert len(texts) == 2 and all(isinstance(o["text"], str) for o in texts)
+    # top_logprobs_num: per output token, SGLang's [[logprob, token id, text or null], ...], likeliest first; one per
+    # prompt of a batch; the same tokens as without it
+    top = call(srv, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": sp, "return_logprob": True,
+                                  "top_logprobs_num": [3, 0], "return_text_in_logprobs": True})
+    assert top[0]["output_ids"] == one["output_ids"] and "output_top_logprobs" not in top[1]["meta_info"]
+    alts = top[0]["meta_info"]["output_top_logprobs"]
+    assert len(alts) == len(one["output_ids"]) and all(len(pos) == 3 for pos in alts)
+    for pos in alts:
+        assert [lp for lp, _, _ in pos] == sorted((lp for lp, _, _ in pos), reverse=True)
+        assert all(isinstance(t, int) and isinstance(x, str) for _, t, x in pos)
+
+
+def test_an_engine_without_top_alternatives_refuses_them_by_name(tiny_model):
+    """The GPU engine reports the sampled token's log-prob only: its server answers 400 naming the field, before
+    anything is queued."""
+    eng = EmbeddedEngine(tiny_model, dtype=torch.float32)
+    eng.reports_top_logprobs = False
+    st = ServerThread(eng, ServerConfig(port=0, api_key=KEY), model_path=tiny_model, seed=0)
+    http = HTTPClient(api_key=KEY)
+    try:
+        with pytest.raises(EngineHTTPError, match="top_logprobs_num.*sampled token's log-prob only"):
+            http.call(st.url, "/generate", {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 2}, timeout=30)
+        assert http.call(st.url, "/generate", {"input_ids": [5, 6], "return_logprob": True}, timeout=30)["output_ids"]
+    finally:
+        http.close()
+        st.stop()
 
 
 @pytest.mark.parametrize("sp", [
@@ -183,6 +209,9 @@ def test_concurrent_requests_are_batched(srv, ref):
     (b'{"input_ids": [1, 2], "sampling_params": {"min_p": 0.5}}', None, 400, "not supported"),
     (b'{"input_ids": [1, 2], "stream": true}', None, 400, "not supported"),
     (b'{"input_ids": [[1, 2], [3]], "sampling_params": [{}]}', None, 400, "one per prompt"),
+    (b'{"input_ids": [1, 2], "top_logprobs_num": 2}', None, 400, "send 'return_logprob' true"),
+    (b'{"input_ids": [1, 2], "return_logprob": true, "top_logprobs_num": 21}', None, 400, "top_logprobs_num"),
+    (b'{"input_ids": [1, 2], "return_logprob": true, "logprob_start_len": 0}', None, 400, "logprob_start_len"),
     (b'{"input_ids": [1, 2]}', {"Content-Type": "text/plain"}, 415, "JSON"),
     (b'{"input_ids": [1, 2]}', {"Authorization": ""}, 401, "Unauthorized"),
     (b'{"input_ids": [1, 2]}', {"Authorization": "Bearer wrong"}, 401, "Unauthorized"),

@@ -269,6 +269,9 @@ class GPUEngine(InProcessEngine):
                                  f"[1, {self.max_len}] (the model's max positions)")
         if sp.return_routed_experts and not self.reports_routed_experts:
             raise ValueError("return_routed_experts: this model has no MoE router to report")
+        if sp.top_logprobs:
+            raise ValueError("top_logprobs: the GPU engine reports the sampled token's log-prob only (the transformers "
+                             "path, --no-rollout-gpu-engine, reports the top alternatives)")
         self._want_routes = sp.return_routed_experts
         self._sp = sp
         self._stop_ids = set(sp.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
