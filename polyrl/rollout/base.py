@@ -63,11 +63,16 @@ class GenerateWatch:
     sample as it finishes, and a stop. Engines call finished() on their own thread; after stop is set they return every
     unfinished sample at its next decode step with the tokens it has (finish reason "abort", SGLang's /abort_request)."""
 
+    streams = False  # True: the in-process engines also call token() for every token as it is sampled
+
     def __init__(self) -> None:
         self.stop = threading.Event()
 
     def finished(self, index: int, sample: Sample) -> None:
         """Sample `index` of the call (prompt index * n + sample index) finished ("stop" or "length")."""
+
+    def token(self, index: int, token_id: int) -> None:
+        """Sample `index` has this token now (its next response token; streaming clients), on the engine's thread."""
 
 
 class RolloutEngine(Protocol):

@@ -236,6 +236,7 @@ class EmbeddedEngine(InProcessEngine):
         finish = ["length"] * B
         built: dict[int, Sample] = {}  # rows handed to the watch as they finished
         eos = self.tokenizer.eos_token_id
+        streams = watch is not None and watch.streams
         # image / video pads are placeholders, never text: a sampled one would take the place of an image feature in the
         # trainer's forward (transformers scatters image features into every pad of the sequence)
         never = (torch.tensor(self.processor.placeholder_ids, device=self.device) if vision else None)
@@ -259,6 +260,8 @@ class EmbeddedEngine(InProcessEngine):
                     tok_l[j], lp_l[j], done_l[j] = eos, FORCED_LOGPROB, True  # the drawn length: EOS, nothing else changed
                 responses[r].append(tok_l[j])
                 logps[r].append(lp_l[j])
+                if streams:
+                    watch.token(offset + r, tok_l[j])
                 if done_l[j]:
                     finish[r] = "stop"
                 elif sp.stop and self._hit_stop_string(responses[r], sp.stop):

@@ -1,8 +1,8 @@
 """OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models) over an engine, and the loopback
 gateway that records agents' trajectories for training.
 
-The routes are one thin layer over a backend's `complete(prompt_ids, Call) -> [Completion]`: on `polyrl serve` the
-server's own batcher (the engine call its SGLang /generate routes make), in `polyrl train` the run's RolloutEngine
+The routes are one thin layer over a backend's `complete(prompt_ids, Call, on_token=None) -> [Completion]` (on_token:
+each token as it is sampled, for a streamed chat): on `polyrl serve` the server's own batcher (the engine call its SGLang /generate routes make), in `polyrl train` the run's RolloutEngine
 (EngineBackend: in this process, launched servers or external ones, behind the same micro-batching). Payload parsing
 and response building live in polyrl/rollout/openai_api.py; trajectory records in polyrl/rollout/trajectory.py.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from polyrl.rollout import openai_api as oa
+from polyrl.rollout.base import GenerateWatch
 from polyrl.rollout.openai_api import APIError, Completion
 from polyrl.rollout.trajectory import Trajectory
 from polyrl.types import SamplingParams
@@ -138,17 +140,62 @@ class OpenAIRoutes:
             if tid is None:
                 ids = await self._off_loop(lambda: oa.encode(self.tok, oa.render(self.tok, req.messages, req.tools,
                                                                                 generation_prompt=True)))
-                outs = await self._generate(ids, req, self._call(req, ids, None))
-                prompt_len = len(ids)
+                call, done = self._call(req, ids, None), None
             else:
-                prompt_len, outs = await self._chat_traced(tid, req)
+                ids, call, done = await self._chat_traced(tid, req)
+            if req.stream and oa.streams_tokens(req):
+                return await self._stream_chat(request, req, ids, call, done)
+            outs = await self._generate(ids, req, call)
+            if done is not None:
+                done(outs[0])
             choices = [oa.chat_choice(self.tok, c, i, req, self.eos_ids) for i, c in enumerate(outs)]
-            use = oa.usage(prompt_len, outs)
+            use = oa.usage(len(ids), outs)
         except APIError as e:
             return web.json_response(e.body(), status=e.status)
         if req.stream:
             return await self._sse(request, oa.chat_chunks(self.model, choices, use if req.include_usage else None))
         return web.json_response(oa.chat_response(self.model, choices, use))
+
+    async def _stream_chat(self, request, req: oa.Request, ids: list[int], call: Call, done):
+        """Server-sent events as the engine samples: each choice's text in deltas, held back where it might still be
+        the start of a stop string or an unfinished character, then the finish reason (and usage). The deltas add up
+        to the text a plain call returns."""
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(ids, req, call, on_token=lambda j, t: queue.put_nowait((j, t))))
+        stream = oa.ChatStream(self.tok, self.model, req, self.eos_ids, call.stop)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            for e in stream.start():
+                await self._event(resp, e)
+            while not (task.done() and queue.empty()):
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                j, t = getter.result()
+                for e in stream.token(j, t):
+                    await self._event(resp, e)
+            try:
+                outs = task.result()
+                if done is not None:
+                    done(outs[0])
+                events = stream.finish(outs, oa.usage(len(ids), outs) if req.include_usage else None)
+            except APIError as e:  # the stream has begun: the error goes as an event, as OpenAI's does
+                events = [e.body()]
+            for e in events:
+                await self._event(resp, e)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            if not task.done():  # the client went away: its completion is not waited for
+                task.cancel()
+        return resp
+
+    @staticmethod
+    async def _event(resp, e: dict) -> None:
+        await resp.write(f"data: {json.dumps(e)}\n\n".encode())
 
     async def completions(self, request):
         body = await self.read_body(request)
@@ -183,21 +230,22 @@ class OpenAIRoutes:
         return web.json_response(resp)
 
     # ---- generation ---------------------------------------------------------------------------------------
-    async def _chat_traced(self, tid: str, req: oa.Request) -> tuple[int, list[Completion]]:
+    async def _chat_traced(self, tid: str, req: oa.Request) -> tuple[list[int], Call, Callable[[Completion], None]]:
+        """A trajectory's call: its prompt ids, its sampling, and what records its completion."""
         rec = self.trajectories.get(tid)
         if req.n != 1:
             raise APIError("a trajectory records one completion per call: 'n' must be 1", param="n")
         ids, kept = await self._off_loop(rec.plan, self.tok, req.messages, req.tools, self.eot_text)
         call = self._traced_call(tid, rec, req, ids, kept)
-        outs = await self._generate(ids, req, call)
-        c = outs[0]
-        reply = oa.chat_choice(self.tok, c, 0, req, self.eos_ids)["message"]
-        norm = oa.normalize_messages([{k: v for k, v in reply.items() if k != "refusal"}])[0]
-        # a stop token id ended it (EOS, or --rollout-stop-token-ids: a base model's <|im_end|>): its text ends the turn
-        ended = c.finish == "stop" and bool(c.ids) and c.ids[-1] in self.eos_ids | set(call.stop_token_ids)
-        rec.record(ids, kept, c, messages=req.messages, tools=req.tools, reply=norm,
-                   eot=self.tok.decode([c.ids[-1]]) if ended else None)
-        return len(ids), outs
+
+        def record(c: Completion) -> None:
+            reply = oa.chat_choice(self.tok, c, 0, req, self.eos_ids)["message"]
+            norm = oa.normalize_messages([{k: v for k, v in reply.items() if k != "refusal"}])[0]
+            # a stop token id ended it (EOS, or --rollout-stop-token-ids: a base model's <|im_end|>): its text ends the turn
+            ended = c.finish == "stop" and bool(c.ids) and c.ids[-1] in self.eos_ids | set(call.stop_token_ids)
+            rec.record(ids, kept, c, messages=req.messages, tools=req.tools, reply=norm,
+                       eot=self.tok.decode([c.ids[-1]]) if ended else None)
+        return ids, call, record
 
     def _check_prompt(self, ids: list[int]) -> None:
         if self.max_len and len(ids) >= self.max_len:
@@ -229,10 +277,10 @@ class OpenAIRoutes:
                                    seed=s.seed(tid, rec.calls), stop=tuple(dict.fromkeys(call.stop + s.stop)),
                                    stop_token_ids=s.stop_token_ids)
 
-    async def _generate(self, ids: list[int], req: oa.Request, call: Call) -> list[Completion]:
+    async def _generate(self, ids: list[int], req: oa.Request, call: Call, on_token=None) -> list[Completion]:
         if call.max_new_tokens <= 0:  # the budget is spent: what the engine would answer, without asking it
             return [Completion([], [], "length") for _ in range(call.n)]
-        outs = await self.complete(ids, call)
+        outs = await (self.complete(ids, call) if on_token is None else self.complete(ids, call, on_token=on_token))
         if any(c.finish == "abort" for c in outs):
             raise APIError("the request was aborted (weight update, shutdown or deadline)", status=503)
         return outs
@@ -266,16 +314,18 @@ class EngineBackend:
         self.engine, self.window_s = engine, window_s
         self._pool = ThreadPoolExecutor(1 if not engine.concurrent_update else 16, thread_name_prefix="polyrl-gateway")
         self._lock = asyncio.Lock() if not engine.concurrent_update else None
-        self._pending: list[tuple[list[int], Call, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], Call, asyncio.Future, Callable | None]] = []
         self._task: asyncio.Task | None = None
         eos = engine.tokenizer.eos_token_id
         self._stop_ids = {eos} if eos is not None else set()
 
-    async def complete(self, ids: list[int], call: Call) -> list[Completion]:
+    async def complete(self, ids: list[int], call: Call, on_token: Callable[[int, int], None] | None = None
+                       ) -> list[Completion]:
+        """on_token(sample index, token id): called on this loop as an in-process engine samples each token."""
         if call.top_logprobs and not self.engine.reports_top_logprobs:
             raise APIError(NO_TOP_LOGPROBS, param="top_logprobs")
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((ids, call, fut))
+        self._pending.append((ids, call, fut, on_token))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
         return await fut
@@ -302,9 +352,11 @@ class EngineBackend:
                             stop=list(c.stop), stop_token_ids=list(c.stop_token_ids), n=c.n, prompt_seeds=seeds,
                             top_logprobs=c.top_logprobs)
         version = self.engine.version
+        loop = asyncio.get_running_loop()
+        kw = {"watch": _Tokens([p[3] for p in batch], c.n, loop)} if any(p[3] for p in batch) else {}
         try:
-            samples = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.engine.generate, [p[0] for p in batch], sp)
+            samples = await loop.run_in_executor(self._pool, functools.partial(
+                self.engine.generate, [p[0] for p in batch], sp, **kw))
         except Exception as e:
             log.exception("engine.generate failed for %d gateway calls", len(batch))
             for p in batch:
@@ -322,6 +374,21 @@ class EngineBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Tokens(GenerateWatch):
+    """Hands each sampled token to its call's on_token on the gateway's loop (an in-process engine calls token())."""
+
+    streams = True
+
+    def __init__(self, callbacks: list, n: int, loop) -> None:
+        super().__init__()
+        self.callbacks, self.n, self.loop = callbacks, n, loop
+
+    def token(self, index: int, token_id: int) -> None:
+        i, j = divmod(index, self.n)
+        if (cb := self.callbacks[i]) is not None:
+            self.loop.call_soon_threadsafe(cb, j, token_id)
 
 
 # ---- the loopback gateway ---------------------------------------------------------------------------------
@@ -415,7 +482,8 @@ class ServerBackend:
     def __init__(self, server):
         self.server = server
 
-    async def complete(self, ids: list[int], call: Call) -> list[Completion]:
+    async def complete(self, ids: list[int], call: Call, on_token: Callable[[int, int], None] | None = None
+                       ) -> list[Completion]:
         import uuid
 
         from polyrl.rollout.server import GenSettings, Item, OutSettings
@@ -427,7 +495,7 @@ class ServerBackend:
         seed = call.seed if call.seed is not None else s._rng.getrandbits(62)
         item = Item(list(ids), gen, OutSettings(skip_special_tokens=True, no_stop_trim=True, return_logprob=True,
                                                 return_text_in_logprobs=False, top_logprobs_num=call.top_logprobs),
-                    seed, f"oai-{uuid.uuid4().hex}", asyncio.get_running_loop().create_future())
+                    seed, f"oai-{uuid.uuid4().hex}", asyncio.get_running_loop().create_future(), on_token=on_token)
         (outs,) = await s.submit([item])
         res = []
         for o in outs:

@@ -344,16 +344,85 @@ def chat_response(model: str, choices: list[dict], use: dict) -> dict:
             "model": model, "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def chat_chunks(model: str, choices: list[dict], use: dict | None) -> list[dict]:
-    """The chat.completion.chunk events of finished choices: role, content, tool calls, finish reason (the engine
-    returns whole completions, so each choice streams in a few chunks rather than token by token)."""
+def streams_tokens(req: Request) -> bool:
+    """Whether a streamed chat call sends its text as it is sampled (ChatStream): not where tools are offered (a tool
+    call is parsed from the whole text) or log-probs asked for; those stream each choice once it is done."""
+    return req.stream and not req.tools and not req.logprobs
+
+
+def _chunker(model: str):
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(i: int, delta: dict, finish=None, lp=None) -> dict:
+    def chunk(i: int | None, delta: dict | None = None, finish=None, lp=None, use: dict | None = None) -> dict:
+        choices = [] if i is None else [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": None, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                                         "finish_reason": finish}]}
+                "system_fingerprint": None, "choices": choices, **({"usage": use} if i is None else {})}
+    return chunk
 
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may still turn into a stop string or a whole character."""
+    n = len(text) - len(text.rstrip("\ufffd"))  # a character whose bytes have not all been sampled yet
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    return n
+
+
+class ChatStream:
+    """The chat.completion.chunk events of a call streamed token by token: a role chunk per choice, content deltas as
+    tokens arrive (cut before a stop string, held back while the text's end could still begin one or ends inside a
+    character), then the rest of the final text, the finish reason and the usage. The deltas of a choice add up to the
+    content a plain call returns."""
+
+    def __init__(self, tokenizer, model: str, req: Request, eos_ids: set[int], stops: tuple[str, ...]):
+        self.tok, self.req, self.eos_ids, self.stops = tokenizer, req, eos_ids, stops
+        self.chunk = _chunker(model)
+        self.ids: list[list[int]] = [[] for _ in range(req.n)]
+        self.sent = [""] * req.n
+        self.cut = [False] * req.n  # a stop string showed up: nothing more of this choice streams
+
+    def start(self) -> list[dict]:
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)]
+
+    def token(self, j: int, token_id: int) -> list[dict]:
+        self.ids[j].append(token_id)
+        if self.cut[j]:
+            return []
+        ids = self.ids[j][:-1] if self.ids[j][-1] in self.eos_ids else self.ids[j]
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        hits = [p for p in (text.find(s) for s in self.stops) if p >= 0]
+        if hits:
+            self.cut[j], safe = True, text[:min(hits)]
+        else:
+            safe = text[:len(text) - _held_back(text, self.stops)]
+        return self._delta(j, safe)
+
+    def _delta(self, j: int, text: str) -> list[dict]:
+        if not text.startswith(self.sent[j]) or len(text) == len(self.sent[j]):
+            return []
+        delta, self.sent[j] = text[len(self.sent[j]):], text
+        return [self.chunk(j, {"content": delta})]
+
+    def finish(self, completions: list[Completion], use: dict | None) -> list[dict]:
+        out = []
+        for j, c in enumerate(completions):
+            ch = chat_choice(self.tok, c, j, self.req, self.eos_ids)
+            final = ch["message"]["content"] or ""
+            if not final.startswith(self.sent[j]):  # a prefix's decoding that the whole text's does not begin with
+                raise APIError("the streamed text and the completion's text differ; call without 'stream'", status=500)
+            out += self._delta(j, final) + [self.chunk(j, {}, ch["finish_reason"])]
+        if use is not None:
+            out.append(self.chunk(None, use=use))
+        return out
+
+
+def chat_chunks(model: str, choices: list[dict], use: dict | None) -> list[dict]:
+    """The chat.completion.chunk events of finished choices: role, content, tool calls, finish reason (a call with
+    tools or log-probs: each choice streams in a few chunks once it is done)."""
+    chunk = _chunker(model)
     out = []
     for ch in choices:
         i, msg = ch["index"], ch["message"]
@@ -364,8 +433,7 @@ def chat_chunks(model: str, choices: list[dict], use: dict | None) -> list[dict]
             out.append(chunk(i, {"tool_calls": [{"index": k, **call}]}))
         out.append(chunk(i, {}, ch["finish_reason"]))
     if use is not None:
-        out.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": None, "choices": [], "usage": use})
+        out.append(chunk(None, use=use))
     return out
 
 

@@ -203,6 +203,8 @@ class Item:
     t0: float = field(default_factory=time.perf_counter)
     images: list | None = None  # SGLang's image_data of this prompt, decoded (PIL images)
     stop_length: int = 0  # polyrl_stop_length (0: none)
+    # a streaming client's (sample index, token id) callback, called on the event loop as each token is sampled
+    on_token: Callable[[int, int], None] | None = None
     aborted: str | None = None  # /abort_request while running: the engine answers with the tokens so far, and this
 
 
@@ -246,6 +248,12 @@ class _Answerer(GenerateWatch):
         super().__init__()
         self.server, self.batch, self.n, self.version, self.loop = server, batch, n, version, loop
         self.got: dict[int, dict[int, Any]] = {}
+        self.streams = any(it.on_token is not None for it in batch)
+
+    def token(self, index: int, token_id: int) -> None:
+        i, j = divmod(index, self.n)
+        if (cb := self.batch[i].on_token) is not None:
+            self.loop.call_soon_threadsafe(cb, j, token_id)
 
     def finished(self, index: int, sample) -> None:
         i, j = divmod(index, self.n)

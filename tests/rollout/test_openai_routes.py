@@ -83,6 +83,41 @@ def test_streaming_gives_the_same_text_as_a_plain_call(served):
     assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
 
 
+def test_a_stream_arrives_token_by_token_and_adds_up_to_the_plain_answer(served, gateway, engine):
+    """Without tools or log-probs a streamed chat sends its text as the engine samples it: for each of n choices more
+    than one content delta, whose concatenation is the plain call's content (also when a stop string cuts it), then
+    its finish reason; tokens that could still begin the stop string are held back, never sent and taken back."""
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        for api in (served, client):
+            plain = api.chat.completions.create(model="m", messages=ASK, max_tokens=16, seed=9, n=2)
+            texts = [c.message.content or "" for c in plain.choices]
+            assert all(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"]) >= 4 for t in texts), texts
+            for kw, want in (({}, texts), ({"stop": [texts[0][3:5]]}, None)):
+                ref = plain if want is not None else api.chat.completions.create(model="m", messages=ASK,
+                                                                                  max_tokens=16, seed=9, n=2, **kw)
+                chunks = list(api.chat.completions.create(model="m", messages=ASK, max_tokens=16, seed=9, n=2,
+                                                          stream=True, stream_options={"include_usage": True}, **kw))
+                for i, c in enumerate(ref.choices):
+                    deltas = [ch.choices[0].delta.content for ch in chunks
+                              if ch.choices and ch.choices[0].index == i and ch.choices[0].delta.content]
+                    assert "".join(deltas) == (c.message.content or "")
+                    assert want is None or len(deltas) > 1, deltas  # token by token, not one finished text
+                    ends = [ch.choices[0].finish_reason for ch in chunks
+                            if ch.choices and ch.choices[0].index == i and ch.choices[0].finish_reason]
+                    assert ends == [c.finish_reason]
+                assert chunks[-1].usage.total_tokens == ref.usage.total_tokens
+        # in a trajectory the streamed call is recorded as a plain one is: its sampled tokens, loss-masked in
+        traced, rec = open_trajectory(gateway, "streamed")
+        chunks = list(traced.chat.completions.create(model="m", messages=ASK, max_tokens=8, stream=True,
+                                                     stream_options={"include_usage": True}))
+        (sample,) = rec.samples()
+        assert len(sample.response_ids) == chunks[-1].usage.completion_tokens and sum(sample.loss_mask) == \
+            len(sample.response_ids)
+    finally:
+        client.close()
+
+
 def test_completions_with_text_and_token_ids(served, engine):
     a = served.completions.create(model="m", prompt="1+2=", max_tokens=4, seed=1, logprobs=0)
     ids = engine.tokenizer("1+2=", add_special_tokens=False)["input_ids"]

@@ -521,6 +521,7 @@ class GPUEngine(InProcessEngine):
         """Append each live row's new token (and, for a decode step that recorded them, the routes [rows, layers, k]
         of the token it forwarded); return the sequences that finished, with why."""
         stops, stop_ids = self._sp.stop, self._stop_ids
+        streams = self._watch is not None and self._watch.streams
         done = []
         for j, (seq, t, lp) in enumerate(zip(seqs, toks, lps)):
             if seq.done:  # finished a step earlier; this was the look-ahead step's extra token
@@ -534,11 +535,15 @@ class GPUEngine(InProcessEngine):
                 reason = "stop"
                 seq.out.append(t)
                 seq.lps.append(lp)
+                if streams:
+                    self._watch.token(seq.sample, t)
                 seq.done = True
                 done.append((seq, reason))
                 continue
             seq.out.append(t)
             seq.lps.append(lp)
+            if streams:
+                self._watch.token(seq.sample, t)
             if t in stop_ids or (stops and self._hit_stop_string(seq.out, stops)):
                 reason = "stop"
             elif len(seq.out) >= seq.group.max_new:
