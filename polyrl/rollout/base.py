@@ -58,6 +58,11 @@ def wake_tags(tags: Sequence[str] | None) -> set[str]:
     return set(tags)
 
 
+# what an engine without top alternatives (the GPU engine) answers a request for them, wherever it is asked
+NO_TOP_LOGPROBS = ("top_logprobs: this engine reports the sampled token's log-prob only (the GPU engine; the "
+                   "transformers path, --no-rollout-gpu-engine, reports the top alternatives)")
+
+
 class GenerateWatch:
     """What a caller of generate() may follow and decide while it runs (--partial-rollout, streaming groups): each
     sample as it finishes, and a stop. Engines call finished() on their own thread; after stop is set they return every

@@ -28,14 +28,12 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from polyrl.rollout import openai_api as oa
-from polyrl.rollout.base import GenerateWatch
+from polyrl.rollout.base import NO_TOP_LOGPROBS, GenerateWatch
 from polyrl.rollout.openai_api import APIError, Completion
 from polyrl.rollout.trajectory import Trajectory
 from polyrl.types import SamplingParams
 
 log = logging.getLogger(__name__)
-NO_TOP_LOGPROBS = ("'top_logprobs': this engine reports the sampled token's log-prob only (the GPU engine; the "
-                   "transformers path, --no-rollout-gpu-engine, reports the top alternatives)")
 
 
 @dataclass(frozen=True)
@@ -161,21 +159,21 @@ class OpenAIRoutes:
         the start of a stop string or an unfinished character, then the finish reason (and usage). The deltas add up
         to the text a plain call returns."""
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._generate(ids, req, call, on_token=lambda j, t: queue.put_nowait((j, t))))
+
+        async def generate():
+            try:
+                return await self._generate(ids, req, call, on_token=lambda j, t: queue.put_nowait((j, t)))
+            finally:
+                queue.put_nowait(None)  # after every token: the engine's callbacks were queued on this loop first
+        task = asyncio.ensure_future(generate())
         stream = oa.ChatStream(self.tok, self.model, req, self.eos_ids, call.stop)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
             for e in stream.start():
                 await self._event(resp, e)
-            while not (task.done() and queue.empty()):
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                j, t = getter.result()
-                for e in stream.token(j, t):
+            while (item := await queue.get()) is not None:
+                for e in stream.token(*item):
                     await self._event(resp, e)
             try:
                 outs = task.result()

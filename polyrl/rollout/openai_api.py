@@ -361,8 +361,8 @@ def _chunker(model: str):
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may still turn into a stop string or a whole character."""
-    n = len(text) - len(text.rstrip("\ufffd"))  # a character whose bytes have not all been sampled yet
+    """How many characters at the end of `text` may still turn into a stop string."""
+    n = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:k]):
@@ -375,12 +375,16 @@ class ChatStream:
     """The chat.completion.chunk events of a call streamed token by token: a role chunk per choice, content deltas as
     tokens arrive (cut before a stop string, held back while the text's end could still begin one or ends inside a
     character), then the rest of the final text, the finish reason and the usage. The deltas of a choice add up to the
-    content a plain call returns."""
+    content a plain call returns. Each token decodes a window of a few tokens (the text before it, to place its leading
+    space, and the new ones), never the whole response again."""
 
     def __init__(self, tokenizer, model: str, req: Request, eos_ids: set[int], stops: tuple[str, ...]):
         self.tok, self.req, self.eos_ids, self.stops = tokenizer, req, eos_ids, stops
         self.chunk = _chunker(model)
         self.ids: list[list[int]] = [[] for _ in range(req.n)]
+        self.text = [""] * req.n  # the decoded text of ids[:read[j]]
+        self.prefix = [0] * req.n  # where the decoding window starts
+        self.read = [0] * req.n  # how many ids text holds
         self.sent = [""] * req.n
         self.cut = [False] * req.n  # a stop string showed up: nothing more of this choice streams
 
@@ -388,12 +392,21 @@ class ChatStream:
         return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)]
 
     def token(self, j: int, token_id: int) -> list[dict]:
-        self.ids[j].append(token_id)
-        if self.cut[j]:
+        ids = self.ids[j]
+        ids.append(token_id)
+        if self.cut[j] or token_id in self.eos_ids:
             return []
-        ids = self.ids[j][:-1] if self.ids[j][-1] in self.eos_ids else self.ids[j]
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        hits = [p for p in (text.find(s) for s in self.stops) if p >= 0]
+        before = self.tok.decode(ids[self.prefix[j]:self.read[j]], skip_special_tokens=True)
+        now = self.tok.decode(ids[self.prefix[j]:], skip_special_tokens=True)
+        if now.endswith("\ufffd"):  # a character whose bytes have not all been sampled yet
+            return []
+        new, start = now[len(before):], len(self.text[j])
+        self.text[j] += new
+        self.prefix[j], self.read[j] = self.read[j], len(ids)
+        text = self.text[j]
+        # a stop string ends within the new text or the longest stop before it
+        look = max(0, start - max((len(s) for s in self.stops), default=0))
+        hits = [p for p in (text.find(s, look) for s in self.stops) if p >= 0]
         if hits:
             self.cut[j], safe = True, text[:min(hits)]
         else:

@@ -54,7 +54,7 @@ import torch
 from aiohttp import web
 
 from polyrl.config import Config, ConfigError, ServerConfig
-from polyrl.rollout.base import GenerateWatch
+from polyrl.rollout.base import NO_TOP_LOGPROBS, GenerateWatch
 from polyrl.rollout.embedded import EmbeddedEngine
 from polyrl.rollout.gpu.engine import GPUEngine
 from polyrl.types import SamplingParams
@@ -419,8 +419,7 @@ class EngineServer:
         if any(k and not want for k, want in zip(tops, lps)):
             raise bad("'top_logprobs_num' comes with the output log-probs: send 'return_logprob' true")
         if any(tops) and not self.engine.reports_top_logprobs:
-            raise bad("'top_logprobs_num': this server's engine reports the sampled token's log-prob only (the GPU "
-                      "engine; --no-rollout-gpu-engine reports the top alternatives)")
+            raise bad(f"'top_logprobs_num': {NO_TOP_LOGPROBS}")
         routed = _field(body, "return_routed_experts", lambda v: isinstance(v, bool), "a bool", False)
         if routed and not self.engine.reports_routed_experts:
             raise bad("'return_routed_experts': the served model has no MoE router")

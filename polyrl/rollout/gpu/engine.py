@@ -40,7 +40,7 @@ import torch
 from transformers import AutoTokenizer
 
 from polyrl.backends.routing_replay import routes_dtype
-from polyrl.rollout.base import GenerateWatch, InProcessEngine, wake_tags
+from polyrl.rollout.base import NO_TOP_LOGPROBS, GenerateWatch, InProcessEngine, wake_tags
 from polyrl.rollout.detokenize import Detokenizer
 from polyrl.rollout.gpu import ops as ref_ops
 from polyrl.rollout.gpu.graphs import GraphSets, capture
@@ -270,8 +270,7 @@ class GPUEngine(InProcessEngine):
         if sp.return_routed_experts and not self.reports_routed_experts:
             raise ValueError("return_routed_experts: this model has no MoE router to report")
         if sp.top_logprobs:
-            raise ValueError("top_logprobs: the GPU engine reports the sampled token's log-prob only (the transformers "
-                             "path, --no-rollout-gpu-engine, reports the top alternatives)")
+            raise ValueError(NO_TOP_LOGPROBS)
         self._want_routes = sp.return_routed_experts
         self._sp = sp
         self._stop_ids = set(sp.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
