@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -111,11 +110,11 @@ def test_dynamic_sampling_trains_exactly_rollout_batch_size_groups(args, tmp_pat
 def test_two_ranks_each_fill_their_share_and_draw_alike(args, tmp_path):
     # each rank keeps --rollout-batch-size / 2 groups; a rank that is full draws (without generating) until the
     # other is full too, so both stay at the same data position; a disagreement would hang the run (timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "polyrl", *args,
-           "--custom-rm-path", f"{tmp_path / 'rm.py'}:group", "--dynamic-sampling-filter-path", FILTER,
-           "--over-sampling-batch-size", "6", "--num-rollout", "3"]
+    from ranks import run_ranks
+    argv = ["-m", "polyrl", *args, "--custom-rm-path", f"{tmp_path / 'rm.py'}:group", "--dynamic-sampling-filter-path",
+            FILTER, "--over-sampling-batch-size", "6", "--num-rollout", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = run_ranks(argv, 2, env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     groups = [json.loads(line) for line in open(tmp_path / "groups.jsonl")]

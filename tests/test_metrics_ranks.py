@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -44,23 +43,20 @@ MEANS = ("reward/mean", "reward/accuracy", "response_len/mean", "truncated_frac"
 def run(tmp_path, name: str, nproc: int, model: str, data: dict, timeout: float = 240) -> list[dict]:
     (tmp_path / "rm.py").write_text(REWARD)
     (tmp_path / "gen.py").write_text(GENERATE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "polyrl",
-           "train", "--hf-checkpoint", model, "--prompt-data", data["train"], "--eval-prompt-data", data["eval"],
-           "--eval-interval", str(STEPS), "--custom-rm-path", f"{tmp_path / 'rm.py'}:varied",
-           "--custom-generate-function-path", f"{tmp_path / 'gen.py'}:generate", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8", "--rollout-stop", "3", "--lr", "1e-3",
-           "--num-rollout", str(STEPS), "--seed", "3", "--device", "cpu", "--quiet", "--run-dir", str(tmp_path / name)]
+    from ranks import run_ranks
+    argv = ["-m", "polyrl",
+            "train", "--hf-checkpoint", model, "--prompt-data", data["train"], "--eval-prompt-data", data["eval"],
+            "--eval-interval", str(STEPS), "--custom-rm-path", f"{tmp_path / 'rm.py'}:varied",
+            "--custom-generate-function-path", f"{tmp_path / 'gen.py'}:generate", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8", "--rollout-stop", "3", "--lr", "1e-3",
+            "--num-rollout", str(STEPS), "--seed", "3", "--device", "cpu", "--quiet", "--run-dir", str(tmp_path / name)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: their own session
-        _, err = proc.communicate(timeout=30)
+        res = run_ranks(argv, nproc, env, timeout)
+    except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the {nproc}-rank polyrl train did not finish in {timeout} s (a rank waiting on a "
-                             f"collective the other never issues?): {err[-3000:]}") from None
-    assert proc.returncode == 0, err[-3000:]
+                             f"collective the other never issues?): {(e.stderr or '')[-3000:]}") from None
+    assert res.returncode == 0, res.stderr[-3000:]
     with open(tmp_path / name / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 

@@ -6,8 +6,8 @@ FSDP unit, so each rank must run the vision tower in every forward: a rank witho
 dummy image whose output joins the log-probs times zero (polyrl.multimodal.idle_vision_term). The 2-rank run's
 log-probs, loss, grad norm and every gradient equal a 1-rank run over all the samples.
 
-This file is also the worker: `python -m torch.distributed.run --nproc-per-node N tests/test_multimodal_ranks.py
-MODEL_DIR OUT.pt [--freeze]`.
+This file is also the worker, started as N gloo ranks (tests/ranks.py): `tests/test_multimodal_ranks.py MODEL_DIR
+OUT.pt [--freeze]`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -104,31 +102,26 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def _torchrun(cmd: list[str], env: dict, nproc: int, timeout: float) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started: their own session
-        _, err = proc.communicate(timeout=30)
-        raise AssertionError(f"{nproc}-rank torchrun of {os.path.basename(__file__)} did not finish in {timeout} s "
-                             f"(a rank waiting on a collective?): {err[-3000:]}") from None
-    return proc.returncode, err
-
-
-def run_ranks(model: str, out: str, nproc: int, *args: str, timeout: float = 240) -> dict:
-    """The worker under torchrun; a rank that waits on a collective the other never issues shows up as the timeout
+def run_worker_ranks(model: str, out: str, nproc: int, *args: str, timeout: float = 240) -> dict:
+    """The worker as `nproc` ranks; a rank that waits on a collective the other never issues shows up as the timeout
     (or as gloo's size-mismatch abort)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, model,
-           out, *args]
+    from ranks import run_ranks
+    argv = [__file__, model, out, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
-    rc, err = _torchrun(cmd, env, nproc, timeout)
+
+    def once():
+        try:
+            res = run_ranks(argv, nproc, env, timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"{nproc}-rank run of {os.path.basename(__file__)} did not finish in {timeout} s "
+                                 f"(a rank waiting on a collective?): {(e.stderr or '')[-3000:]}") from None
+        return res.returncode, res.stderr
+    rc, err = once()
     if rc != 0 and "terminate called without an active exception" in err:
         # gloo's teardown on a loaded 2-core machine occasionally aborts a rank at exit, after the work is done
         # (tests/backends/test_fsdp_equivalence.py); one retry tells that apart from a real failure, which repeats
-        rc, err = _torchrun(cmd, env, nproc, timeout)
+        rc, err = once()
     assert rc == 0, err[-3000:]
     return torch.load(out)
 
@@ -158,8 +151,8 @@ def test_two_ranks_with_uneven_images_equal_one_rank(tmp_path_factory, tmp_path,
     frozen, are equal."""
     model = vl_model(arch, tmp_path_factory)
     args = ("--freeze",) if freeze else ()
-    one = run_ranks(model, str(tmp_path / "one.pt"), 1, *args)
-    two = run_ranks(model, str(tmp_path / "two.pt"), 2, *args)
+    one = run_worker_ranks(model, str(tmp_path / "one.pt"), 1, *args)
+    two = run_worker_ranks(model, str(tmp_path / "two.pt"), 2, *args)
     # the case under test happened: a forward with images on one rank and none on the other
     assert any(a != b for a, b in zip(*two["has_images"])), two["has_images"]
     for a, b in zip(one["logprobs"], two["logprobs"]):

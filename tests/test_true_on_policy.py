@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 import weakref
@@ -635,10 +634,9 @@ def test_exact_on_two_ranks(args, tmp_path, extra):
         argv.remove("--rollout-shuffle")
         argv += ["--prompt-data", str(data)]
     out = tmp_path / "records"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out),
-           *argv]
+    from ranks import run_ranks
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = run_ranks([__file__, str(out), *argv], 2, env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert_exact_rows(rows(argv[argv.index("--run-dir") + 1]))
     per_rank = [torch.load(out / f"rank{k}.pt") for k in (0, 1)]

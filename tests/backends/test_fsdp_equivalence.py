@@ -1,6 +1,6 @@
 """FSDP2 backend equivalence on CPU: packing, ranks, resume, offload, micro-batching.
 
-Multi-rank cases run tests/backends/fsdp_worker.py under torchrun with gloo. Tolerances follow
+Multi-rank cases run tests/backends/fsdp_worker.py as gloo ranks (tests/ranks.py). Tolerances follow
 from the arithmetic (fp32 on CPU), not from one machine's rounding:
 - Runs that do the same arithmetic in the same order (resume on the same world size, CPU offload
   on the same ranks) agree to ~1 ulp (atol 1e-6).
@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import make_model_dir
+from ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,13 +50,12 @@ def run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
 
 
 def _run_worker(model: str, out: str, nproc: int = 1, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, model, out, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    argv, env = [WORKER, model, out, *args], {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = run_ranks(argv, nproc, env, timeout=300)
     if res.returncode != 0 and "terminate called without an active exception" in res.stderr:
         # gloo's teardown on a loaded 2-core machine occasionally aborts a rank at exit, after the
         # work is done; one retry tells that apart from a real failure, which repeats
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        res = run_ranks(argv, nproc, env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 

@@ -49,17 +49,18 @@ def polyrl(args: list[str], tmp_path, name: str, env: dict) -> tuple[subprocess.
     return res, [json.loads(line) for line in open(places)] if places.exists() else []
 
 
-def ray_node(args: list[str], temp_dir: str) -> subprocess.Popen:
+def ray_node(args: list[str], temp_dir: str, log: str) -> subprocess.Popen:
     """One `ray start --block` node on loopback with one polyrl slot (a CPU "GPU"); its own session, so that it and the
-    raylet, GCS and workers it starts are stopped together."""
-    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address",
-                             "127.0.0.1", "--num-cpus", "1", "--resources", '{"polyrl_slot": 1}',
-                             "--object-store-memory", str(100 * 2**20), "--disable-usage-stats",
-                             "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port",
-                             str(free_port()), "--runtime-env-agent-port", str(free_port()),
-                             "--metrics-export-port", str(free_port()), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
-                            start_new_session=True, cwd=temp_dir)
+    raylet, GCS and workers it starts are stopped together. Its output goes to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address",
+                                 "127.0.0.1", "--num-cpus", "1", "--resources", '{"polyrl_slot": 1}',
+                                 "--object-store-memory", str(100 * 2**20), "--disable-usage-stats",
+                                 "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port",
+                                 str(free_port()), "--runtime-env-agent-port", str(free_port()),
+                                 "--metrics-export-port", str(free_port()), *args],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
+                                start_new_session=True, cwd=temp_dir)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -76,18 +77,30 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 @pytest.fixture
 def cluster():
-    """A head and a second node on loopback; yields the head's address once the head has written it (60 s bound)."""
+    """A head and a second node on loopback; yields the head's address once the head has written it (60 s bound). The
+    ports are free when chosen but may be taken before Ray binds them (another test's Ray beside this one): a head
+    that exits is started again on fresh ports, three tries in all, and the last one's output names the cause."""
     temp = tempfile.mkdtemp(prefix="prf_")  # Ray's unix socket paths must stay short
-    port = free_port()
-    procs = [ray_node(["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", temp], temp)]
+    log = os.path.join(temp, "nodes.log")
+    procs: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(temp, "ray_current_cluster")):
-            assert procs[0].poll() is None, f"ray start --head exited with {procs[0].returncode}"
-            assert time.monotonic() < deadline, "the Ray head did not write its address within 60 s"
-            time.sleep(0.5)
+        for attempt in range(3):
+            if os.path.exists(os.path.join(temp, "ray_current_cluster")):
+                os.remove(os.path.join(temp, "ray_current_cluster"))  # a failed head's
+            port = free_port()
+            procs = [ray_node(["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", temp], temp,
+                              log)]
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(temp, "ray_current_cluster")) and procs[0].poll() is None:
+                assert time.monotonic() < deadline, "the Ray head did not write its address within 60 s"
+                time.sleep(0.5)
+            if procs[0].poll() is None:
+                break
+            with open(log, errors="replace") as f:
+                tail = f.read()[-2000:]
+            assert attempt < 2, f"ray start --head exited with {procs[0].returncode} three times; its output:\n{tail}"
         address = f"127.0.0.1:{port}"
-        procs.append(ray_node(["--address", address], temp))
+        procs.append(ray_node(["--address", address], temp, log))
         yield address
     finally:
         stop(procs)
